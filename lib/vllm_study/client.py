@@ -1,0 +1,186 @@
+"""Async streaming load generator for OpenAI-compatible /v1/completions and
+/v1/chat/completions: fixed concurrency (closed loop), per-request timings.
+
+Per request it records what DESIGN.md section 3 defines: send time, TTFT (first
+content token), every gap between content chunks (TBT/ITL), E2E, output tokens from
+the usage chunk, and an error kind. Bad endpoints raise EndpointError with a message
+that says what to fix, instead of a KeyError deep in a parser.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+import aiohttp
+
+from .workload import Request
+
+# aiohttp's default 64 KiB read buffer collapses throughput on long streams (vLLM
+# issue 39963); 4 MiB keeps the client far from being the bottleneck.
+READ_BUFSIZE = 4 * 1024 * 1024
+
+
+class EndpointError(RuntimeError):
+    """The endpoint answered in a way no measurement can use; the message says why."""
+
+
+@dataclass
+class RequestResult:
+    index: int
+    send_time: float                   # time.perf_counter() at send
+    prompt_tokens: int | None = None   # from usage
+    output_tokens: int | None = None   # from usage
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    error: str | None = None           # kind: http_401, http_5xx, connection, timeout, ...
+    error_detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def tpot_s(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1), as vLLM's benchmarks define it."""
+        if self.ok and self.output_tokens and self.output_tokens > 1:
+            return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+        return None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _classify_http(status: int, body: str) -> tuple[str, str]:
+    short = body[:300].replace("\n", " ")
+    if status == 401:
+        return "http_401", f"401 Unauthorized: the API key is wrong or missing ({short})"
+    if status == 404 and "does not exist" in body:
+        return "unknown_model", f"the server does not serve this model: {short}"
+    kind = "http_5xx" if status >= 500 else "http_4xx"
+    return kind, f"HTTP {status}: {short}"
+
+
+def _payload(req: Request, model: str, api: str) -> tuple[str, dict]:
+    body = {"model": model, "max_tokens": req.max_tokens, "stream": True,
+            "stream_options": {"include_usage": True},
+            # Fixed output length: vLLM's ignore_eos keeps sampling past EOS.
+            "ignore_eos": True, "temperature": 0.0}
+    if api == "chat":
+        return "/v1/chat/completions", {**body, "messages": req.messages}
+    return "/v1/completions", {**body, "prompt": req.prompt}
+
+
+def _content(chunk: dict, api: str) -> str:
+    choice = chunk["choices"][0]
+    if api == "chat":
+        return (choice.get("delta") or {}).get("content") or ""
+    return choice.get("text") or ""
+
+
+async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: str,
+               req: Request, headers: dict) -> RequestResult:
+    path, payload = _payload(req, model, api)
+    res = RequestResult(index=req.index, send_time=time.perf_counter())
+    last = None
+    try:
+        async with session.post(base_url + path, json=payload, headers=headers) as resp:
+            if resp.status != 200:
+                res.error, res.error_detail = _classify_http(resp.status, await resp.text())
+                return res
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                try:
+                    chunk = json.loads(data)
+                except json.JSONDecodeError:
+                    res.error, res.error_detail = "bad_response", f"not JSON: {data[:200]!r}"
+                    return res
+                if "choices" not in chunk:
+                    res.error = "bad_response"
+                    res.error_detail = f"a stream chunk without 'choices': {str(chunk)[:300]}"
+                    return res
+                now = time.perf_counter()
+                if chunk["choices"] and _content(chunk, api):
+                    if last is None:
+                        res.ttft_s = now - res.send_time
+                    else:
+                        res.itl_s.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    res.prompt_tokens = chunk["usage"].get("prompt_tokens")
+                    res.output_tokens = chunk["usage"].get("completion_tokens")
+            res.e2e_s = time.perf_counter() - res.send_time
+            if res.ttft_s is None:
+                res.error, res.error_detail = "no_tokens", "the stream ended with no content"
+    except aiohttp.ClientConnectorError as e:
+        res.error, res.error_detail = "connection", f"cannot connect to {base_url}: {e}"
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+        res.error, res.error_detail = "disconnected", f"the server dropped the stream: {e}"
+    except asyncio.TimeoutError:
+        res.error, res.error_detail = "timeout", "no complete answer within the request timeout"
+    except aiohttp.ClientError as e:
+        res.error, res.error_detail = "client", f"{type(e).__name__}: {e}"
+    return res
+
+
+def _session(timeout_s: float, concurrency: int) -> aiohttp.ClientSession:
+    # trust_env=False: proxy variables must never capture loopback targets.
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
+        connector=aiohttp.TCPConnector(limit=concurrency + 4),
+        read_bufsize=READ_BUFSIZE, trust_env=False)
+
+
+async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Request],
+                          concurrency: int, timeout_s: float = 600.0,
+                          api_key: str | None = None, on_done=None) -> list[RequestResult]:
+    """Send `requests` keeping `concurrency` in flight; results in request order."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    queue: asyncio.Queue[Request] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+    results: dict[int, RequestResult] = {}
+
+    async with _session(timeout_s, concurrency) as session:
+        async def worker():
+            while not queue.empty():
+                req = queue.get_nowait()
+                results[req.index] = await _one(session, base_url, model, api, req, headers)
+                if on_done:
+                    on_done(results[req.index])
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
+    return [results[r.index] for r in requests]
+
+
+def check_endpoint(base_url: str, model: str, api_key: str | None = None,
+                   timeout_s: float = 10.0) -> None:
+    """Fail early, with a fix, when the endpoint cannot be measured: unreachable,
+    key rejected, not an OpenAI API, or not serving `model`."""
+    async def probe():
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        async with _session(timeout_s, 1) as s:
+            try:
+                async with s.get(base_url + "/v1/models", headers=headers) as r:
+                    body = await r.text()
+                    status = r.status
+            except aiohttp.ClientConnectorError as e:
+                raise EndpointError(f"cannot connect to {base_url} ({e}); is the server "
+                                    "running, and is the URL right?") from e
+        if status != 200:
+            raise EndpointError(_classify_http(status, body)[1])
+        try:
+            served = [m["id"] for m in json.loads(body)["data"]]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise EndpointError(f"{base_url}/v1/models did not answer an OpenAI model list "
+                                f"(got {body[:200]!r}); check the base URL") from e
+        if model not in served:
+            raise EndpointError(f"model {model!r} is not served at {base_url}; "
+                                f"it serves: {', '.join(served)}")
+    asyncio.run(probe())

