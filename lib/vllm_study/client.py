@@ -9,6 +9,7 @@ that says what to fix, instead of a KeyError deep in a parser.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +52,17 @@ class RequestResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def run_sync(coro):
+    """asyncio.run() that also works inside Jupyter, whose kernel already runs a loop:
+    there the coroutine runs on a fresh loop in a worker thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
 
 
 def _classify_http(status: int, body: str) -> tuple[str, str]:
@@ -183,4 +195,4 @@ def check_endpoint(base_url: str, model: str, api_key: str | None = None,
         if model not in served:
             raise EndpointError(f"model {model!r} is not served at {base_url}; "
                                 f"it serves: {', '.join(served)}")
-    asyncio.run(probe())
+    run_sync(probe())

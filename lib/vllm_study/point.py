@@ -8,7 +8,6 @@ the sweep goes on. Finished rounds are on disk the moment they end.
 from __future__ import annotations
 
 import ast
-import asyncio
 import atexit
 import functools
 import gzip
@@ -131,7 +130,7 @@ class PointRun:
 
     def _send(self, requests) -> list[dict]:
         w = self.study.workload
-        res = asyncio.run(client.run_closed_loop(
+        res = client.run_sync(client.run_closed_loop(
             self.server.url, self.study.model.served_name, w.api, requests, w.concurrency,
             timeout_s=w.request_timeout_s))
         return [r.to_dict() for r in res]

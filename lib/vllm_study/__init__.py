@@ -1,0 +1,1 @@
+"""vllm_study: reproducible studies of vLLM serving knobs, driven by papermill notebooks."""

@@ -1,0 +1,44 @@
+"""Command line: `python -m vllm_study sweep params/default.yaml` and friends."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .params import StudyError
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m vllm_study", description=__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sw = sub.add_parser("sweep", help="run a study: every grid point, then the report")
+    sw.add_argument("params", nargs="*", help="study YAML file(s); later ones override earlier keys")
+    sw.add_argument("--results", default="results", help="where run folders go (default: results)")
+    sw.add_argument("--engine", choices=["auto", "cpu", "gpu"], default="auto")
+    sw.add_argument("--dry-run", action="store_true", help="list the points and their vLLM args; start nothing")
+    sw.add_argument("--max-minutes", type=float, help="stop cleanly between points after this long")
+    sw.add_argument("--resume", type=Path, help="a run folder to complete (finished points are skipped)")
+    sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
+    rep = sub.add_parser("report", help="re-render a run folder's summary.csv and report notebook")
+    rep.add_argument("run", type=Path)
+    args = ap.parse_args(argv)
+
+    from . import sweep as sw_mod  # papermill import is slow; keep --help fast
+    try:
+        if args.cmd == "report":
+            print(sw_mod.render_report(args.run))
+            return 0
+        if not args.params and not args.resume:
+            ap.error("give a params file (e.g. params/default.yaml) or --resume RUN_FOLDER")
+        if args.dry_run:
+            sw_mod.dry_run(args.params, args.engine)
+            return 0
+        run = sw_mod.sweep(args.params, Path(args.results), args.engine, args.resume,
+                           args.max_minutes, args.retry_failed)
+    except StudyError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .report import short_table
+    print(f"\nrun folder: {run}\n")
+    print(short_table(run).to_string())
+    return 0

@@ -1,0 +1,67 @@
+"""Read a run folder into tables for the report notebook and the sweep's last words."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from . import runfolder
+
+# Metric columns of the report's main table, with the names shown there.
+HEADLINE = {
+    "ttft_p50_ms": "TTFT P50 ms", "ttft_p90_ms": "TTFT P90 ms", "itl_p50_ms": "ITL P50 ms",
+    "itl_p90_ms": "ITL P90 ms", "tpot_p50_ms": "TPOT P50 ms", "e2e_p50_ms": "E2E P50 ms",
+    "output_throughput": "out tok/s", "request_throughput": "req/s",
+    "prefix_cache_hit_rate": "prefix hit", "engine_steps": "steps", "tokens_per_step": "tok/step",
+    "preemptions": "preempt", "kv_usage_peak": "KV peak", "gpu_mem_peak_frac": "GPU mem",
+}
+
+
+def load_manifest(run: str | Path) -> dict:
+    return json.loads((Path(run) / "manifest.json").read_text())
+
+
+def load_summary(run: str | Path) -> pd.DataFrame:
+    """summary.csv as written by the sweep (rebuilt from the point folders if absent)."""
+    f = Path(run) / "summary.csv"
+    df = pd.read_csv(f) if f.exists() else runfolder.summary_table(Path(run))
+    df["round"] = df["round"].astype(str)
+    return df
+
+
+def medians(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["round"] == "median"].reset_index(drop=True)
+
+
+def rounds(df: pd.DataFrame) -> pd.DataFrame:
+    out = df[df["round"] != "median"].copy()
+    out["round"] = out["round"].astype(int)
+    return out
+
+
+def axes(manifest: dict) -> list[str]:
+    return list(manifest["params"]["grid"])
+
+
+def headline_table(df: pd.DataFrame, manifest: dict, digits: int = 1) -> pd.DataFrame:
+    """Medians across rounds per point, rounded so re-renders compare equal."""
+    med = medians(df)
+    cols = [c for c in HEADLINE if c in med.columns and med[c].notna().any()]
+    t = med[["point", "status", "startup_s", "effective_max_num_seqs", *cols]].rename(columns=HEADLINE)
+    t = t.rename(columns={"startup_s": "start s", "effective_max_num_seqs": "max seqs"})
+    return t.set_index("point").round({c: (3 if c in ("prefix hit", "KV peak", "GPU mem") else digits)
+                                       for c in t.columns if c not in ("point", "status")})
+
+
+def failures(df: pd.DataFrame) -> pd.DataFrame:
+    med = medians(df)
+    return med.loc[med["status"] != "ok", ["point", "reason"]].set_index("point")
+
+
+def short_table(run: str | Path) -> pd.DataFrame:
+    df = load_summary(run)
+    t = headline_table(df, load_manifest(run))
+    keep = [c for c in ("status", "TTFT P90 ms", "ITL P90 ms", "TPOT P50 ms", "out tok/s", "prefix hit")
+            if c in t.columns]
+    return t[keep]

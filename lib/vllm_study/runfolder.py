@@ -1,0 +1,112 @@
+"""The results layout (DESIGN.md section 5) and what is written at run level:
+
+    results/<UTC>-<study>-<sha7>/
+      manifest.json   study.yaml   summary.csv   report.ipynb   figures/*.png
+      points/<point id>/  point.ipynb  server.log  rounds.jsonl  requests.jsonl.gz  summary.json
+"""
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata
+import json
+import platform
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import yaml
+
+from .params import Study
+
+POINTS = "points"
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_state(repo: Path) -> dict:
+    sha = _git("rev-parse", "HEAD", cwd=repo)
+    dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
+    return {"sha": sha, "dirty": bool(dirty) if dirty is not None else None}
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    from .server import vllm_distribution
+    dist = vllm_distribution()
+    return {"vllm_distribution": dist, "vllm": _version(dist) if dist else None,
+            "torch": _version("torch"), "vllm_study": _version("vllm-study"),
+            "python": platform.python_version()}
+
+
+def new_run_dir(results: Path, study: Study, repo: Path) -> Path:
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    sha = (git_state(repo)["sha"] or "nogit")[:7]
+    run = Path(results) / f"{stamp}-{study.name}-{sha}"
+    (run / POINTS).mkdir(parents=True)
+    return run
+
+
+def write_manifest(run: Path, study: Study, engine: str, gpu, points, repo: Path) -> None:
+    manifest = {
+        "study": study.name, "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_state(repo), "versions": versions(), "engine": engine, "gpu": gpu,
+        "cpu": {"machine": platform.machine(), "cores": __import__("os").cpu_count()},
+        "points": [p.id for p in points],
+        "warnings": {p.id: p.warnings for p in points if p.warnings},
+        "params": study.model_dump(mode="json"),
+    }
+    (run / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    # The exact study the points ran, as YAML: `--resume` and the notebooks read it.
+    (run / "study.yaml").write_text(yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
+
+
+def read_point(point_dir: Path) -> dict | None:
+    f = point_dir / "summary.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
+def read_rounds(point_dir: Path) -> list[dict]:
+    f = point_dir / "rounds.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+
+
+def summary_table(run: Path) -> pd.DataFrame:
+    """One row per point x round, then one 'median' row per point (status and reason
+    on every row, so a failed point with no rounds still has its line)."""
+    rows = []
+    manifest = Path(run) / "manifest.json"
+    order = json.loads(manifest.read_text())["points"] if manifest.exists() else []
+    dirs = [d for d in (Path(run) / POINTS).iterdir() if d.is_dir()]
+    # grid order (as the manifest lists the points), not the alphabetical order of ids
+    dirs.sort(key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))
+    for pdir in dirs:
+        s = read_point(pdir)
+        if s is None:
+            continue
+        base = {"point": s["point"], **s["values"], "status": s["status"], "reason": s["reason"],
+                "startup_s": s.get("startup_s"),
+                "effective_max_num_seqs": s.get("effective", {}).get("max_num_seqs")}
+        for r in read_rounds(pdir):
+            rows.append({**base, **{k: v for k, v in r.items() if k not in ("errors", "status")},
+                         "round": str(r["round"]), "round_status": r.get("status")})
+        med = {k: v for k, v in (s.get("medians") or {}).items() if "__" not in k}
+        rows.append({**base, **med, "round": "median"})
+    return pd.DataFrame(rows)
+
+
+def write_summary_csv(run: Path) -> pd.DataFrame:
+    df = summary_table(run)
+    df.to_csv(Path(run) / "summary.csv", index=False)
+    return df

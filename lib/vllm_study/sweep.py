@@ -1,0 +1,164 @@
+"""Run a study: one papermill execution of notebooks/point.ipynb per grid point, then
+the report notebook. A point that fails is recorded and the sweep goes on; a time
+budget stops cleanly between points; `resume` skips points already finished.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import papermill as pm
+from tqdm.auto import tqdm
+
+from . import runfolder
+from .counters import NvmlProbe
+from .params import Point, Study, expand, load_study
+from .point import ROUNDS, SUMMARY
+
+REPO = Path(__file__).resolve().parents[2]
+NOTEBOOKS = REPO / "notebooks"
+POINT_NB, REPORT_NB = NOTEBOOKS / "point.ipynb", NOTEBOOKS / "report.ipynb"
+
+
+def resolve_engine(engine: str) -> str:
+    if engine != "auto":
+        return engine
+    return "gpu" if NvmlProbe().available else "cpu"
+
+
+def check_parameters(notebook: Path, params: dict) -> None:
+    """papermill only warns about parameters a notebook does not declare; a typo would
+    then silently run the default. Refuse instead."""
+    declared = pm.inspect_notebook(str(notebook))
+    unknown = sorted(set(params) - set(declared))
+    if unknown:
+        raise ValueError(f"{notebook.name} has no parameter(s) {unknown}; it declares "
+                         f"{sorted(declared)}")
+
+
+def _watch_rounds(point_dir: Path, bar: tqdm, stop: threading.Event) -> None:
+    """Advance the bar as the point notebook (another process) appends rounds."""
+    seen = 0
+    f = point_dir / ROUNDS
+    while not stop.wait(1.0):
+        n = sum(1 for _ in open(f)) if f.exists() else 0
+        if n > seen:
+            bar.update(n - seen)
+            seen = n
+
+
+def _stop_leftover_server(point_dir: Path) -> None:
+    """Safety net: if the point's kernel died without stopping its server, stop the
+    process group it recorded (never anything found by name)."""
+    s = runfolder.read_point(point_dir) or {}
+    pgid = s.get("server_pgid")
+    if pgid:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = None) -> dict:
+    pdir = run / runfolder.POINTS / point.id
+    pdir.mkdir(parents=True, exist_ok=True)
+    params = {"study_file": str((run / "study.yaml").resolve()), "point_id": point.id,
+              "point_dir": str(pdir.resolve()), "engine": engine}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_rounds, args=(pdir, bar, stop), daemon=True) if bar else None
+    if watcher:
+        watcher.start()
+    try:
+        pm.execute_notebook(str(POINT_NB), str(pdir / "point.ipynb"), parameters=params,
+                            cwd=str(NOTEBOOKS), progress_bar=False, kernel_name="python3")
+    except pm.PapermillExecutionError as e:
+        # The notebook is saved with the traceback; record the error as the point's result.
+        s = runfolder.read_point(pdir) or {"point": point.id, "values": point.values}
+        if s.get("status") != "failed":
+            s.update(status="failed", reason=f"notebook error: {e.ename}: {e.evalue}"[:500])
+            (pdir / SUMMARY).write_text(__import__("json").dumps(s, indent=2, default=str))
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join()
+        _stop_leftover_server(pdir)
+    return runfolder.read_point(pdir) or {}
+
+
+def render_report(run: Path) -> Path:
+    runfolder.write_summary_csv(run)
+    out = run / "report.ipynb"
+    pm.execute_notebook(str(REPORT_NB), str(out), parameters={"run_dir": "."}, cwd=str(run),
+                        progress_bar=False, kernel_name="python3")
+    return out
+
+
+def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: Path | None = None,
+          max_minutes: float | None = None, retry_failed: bool = False) -> Path:
+    t0 = time.monotonic()
+    if resume:
+        run = Path(resume)
+        study: Study = load_study(run / "study.yaml")
+    else:
+        study = load_study(*params_files)
+    engine = resolve_engine(engine if not resume else _manifest_engine(run, engine))
+    points = expand(study, engine)  # raises StudyError before anything starts
+    check_parameters(POINT_NB, {"study_file", "point_id", "point_dir", "engine"})
+    check_parameters(REPORT_NB, {"run_dir"})
+    if not resume:
+        run = runfolder.new_run_dir(results, study, REPO)
+        nvml = NvmlProbe()
+        runfolder.write_manifest(run, study, engine, nvml.describe() or nvml.why, points, REPO)
+    todo = []
+    for p in points:
+        s = runfolder.read_point(run / runfolder.POINTS / p.id)
+        finished = s and s.get("status") in ("ok", "failed")
+        if not finished or (retry_failed and s["status"] == "failed"):
+            todo.append(p)
+    print(f"run: {run}\n{len(points)} points, {len(points) - len(todo)} already finished, "
+          f"{study.rounds} rounds each, engine {engine}")
+    for p in points:
+        for w in p.warnings:
+            print(f"  warning {p.id}: {w}")
+    stopped_for_time = False
+    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True) as bar:
+        longest = 0.0
+        for i, p in enumerate(todo):
+            elapsed = time.monotonic() - t0
+            if max_minutes and i > 0 and elapsed + longest > max_minutes * 60:
+                stopped_for_time = True
+                break
+            bar.set_description(f"point {i + 1}/{len(todo)} {p.id}")
+            ts = time.monotonic()
+            s = run_point_notebook(run, p, engine, bar)
+            longest = max(longest, time.monotonic() - ts)
+            bar.update(study.rounds * (i + 1) - bar.n)  # a failed point's rounds count as done
+            if s.get("status") == "failed":
+                tqdm.write(f"  {p.id}: FAILED: {s.get('reason')}")
+    if stopped_for_time:
+        left = len(todo) - i
+        print(f"stopped after {max_minutes} minutes with {left} point(s) left; "
+              f"continue with: python -m vllm_study sweep --resume {run}")
+    render_report(run)
+    return run
+
+
+def _manifest_engine(run: Path, requested: str) -> str:
+    import json
+    m = json.loads((run / "manifest.json").read_text())
+    return m.get("engine", requested) if requested == "auto" else requested
+
+
+def dry_run(params_files: list[str], engine: str = "auto") -> list[Point]:
+    study = load_study(*params_files)
+    engine = resolve_engine(engine)
+    points = expand(study, engine)
+    print(f"study {study.name}: {len(points)} points x {study.rounds} rounds, engine {engine}")
+    for p in points:
+        print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}\n  effective: {p.effective}")
+        for w in p.warnings:
+            print(f"  warning: {w}")
+    return points

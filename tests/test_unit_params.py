@@ -1,0 +1,398 @@
+"""Study definitions: layered YAML, validation messages, grid expansion, vLLM rules."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from vllm_study.params import (
+    DEFAULT_MAX_NUM_SEQS,
+    EngineArgs,
+    StudyError,
+    expand,
+    load_study,
+    study_from_dict,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def _study(**over) -> dict:
+    """A minimal valid study as a dict; keyword arguments replace top-level keys."""
+    base = {"name": "t", "grid": {"max_num_batched_tokens": [512]},
+            "workload": {"system_prompt_tokens": 100, "question_tokens": 8, "output_tokens": 8}}
+    base.update(over)
+    return base
+
+
+# ---------------------------------------------------------------- loading, layering
+
+def test_later_file_overrides_keys_of_earlier(tmp_path):
+    a = _write(tmp_path / "a.yaml", {
+        "name": "base", "description": "from a",
+        "grid": {"max_num_batched_tokens": [256, 512]},
+        "workload": {"concurrency": 4, "output_tokens": 16},
+        "rounds": 5,
+    })
+    b = _write(tmp_path / "b.yaml", {"name": "over", "workload": {"concurrency": 8}})
+    s = load_study(a, b)
+    assert s.name == "over"
+    assert s.workload.concurrency == 8
+    # keys b does not mention keep a's values, also inside a nested mapping
+    assert s.workload.output_tokens == 16
+    assert s.description == "from a"
+    assert s.rounds == 5
+    assert s.grid == {"max_num_batched_tokens": [256, 512]}
+
+
+def test_extends_key_reads_base_relative_to_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    _write(tmp_path / "base.yaml", {
+        "name": "base", "grid": {"max_num_batched_tokens": [256]},
+        "engine_args": {"max_model_len": 4096, "enforce_eager": True},
+        "workload": {"api": "completions", "seed": 7},
+    })
+    child = _write(tmp_path / "sub" / "child.yaml", {
+        "extends": "../base.yaml", "name": "child",
+        "engine_args": {"max_model_len": 2048},
+    })
+    s = load_study(child)
+    assert s.name == "child"
+    assert s.engine_args.max_model_len == 2048      # child wins
+    assert s.engine_args.enforce_eager is True      # inherited
+    assert s.workload.api == "completions" and s.workload.seed == 7
+    assert s.grid == {"max_num_batched_tokens": [256]}
+
+
+def test_extends_loop_is_an_error(tmp_path):
+    _write(tmp_path / "a.yaml", {"extends": "b.yaml", "name": "a"})
+    _write(tmp_path / "b.yaml", {"extends": "a.yaml", "name": "b"})
+    with pytest.raises(StudyError, match="loops back"):
+        load_study(tmp_path / "a.yaml")
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(StudyError, match="not found"):
+        load_study(tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(StudyError, match="expected a mapping"):
+        load_study(tmp_path / "list.yaml")
+    with pytest.raises(StudyError):
+        load_study()
+
+
+def test_repo_default_yaml_loads_and_expands_to_four_points():
+    s = load_study(REPO / "params" / "default.yaml")
+    points = expand(s, engine="cpu")
+    assert len(points) == 4
+    assert [p.id for p in points] == [
+        "mbt=256__kv=16MiB", "mbt=256__kv=64MiB", "mbt=1024__kv=16MiB", "mbt=1024__kv=64MiB"]
+    # the fixed engine args reach every point
+    assert all(p.engine_args.max_model_len == 4096 for p in points)
+    assert all(p.engine_args.enable_prefix_caching is True for p in points)
+
+
+# ---------------------------------------------------------------- grid expansion
+
+def test_expand_is_product_in_axis_order_last_axis_fastest():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [512, 1024, 2048],
+                                     "gpu_memory_utilization": [0.9, 0.5]}))
+    points = expand(s, engine="gpu")
+    assert [p.id for p in points] == [
+        "mbt=512__gmu=0.90", "mbt=512__gmu=0.50",
+        "mbt=1024__gmu=0.90", "mbt=1024__gmu=0.50",
+        "mbt=2048__gmu=0.90", "mbt=2048__gmu=0.50",
+    ]
+    assert [tuple(p.values.values()) for p in points] == [
+        (512, 0.9), (512, 0.5), (1024, 0.9), (1024, 0.5), (2048, 0.9), (2048, 0.5)]
+    assert points[3].engine_args.max_num_batched_tokens == 1024
+    assert points[3].engine_args.gpu_memory_utilization == 0.5
+
+
+def test_point_id_formats_bytes_and_bools():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [256],
+                                     "kv_cache_memory_bytes": [16777216, 2 * 2**30],
+                                     "enable_prefix_caching": [True, False]}))
+    ids = [p.id for p in expand(s)]
+    assert ids[0] == "mbt=256__kv=16MiB__pc=on"
+    assert ids == ["mbt=256__kv=16MiB__pc=on", "mbt=256__kv=16MiB__pc=off",
+                   "mbt=256__kv=2GiB__pc=on", "mbt=256__kv=2GiB__pc=off"]
+
+
+def test_point_id_mbt_kv():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [256],
+                                     "kv_cache_memory_bytes": [16777216]}))
+    (p,) = expand(s)
+    assert p.id == "mbt=256__kv=16MiB"
+    assert p.engine_args.kv_cache_memory_bytes == 16777216
+
+
+# ---------------------------------------------------------------- validation messages
+
+def test_unknown_key_names_key_and_suggests_close_match(tmp_path):
+    f = _write(tmp_path / "s.yaml", _study(workload={"concurency": 4}))
+    with pytest.raises(StudyError) as ei:
+        load_study(f)
+    msg = str(ei.value)
+    assert "workload.concurency" in msg
+    assert "did you mean 'concurrency'" in msg
+    assert str(f) in msg  # the source file is named
+
+
+def test_unknown_top_level_key_suggests():
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(round=3))
+    assert "round: unknown key" in str(ei.value)
+    assert "'rounds'" in str(ei.value)
+
+
+def test_every_problem_is_listed_at_once():
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(rounds="three", workload={"concurrency": "many", "outptu_tokens": 3}))
+    msg = str(ei.value)
+    assert "3 problem(s)" in msg
+    assert "rounds" in msg and "workload.concurrency" in msg and "workload.outptu_tokens" in msg
+
+
+def test_wrong_type_names_key_and_value():
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(workload={"concurrency": "lots"}))
+    msg = str(ei.value)
+    assert "workload.concurrency" in msg
+    assert "integer" in msg
+    assert "'lots'" in msg
+
+
+def test_missing_required_key():
+    with pytest.raises(StudyError, match=r"grid: required key is missing"):
+        study_from_dict({"name": "t"})
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, -0.1])
+def test_gpu_memory_utilization_out_of_range_rejected(bad):
+    with pytest.raises(StudyError, match="engine_args.gpu_memory_utilization"):
+        study_from_dict(_study(engine_args={"gpu_memory_utilization": bad}))
+
+
+def test_gpu_memory_utilization_one_accepted():
+    s = study_from_dict(_study(engine_args={"gpu_memory_utilization": 1.0}))
+    assert s.engine_args.gpu_memory_utilization == 1.0
+
+
+def test_gpu_memory_utilization_out_of_range_in_grid_rejected_at_expand():
+    s = study_from_dict(_study(grid={"gpu_memory_utilization": [0.5, 1.5]}))
+    with pytest.raises(StudyError) as ei:
+        expand(s, engine="gpu")
+    assert "gpu_memory_utilization" in str(ei.value)
+    assert "1.5" in str(ei.value)
+
+
+def test_grid_axis_not_an_engine_arg_rejected_with_suggestion():
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(grid={"max_num_batched_token": [512]}))
+    msg = str(ei.value)
+    assert "'max_num_batched_token' is not an engine argument" in msg
+    assert "did you mean 'max_num_batched_tokens'" in msg
+
+
+def test_axis_both_in_grid_and_engine_args_rejected():
+    with pytest.raises(StudyError, match="both a grid axis and fixed in engine_args"):
+        study_from_dict(_study(engine_args={"max_num_batched_tokens": 512}))
+
+
+def test_empty_or_repeated_axis_rejected():
+    with pytest.raises(StudyError, match="has no values"):
+        study_from_dict(_study(grid={"max_num_batched_tokens": []}))
+    with pytest.raises(StudyError, match="repeats a value"):
+        study_from_dict(_study(grid={"max_num_batched_tokens": [512, 512]}))
+
+
+def test_unknown_model_card_rejected_but_path_allowed():
+    with pytest.raises(StudyError, match="unknown card 'nope'"):
+        study_from_dict(_study(model={"card": "nope"}))
+    s = study_from_dict(_study(model={"card": "nope", "path": "/models/x"}))
+    assert s.model.path == "/models/x"
+
+
+# ---------------------------------------------------------------- per-point vLLM rules
+
+def test_warning_chunk_not_multiple_of_block_size():
+    # 520 = 65 * 8: multiple of neither 16 nor 128
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [520]},
+                               engine_args={"block_size": 16}))
+    (p,) = expand(s, engine="gpu")
+    assert any("not a multiple of the block size (16)" in w for w in p.warnings)
+    assert any("not a multiple of 128" in w for w in p.warnings)
+
+
+def test_warning_only_for_128_when_block_divides():
+    # 528 = 33 * 16: a multiple of the block size 16, not of 128
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [528, 512]},
+                               engine_args={"block_size": 16}))
+    p528, p512 = expand(s, engine="gpu")
+    assert not any("block size" in w for w in p528.warnings)
+    assert any("not a multiple of 128" in w for w in p528.warnings)
+    assert not any("multiple" in w for w in p512.warnings)
+
+
+def test_default_block_size_depends_on_engine():
+    # 1040 = 65 * 16: fine for the GPU default block (16), not for the CPU one (128)
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [1040]}))
+    (gpu,) = expand(s, engine="gpu")
+    (cpu,) = expand(s, engine="cpu")
+    assert gpu.effective["block_size"] == 16 and cpu.effective["block_size"] == 128
+    assert not any("block size" in w for w in gpu.warnings)
+    assert any("block size (128)" in w for w in cpu.warnings)
+
+
+def test_chunked_prefill_off_with_chunk_below_max_model_len_is_error():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [512, 4096]},
+                               engine_args={"enable_chunked_prefill": False, "max_model_len": 2048}))
+    with pytest.raises(StudyError) as ei:
+        expand(s)
+    msg = str(ei.value)
+    assert "point mbt=512" in msg
+    assert "below max_model_len=2048" in msg
+    assert "mbt=4096" not in msg  # only the offending point is listed
+
+
+def test_chunked_prefill_on_allows_small_chunk():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [512]},
+                               engine_args={"enable_chunked_prefill": True, "max_model_len": 2048}))
+    (p,) = expand(s)
+    assert p.engine_args.max_num_batched_tokens == 512
+
+
+def test_chunked_prefill_off_uses_card_max_model_len():
+    # tiny-qwen2's max_position_embeddings is 8192
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [4096]},
+                               engine_args={"enable_chunked_prefill": False}))
+    with pytest.raises(StudyError, match="below max_model_len=8192"):
+        expand(s)
+
+
+def test_explicit_max_num_seqs_above_chunk_is_error():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [256, 1024]},
+                               engine_args={"max_num_seqs": 512}))
+    with pytest.raises(StudyError) as ei:
+        expand(s)
+    msg = str(ei.value)
+    assert "max_num_seqs=512 is above max_num_batched_tokens=256" in msg
+    assert "mbt=1024" not in msg
+
+
+def test_explicit_max_num_seqs_is_effective():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [1024]},
+                               engine_args={"max_num_seqs": 64}))
+    (p,) = expand(s, engine="gpu")
+    assert p.effective["max_num_seqs"] == 64
+    assert p.warnings == []
+
+
+@pytest.mark.parametrize("engine", ["cpu", "gpu"])
+def test_effective_max_num_seqs_is_capped_by_chunk_when_unset(engine):
+    default = DEFAULT_MAX_NUM_SEQS[engine]
+    assert default == {"cpu": 128, "gpu": 1024}[engine]
+    small, large = 64, 2048  # both multiples of 128 and 16: no other warning
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [small, large]}))
+    p_small, p_large = expand(s, engine=engine)
+    assert p_small.effective["max_num_seqs"] == min(default, small) == 64
+    assert p_large.effective["max_num_seqs"] == min(default, large) == default
+    assert any("caps it at max_num_batched_tokens (64 instead of %d)" % default in w
+               for w in p_small.warnings)
+    assert not any("caps" in w for w in p_large.warnings)
+
+
+def test_effective_max_num_seqs_cap_boundary_cpu_vs_gpu():
+    # 512 caps the GPU default (1024) but not the CPU one (128)
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [512]}))
+    (cpu,) = expand(s, engine="cpu")
+    (gpu,) = expand(s, engine="gpu")
+    assert cpu.effective["max_num_seqs"] == 128 and not any("caps" in w for w in cpu.warnings)
+    assert gpu.effective["max_num_seqs"] == 512 and any("caps" in w for w in gpu.warnings)
+
+
+def test_no_chunk_axis_leaves_default_max_num_seqs():
+    s = study_from_dict(_study(grid={"gpu_memory_utilization": [0.8]}))
+    (p,) = expand(s, engine="gpu")
+    assert p.effective["max_num_seqs"] == 1024
+    assert p.id == "gmu=0.80"
+
+
+def test_workload_longer_than_max_model_len_rejected():
+    s = study_from_dict(_study(engine_args={"max_model_len": 1024},
+                               workload={"system_prompt_tokens": 1000, "question_tokens": 32,
+                                         "output_tokens": 64}))
+    with pytest.raises(StudyError) as ei:
+        expand(s)
+    msg = str(ei.value)
+    assert "max_model_len is 1024" in msg
+    assert "1128 tokens" in msg  # 1000 + 32 + 32 (template allowance) + 64
+
+
+def test_workload_that_fits_is_accepted():
+    s = study_from_dict(_study(engine_args={"max_model_len": 2048},
+                               workload={"system_prompt_tokens": 1000, "question_tokens": 32,
+                                         "output_tokens": 64}))
+    (p,) = expand(s)
+    assert p.effective["max_model_len"] == 2048
+
+
+def test_real_model_path_leaves_max_model_len_unknown():
+    s = study_from_dict(_study(model={"path": "/models/x"},
+                               engine_args={"enable_chunked_prefill": False},
+                               workload={"system_prompt_tokens": 100000}))
+    (p,) = expand(s)  # nothing to check against: no error
+    assert p.effective["max_model_len"] is None
+
+
+# ---------------------------------------------------------------- EngineArgs.cli
+
+def test_cli_flags():
+    args = EngineArgs(max_num_batched_tokens=512, gpu_memory_utilization=0.9,
+                      enable_prefix_caching=True, enable_chunked_prefill=False,
+                      enforce_eager=True, dtype="bfloat16")
+    cli = args.cli()
+    assert cli[cli.index("--max-num-batched-tokens") + 1] == "512"
+    assert cli[cli.index("--gpu-memory-utilization") + 1] == "0.9"
+    assert cli[cli.index("--dtype") + 1] == "bfloat16"
+    assert "--enable-prefix-caching" in cli
+    assert "--no-enable-chunked-prefill" in cli
+    assert "--enforce-eager" in cli
+    assert len(cli) == 9  # three flag/value pairs and three bare flags
+
+
+def test_cli_bool_off_and_unset():
+    cli = EngineArgs(enable_prefix_caching=False, enforce_eager=False).cli()
+    assert cli == ["--no-enable-prefix-caching"]  # enforce_eager False: vLLM's default, no flag
+    assert EngineArgs().cli() == []
+    assert EngineArgs(kv_cache_memory_bytes=16777216).cli() == ["--kv-cache-memory-bytes", "16777216"]
+
+
+def test_point_ids_are_unique_for_distinct_round_values():
+    s = study_from_dict(_study(grid={"gpu_memory_utilization": [0.9, 0.95],
+                                     "kv_cache_memory_bytes": [2**24, 2**26]}))
+    ids = [p.id for p in expand(s, engine="gpu")]
+    assert len(set(ids)) == len(ids) == 4
+
+
+@pytest.mark.xfail(strict=True, reason="lib bug (params.py:137-145 _fmt, 289 expand): values "
+                   "that differ below the id's precision (gmu 0.9 vs 0.901, kv 16 MiB vs 16 MiB + 1 B) "
+                   "get the same point id, so two points share one folder and the second is "
+                   "skipped as finished; remove this marker once fixed")
+@pytest.mark.parametrize("axis, values", [("gpu_memory_utilization", [0.9, 0.901]),
+                                          ("kv_cache_memory_bytes", [16777216, 16777217])])
+def test_point_ids_never_collide(axis, values):
+    s = study_from_dict(_study(grid={axis: values}))
+    try:
+        ids = [p.id for p in expand(s, engine="gpu")]
+    except StudyError as e:  # refusing such a grid is a fix too
+        assert "point id" in str(e)
+        return
+    assert len(set(ids)) == len(ids)

