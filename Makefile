@@ -8,6 +8,10 @@ STAMP  := $(VENV)/.installed
 # The pip list of environment.yml: the lines after "- pip:", without comments.
 REQS   := $(shell sed -n '/- pip:/,$$p' environment.yml | sed -e 's/\#.*//' -n -e 's/^ *- *\([^ ]\{1,\}\) *$$/\1/p' | grep -v '^pip:')
 PARAMS ?= params/default.yaml
+# nbval: the point notebook runs (lax) against the CPU engine; each committed report
+# is re-executed and its tables (cells tagged nbval-check-output) must reproduce.
+REF_REPORTS := $(shell git ls-files 'results/*/report.ipynb' 2>/dev/null)
+NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: env study test test-fast dry-run clean-env
 
@@ -29,7 +33,7 @@ dry-run: env
 	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
 
 test: env
-	$(BIN)/python -m pytest -v -rs
+	$(BIN)/python -m pytest -v -rs $(NBVAL) tests notebooks/point.ipynb $(REF_REPORTS)
 
 # Unit tests only: no vLLM server is started.
 test-fast: env

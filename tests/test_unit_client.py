@@ -179,7 +179,7 @@ def test_unknown_model_detail_quotes_the_server(stub):
     assert "The model `tiny` does not exist" in r.error_detail
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (client.py:98-124): a 200 answer that is not an "
+@pytest.mark.xfail(strict=True, reason="lib bug (client.py:101-133): a 200 answer that is not an "
                    "event stream (HTML page, plain JSON) is recorded as 'no_tokens' / 'the stream "
                    "ended with no content' instead of 'bad_response'; remove this marker once fixed")
 @pytest.mark.parametrize("mode", ["html", "json200"])
@@ -274,6 +274,16 @@ def test_check_endpoint_model_not_served_lists_served(stub):
     assert "it serves: tiny, other-model" in msg
 
 
+def test_check_endpoint_works_inside_a_running_loop(stub):
+    """As in a notebook, whose kernel already runs an event loop."""
+    async def inside():
+        check_endpoint(stub.url("good"), MODEL)
+        with pytest.raises(EndpointError, match="it serves: tiny"):
+            check_endpoint(stub.url("good"), "nope")
+        return "done"
+    assert asyncio.run(inside()) == "done"
+
+
 def test_check_endpoint_refused_connection():
     port = free_port()  # nothing listens there
     with pytest.raises(EndpointError) as ei:
@@ -308,11 +318,17 @@ def hangup_port():
 
 
 def test_closed_loop_records_dropped_connection(hangup_port):
-    (r,) = _run(f"http://127.0.0.1:{hangup_port}")
-    assert r.error == "disconnected"
+    # a peer that hangs up is a failed request, never an exception out of the loop
+    results = _run(f"http://127.0.0.1:{hangup_port}", n=3, concurrency=2)
+    assert [r.index for r in results] == [0, 1, 2]
+    for r in results:
+        # aiohttp reports the hang-up while writing (ClientOSError -> "client") or while
+        # reading (ServerDisconnectedError -> "disconnected"), depending on timing
+        assert r.error in ("disconnected", "client")
+        assert r.error_detail and r.ttft_s is None and r.e2e_s is None
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (client.py:171-177): check_endpoint lets "
+@pytest.mark.xfail(strict=True, reason="lib bug (client.py:180-187): check_endpoint lets "
                    "TimeoutError / aiohttp.ServerDisconnectedError escape instead of raising "
                    "EndpointError with a fix; remove this marker once fixed")
 @pytest.mark.parametrize("where", ["hung", "not_http"])

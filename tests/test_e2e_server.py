@@ -1,0 +1,118 @@
+"""End to end against a real vLLM (the CPU build) on loopback: a server starts,
+answers, is measured, and is stopped with nothing left running."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from vllm_study import client, counters
+from vllm_study.params import study_from_dict, expand
+from vllm_study.point import PointRun, prepare_model
+from vllm_study.server import ServerStartError, VllmServer, free_port, serve_command
+from vllm_study.workload import SharedPrefixWorkload
+
+pytestmark = pytest.mark.e2e
+
+TINY = {"name": "e2e", "model": {"card": "tiny-qwen2", "served_name": "tiny"},
+        "engine_args": {"max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True,
+                        "dtype": "bfloat16", "kv_cache_memory_bytes": 32 * 2**20},
+        "grid": {"max_num_batched_tokens": [256]},
+        "workload": {"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 16,
+                     "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
+        "rounds": 2}
+
+
+def group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    study = study_from_dict(TINY)
+    point = expand(study, "cpu")[0]
+    model, dummy = prepare_model(study)
+    port = free_port()
+    cmd = serve_command(model, port, point.engine_args.cli(), "tiny", load_dummy=dummy)
+    srv = VllmServer(cmd, port, tmp_path_factory.mktemp("srv") / "server.log", startup_timeout_s=600)
+    srv.start()
+    yield srv, study, model
+    pgid = srv.proc.pid
+    srv.stop()
+    assert group_gone(pgid), "the server's process group outlived stop()"
+
+
+def test_server_answers_and_counts_prefix_hits(server):
+    srv, study, model = server
+    from transformers import AutoTokenizer
+    w = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="chat", system_prompt_tokens=512,
+                             question_tokens=16, output_tokens=16, seed=1)
+    client.check_endpoint(srv.url, "tiny")
+    counters.reset_prefix_cache(srv.url)
+    before = counters.scrape(srv.url)
+    # one request first, so the shared prefix is cached when the others arrive
+    reqs = w.requests(5)
+    first = client.run_sync(client.run_closed_loop(srv.url, "tiny", "chat", reqs[:1], 1))
+    rest = client.run_sync(client.run_closed_loop(srv.url, "tiny", "chat", reqs[1:], 4))
+    after = counters.scrape(srv.url)
+    results = first + rest
+    assert all(r.ok for r in results), [r.error_detail for r in results]
+    for r, q in zip(results, reqs):
+        assert r.prompt_tokens == q.prompt_tokens  # the workload's exact length, as the server counts it
+        assert r.output_tokens == 16               # ignore_eos: fixed output length
+        assert len(r.itl_s) == 15 and r.ttft_s > 0 and r.tpot_s > 0
+    d = counters.round_deltas(before, after)
+    assert d["prefix_cache_queries"] == sum(q.prompt_tokens for q in reqs)
+    # 4 later requests reuse the 512-token prefix: at least 3 full 128-token blocks each
+    assert d["prefix_cache_hits"] >= 4 * 384
+    assert d["engine_steps"] > 0 and d["tokens_per_step"] > 0
+    assert counters.cache_config(after)["block_size"] == "128"
+
+
+def test_unknown_model_lists_served_models(server):
+    srv, _, _ = server
+    with pytest.raises(client.EndpointError, match="it serves: tiny"):
+        client.check_endpoint(srv.url, "no-such-model")
+    res = client.run_sync(client.run_closed_loop(
+        srv.url, "no-such-model", "completions",
+        [client.Request(0, None, "hello", 1, 4)], 1))
+    assert res[0].error == "unknown_model"
+
+
+def test_kv_cache_too_small_is_a_clear_start_failure(tmp_path):
+    """1 MiB of KV (1,024 tokens) cannot hold one 2,048-token request: vLLM refuses to
+    start, and the kit says why in one line."""
+    study = study_from_dict(TINY)
+    model, dummy = prepare_model(study)
+    args = expand(study, "cpu")[0].engine_args.model_copy(update={"kv_cache_memory_bytes": 2**20})
+    port = free_port()
+    srv = VllmServer(serve_command(model, port, args.cli(), "tiny", load_dummy=dummy), port,
+                     tmp_path / "server.log", startup_timeout_s=600)
+    with pytest.raises(ServerStartError) as e:
+        srv.start()
+    assert e.value.reason.startswith("max_model_len too large for the KV cache"), e.value.reason
+    assert group_gone(srv.proc.pid)
+
+
+def test_point_run_records_rounds_and_medians(tmp_path):
+    study = study_from_dict(TINY)
+    point = expand(study, "cpu")[0]
+    run = PointRun(study, point, tmp_path, "cpu")
+    run.launch()
+    run.warmup()
+    run.run_rounds()
+    s = run.finish()
+    assert s["status"] == "ok", s["reason"]
+    assert s["rounds_ok"] == 2 and len(run.rounds) == 2
+    ttft = sorted(r["ttft_p90_ms"] for r in run.rounds)
+    assert s["medians"]["ttft_p90_ms"] == pytest.approx(sum(ttft) / 2)  # median of two
+    assert s["effective"]["cache_config"]["kv_cache_memory_bytes"] == str(32 * 2**20)
+    assert s["effective"]["vllm_non_default_args"]["max_num_batched_tokens"] == 256
+    assert isinstance(s["gpu"], str) and "no NVIDIA GPU" in s["gpu"]  # said plainly on a CPU
+    assert (tmp_path / "requests.jsonl.gz").exists() and (tmp_path / "server.log").exists()
+    assert group_gone(s["server_pgid"])
