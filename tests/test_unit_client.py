@@ -179,9 +179,6 @@ def test_unknown_model_detail_quotes_the_server(stub):
     assert "The model `tiny` does not exist" in r.error_detail
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (client.py:101-133): a 200 answer that is not an "
-                   "event stream (HTML page, plain JSON) is recorded as 'no_tokens' / 'the stream "
-                   "ended with no content' instead of 'bad_response'; remove this marker once fixed")
 @pytest.mark.parametrize("mode", ["html", "json200"])
 def test_non_stream_200_is_bad_response(stub, mode):
     (r,) = _run(stub.url(mode))
@@ -328,9 +325,6 @@ def test_closed_loop_records_dropped_connection(hangup_port):
         assert r.error_detail and r.ttft_s is None and r.e2e_s is None
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (client.py:180-187): check_endpoint lets "
-                   "TimeoutError / aiohttp.ServerDisconnectedError escape instead of raising "
-                   "EndpointError with a fix; remove this marker once fixed")
 @pytest.mark.parametrize("where", ["hung", "not_http"])
 def test_check_endpoint_hung_or_not_http_is_endpoint_error(stub, hangup_port, where):
     url = stub.url("slow") if where == "hung" else f"http://127.0.0.1:{hangup_port}"

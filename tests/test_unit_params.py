@@ -390,10 +390,6 @@ def test_point_ids_are_unique_for_distinct_round_values():
     assert len(set(ids)) == len(ids) == 4
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (params.py:141-149 _fmt, 290 expand): values "
-                   "that differ below the id's precision (gmu 0.9 vs 0.901, kv 16 MiB vs 16 MiB + 1 B) "
-                   "get the same point id, so two points share one folder and the second is "
-                   "skipped as finished; remove this marker once fixed")
 @pytest.mark.parametrize("axis, values", [("gpu_memory_utilization", [0.9, 0.901]),
                                           ("kv_cache_memory_bytes", [16777216, 16777217])])
 def test_point_ids_never_collide(axis, values):

@@ -156,9 +156,6 @@ def test_point_medians_skip_none_rounds():
     assert m["prefix_cache_hit_rate__min"] == pytest.approx(0.5)
 
 
-@pytest.mark.xfail(strict=True, reason="lib bug (stats.py:62): a metric that is None in every "
-                   "round is an object column, so select_dtypes('number') drops it and the "
-                   "`s.empty -> None` branch never runs; remove this marker once fixed")
 def test_point_medians_metric_none_in_every_round_is_none():
     rounds = [{"round": i, "ttft_p50_ms": 10.0 * (i + 1), "gpu_util_mean": None} for i in range(3)]
     m = point_medians(rounds)

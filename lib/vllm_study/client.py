@@ -102,6 +102,11 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
             if resp.status != 200:
                 res.error, res.error_detail = _classify_http(resp.status, await resp.text())
                 return res
+            if not resp.content_type.startswith("text/event-stream"):
+                body = (await resp.text())[:200]
+                res.error = "bad_response"
+                res.error_detail = f"expected a token stream, got {resp.content_type}: {body!r}"
+                return res
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -133,7 +138,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
                 res.error, res.error_detail = "no_tokens", "the stream ended with no content"
     except aiohttp.ClientConnectorError as e:
         res.error, res.error_detail = "connection", f"cannot connect to {base_url}: {e}"
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         res.error, res.error_detail = "disconnected", f"the server dropped the stream: {e}"
     except asyncio.TimeoutError:
         res.error, res.error_detail = "timeout", "no complete answer within the request timeout"
@@ -185,6 +190,11 @@ def check_endpoint(base_url: str, model: str, api_key: str | None = None,
             except aiohttp.ClientConnectorError as e:
                 raise EndpointError(f"cannot connect to {base_url} ({e}); is the server "
                                     "running, and is the URL right?") from e
+            except asyncio.TimeoutError as e:
+                raise EndpointError(f"{base_url}/v1/models gave no answer within {timeout_s:.0f} s") from e
+            except aiohttp.ClientError as e:
+                raise EndpointError(f"{base_url} does not answer HTTP like an OpenAI server "
+                                    f"({type(e).__name__}: {e}); check the URL and port") from e
         if status != 200:
             raise EndpointError(_classify_http(status, body)[1])
         try:

@@ -30,12 +30,14 @@ def _get(url: str, timeout: float = 5) -> str:
 
 
 def parse_metrics(text: str) -> dict:
-    """{sample name: value summed over label sets} plus the labels of info metrics."""
+    """{sample name: value over label sets (counters summed, gauges their max)} plus
+    the labels of info metrics."""
     values: dict[str, float] = {}
     info: dict[str, dict] = {}
     for family in text_string_to_metric_families(text):
+        combine = max if family.type == "gauge" else (lambda a, b: a + b)
         for s in family.samples:
-            values[s.name] = values.get(s.name, 0.0) + s.value
+            values[s.name] = combine(values[s.name], s.value) if s.name in values else s.value
             if s.name.endswith("_info"):
                 info[s.name] = dict(s.labels)
     return {"values": values, "info": info}

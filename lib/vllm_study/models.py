@@ -29,7 +29,11 @@ _QWEN2_COMMON = {
     "eos_token_id": 151645,
     "torch_dtype": "bfloat16",
     "max_position_embeddings": 32768,
+    # as in the Qwen2.5 configs; without it transformers >= 5 warns, wrongly, that the
+    # tokenizer has Mistral's broken regex
+    "transformers_version": "4.43.1",
 }
+FOLDER_FORMAT = "2"  # bump when what build_model_dir writes changes: old folders are rebuilt
 
 CARDS: dict[str, dict] = {
     "tiny-qwen2": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
@@ -109,7 +113,7 @@ def build_model_dir(card: str, dest: Path) -> Path:
     dest (reused when already complete: building the tokenizer takes seconds)."""
     dest = Path(dest)
     marker = dest / ".complete"
-    if marker.exists():
+    if marker.exists() and marker.read_text() == f"{card} {FOLDER_FORMAT}":
         return dest
     cfg = card_config(card)
     dest.mkdir(parents=True, exist_ok=True)
@@ -119,5 +123,5 @@ def build_model_dir(card: str, dest: Path) -> Path:
     tok = _fast_tokenizer(cfg["vocab_size"])
     tok.save_pretrained(dest)
     assert len(tok) == cfg["vocab_size"], (len(tok), cfg["vocab_size"])
-    marker.write_text(card)
+    marker.write_text(f"{card} {FOLDER_FORMAT}")
     return dest

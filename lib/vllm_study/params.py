@@ -134,7 +134,9 @@ AXIS_ABBREV = {
 
 # vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
 # and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
-DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}   # gpu: >= 70 GiB cards (H100/H200)
+# gpu: cards of 70 GiB and more but A100s (H100, H200); smaller cards and A100s get 256.
+# cpu: 128 per tensor-parallel rank.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
 
 
@@ -162,10 +164,13 @@ def _did_you_mean(key: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _deep_merge(base: dict, over: dict) -> dict:
+def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
+    """Later keys win, mappings merge key by key; except that a later `grid` replaces
+    the earlier one whole (a study that names a grid means that grid, not a union)."""
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and not (top and k == "grid")
+        out[k] = _deep_merge(out[k], v, top=False) if merge else v
     return out
 
 
@@ -199,6 +204,8 @@ def _explain(err: ValidationError, source: str) -> str:
                          f"allowed here: {', '.join(options)}")
         elif e["type"] == "missing":
             lines.append(f"  {loc}: required key is missing")
+        elif not e["loc"]:  # a check across keys: its message says it all
+            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
     return f"{source}: {len(lines)} problem(s) in the study definition:\n" + "\n".join(lines)
@@ -255,7 +262,8 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
             errors.append(f"max_num_seqs={mns} is above max_num_batched_tokens={mbt}; vLLM "
                           "rejects this at startup. Lower max_num_seqs or raise the chunk size")
     if mns is None:
-        default = DEFAULT_MAX_NUM_SEQS[engine]
+        ranks = (args.tensor_parallel_size or 1) if engine == "cpu" else 1
+        default = DEFAULT_MAX_NUM_SEQS[engine] * ranks
         # vLLM caps an unset max_num_seqs at the chunk size: small chunks also cap concurrency.
         effective["max_num_seqs"] = min(default, mbt) if mbt else default
         if mbt is not None and mbt < default:
@@ -288,6 +296,11 @@ def expand(study: Study, engine: str = "cpu") -> list[Point]:
         mml = args.max_model_len or (card_config(study.model.card)["max_position_embeddings"]
                                      if study.model.path is None else None)
         pid = "__".join(f"{AXIS_ABBREV.get(a, a)}={_fmt(a, v)}" for a, v in values.items())
+        twin = next((p for p in points if p.id == pid), None)
+        if twin:  # two points in one folder: the second would be skipped as finished
+            problems.append(f"  points {twin.values} and {values} both get the point id {pid}; "
+                            "make the values differ at the precision ids show")
+            continue
         effective, warns, errs = _check_point(study, args, engine, mml)
         problems += [f"  point {pid}: {e}" for e in errs]
         points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import importlib.metadata
 import json
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from . import __version__
 from .params import Study
 
 POINTS = "points"
@@ -31,8 +33,12 @@ def _git(*args: str, cwd: Path) -> str | None:
 
 def git_state(repo: Path) -> dict:
     sha = _git("rev-parse", "HEAD", cwd=repo)
+    if sha is None and os.environ.get("VLLM_STUDY_GIT_SHA"):
+        # A copy of the checkout without its history (a lent GPU machine): the caller
+        # says which commit it is.
+        return {"sha": os.environ["VLLM_STUDY_GIT_SHA"], "dirty": None, "source": "VLLM_STUDY_GIT_SHA"}
     dirty = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
-    return {"sha": sha, "dirty": bool(dirty) if dirty is not None else None}
+    return {"sha": sha, "dirty": bool(dirty) if dirty is not None and sha else None}
 
 
 def _version(dist: str) -> str | None:
@@ -46,7 +52,7 @@ def versions() -> dict:
     from .server import vllm_distribution
     dist = vllm_distribution()
     return {"vllm_distribution": dist, "vllm": _version(dist) if dist else None,
-            "torch": _version("torch"), "vllm_study": _version("vllm-study"),
+            "torch": _version("torch"), "vllm_study": __version__,
             "python": platform.python_version()}
 
 
@@ -62,7 +68,7 @@ def write_manifest(run: Path, study: Study, engine: str, gpu, points, repo: Path
     manifest = {
         "study": study.name, "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git": git_state(repo), "versions": versions(), "engine": engine, "gpu": gpu,
-        "cpu": {"machine": platform.machine(), "cores": __import__("os").cpu_count()},
+        "cpu": {"machine": platform.machine(), "cores": os.cpu_count()},
         "points": [p.id for p in points],
         "warnings": {p.id: p.warnings for p in points if p.warnings},
         "params": study.model_dump(mode="json"),

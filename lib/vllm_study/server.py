@@ -78,11 +78,13 @@ _FAILURES = [
 
 
 def failure_reason(log_text: str) -> str:
+    # the first line is the kit's own record of the command, not the server's output
+    log_text = "\n".join(ln for ln in log_text.splitlines() if not ln.startswith("# "))
     for pattern, reason in _FAILURES:
         m = re.search(pattern, log_text)
         if m:
             line = next((ln for ln in log_text.splitlines() if m.group(0) in ln), m.group(0))
-            return f"{reason} | {line.strip()[-300:]}"
+            return f"{reason} | {line.strip()[-600:]}"
     errs = [ln for ln in log_text.splitlines() if re.search(r"(Error|Exception)\b", ln)]
     tail = errs[-1] if errs else next((ln for ln in reversed(log_text.splitlines()) if ln.strip()), "")
     return f"server exited | {tail.strip()[-300:]}" if tail else "server exited with an empty log"
@@ -115,9 +117,13 @@ class VllmServer:
         log.write("# " + " ".join(self.cmd) + "\n")
         log.flush()
         t0 = time.perf_counter()
-        self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
-        log.close()
+        try:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except OSError as e:
+            raise ServerStartError(f"cannot run {self.cmd[0]}: {e}", self.log_path) from e
+        finally:
+            log.close()
         try:
             while True:
                 if self.proc.poll() is not None:

@@ -59,7 +59,9 @@ def round_stats(results: list[dict], duration_s: float, slo_ttft_ms: float | Non
 
 def point_medians(rounds: list[dict]) -> dict:
     """Median of every numeric metric across rounds, with min and max beside it."""
-    df = pd.DataFrame(rounds).drop(columns=["round"], errors="ignore").select_dtypes("number")
+    df = pd.DataFrame(rounds).drop(columns=["round"], errors="ignore")
+    # all-None columns (GPU fields on a CPU) stay, as None: absent, not forgotten
+    df = df[[c for c in df if df[c].isna().all() or pd.api.types.is_numeric_dtype(df[c])]]
     out = {}
     for col in df.columns:
         s = df[col].dropna()
