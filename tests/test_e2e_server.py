@@ -116,3 +116,103 @@ def test_point_run_records_rounds_and_medians(tmp_path):
     assert isinstance(s["gpu"], str) and "no NVIDIA GPU" in s["gpu"]  # said plainly on a CPU
     assert (tmp_path / "requests.jsonl.gz").exists() and (tmp_path / "server.log").exists()
     assert group_gone(s["server_pgid"])
+
+
+def test_server_dying_mid_round_keeps_finished_rounds(tmp_path):
+    """Round 0 completes; the server is killed during round 1: that round is recorded
+    as failed, round 0 stays, the point is failed with the reason, nothing runs on."""
+    import signal
+    import threading
+
+    study = study_from_dict({**TINY, "rounds": 3,
+                             "workload": {**TINY["workload"], "requests_per_round": 48, "output_tokens": 64}})
+    run = PointRun(study, expand(study, "cpu")[0], tmp_path, "cpu")
+    run.launch()
+    assert not run.failed, run.summary["reason"]
+    run.run_round(0)
+    killer = threading.Timer(1.0, lambda: os.killpg(run.server.proc.pid, signal.SIGKILL))
+    killer.start()
+    run.run_round(1)
+    killer.join()
+    run.run_round(2)  # a no-op once the point has failed
+    s = run.finish()
+    assert [r["status"] for r in run.rounds] == ["ok", "failed"]
+    assert run.rounds[1]["failed"] > 0
+    assert s["status"] == "failed" and s["reason"].startswith("server died during round 1")
+    assert s["rounds_ok"] == 1 and s["medians"]["ttft_p90_ms"] == run.rounds[0]["ttft_p90_ms"]
+    lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
+    assert len(lines) == 2  # both rounds on disk
+
+
+def _gateway(upstream: str, key: str, delay_s: float):
+    """A small reverse proxy on loopback: checks a bearer key, waits delay_s, then
+    streams the upstream vLLM answer through, as an API gateway would."""
+    import asyncio
+    import threading
+
+    from aiohttp import ClientSession, web
+
+    async def forward(request: web.Request):
+        if request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "bad key"}, status=401)
+        await asyncio.sleep(delay_s)
+        async with ClientSession(trust_env=False) as s:
+            async with s.request(request.method, upstream + request.path_qs, data=await request.read(),
+                                 headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as up:
+                resp = web.StreamResponse(status=up.status, headers={"Content-Type": up.headers["Content-Type"]})
+                await resp.prepare(request)
+                async for chunk in up.content.iter_any():
+                    await resp.write(chunk)
+                await resp.write_eof()
+                return resp
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", forward)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    port = free_port()
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def close():
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+    return f"http://127.0.0.1:{port}", close
+
+
+def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypatch):
+    """Two targets, the vLLM port directly and the same server behind a gateway that
+    adds 50 ms and wants a key: both measured; the gateway's TTFT is higher by about
+    its delay; the key is read from the variable the params name and never written."""
+    srv, _, _ = server
+    secret = "s3cret-key-for-test"
+    monkeypatch.setenv("GATEWAY_KEY", secret)
+    gw_url, close = _gateway(srv.url, secret, delay_s=0.05)
+    try:
+        study = study_from_dict({
+            **{k: v for k, v in TINY.items() if k not in ("grid", "engine_args")},
+            "targets": [{"name": "direct", "base_url": srv.url + "/v1/", "model": "tiny"},
+                        {"name": "gateway", "base_url": gw_url, "model": "tiny", "api_key_env": "GATEWAY_KEY"},
+                        {"name": "nokey", "base_url": gw_url, "model": "tiny"}],
+            "rounds": 1})
+        summaries = {}
+        for p in expand(study, "cpu"):
+            run = PointRun(study, p, tmp_path / p.id, "cpu")
+            run.launch()
+            run.warmup()
+            run.run_rounds()
+            summaries[p.target.name] = run.finish()
+    finally:
+        close()
+    direct, gateway, nokey = summaries["direct"], summaries["gateway"], summaries["nokey"]
+    assert direct["status"] == "ok" and direct["target"]["base_url"] == srv.url  # /v1/ normalized away
+    assert gateway["status"] == "ok", gateway["reason"]
+    assert nokey["status"] == "failed" and "401" in nokey["reason"]
+    added = gateway["medians"]["ttft_p50_ms"] - direct["medians"]["ttft_p50_ms"]
+    assert added > 40, added  # the gateway's 50 ms shows up in TTFT
+    for f in tmp_path.rglob("*"):
+        if f.is_file() and f.suffix != ".gz":
+            assert secret not in f.read_text(errors="replace"), f

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,3 +87,52 @@ def test_budget_resume_failure_and_report(tmp_path):
         if s.get("server_pgid"):
             with pytest.raises(ProcessLookupError):
                 os.killpg(s["server_pgid"], 0)
+
+
+@pytest.mark.e2e
+def test_sigterm_stops_everything_and_resume_completes(tmp_path):
+    """SIGTERM while the second point's server starts: the sweep exits 130, every
+    process it started (papermill kernel, vLLM and its engine) is gone, the finished
+    point is kept, and --resume runs only the rest."""
+    import time
+
+    import psutil
+
+    study = {**STUDY, "grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1,
+             "engine_args": {**STUDY["engine_args"], "kv_cache_memory_bytes": 33554432}}
+    params = tmp_path / "study.yaml"
+    params.write_text(yaml.safe_dump(study))
+    results = tmp_path / "results"
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(params), "--results", str(results)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        second = None
+        while time.monotonic() < deadline:
+            runs = list(results.glob("*/points/mbt=512"))
+            if runs and (runs[0] / "server.pgid").exists():
+                second = runs[0]
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.5)
+        assert second is not None, "the second point's server never started"
+        started = psutil.Process(proc.pid).children(recursive=True)
+        assert any("vllm" in " ".join(p.cmdline()) for p in started)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out[-2000:]
+    assert "interrupted: finished points are kept" in out
+    _, alive = psutil.wait_procs(started, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    run = second.parent.parent
+    first = json.loads((run / "points" / "mbt=256" / "summary.json").read_text())
+    assert first["status"] == "ok"
+    assert json.loads((second / "summary.json").read_text())["status"] == "running"
+
+    again = sweep("--resume", run)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "1 already finished" in again.stdout
+    assert json.loads((second / "summary.json").read_text())["status"] == "ok"

@@ -178,8 +178,30 @@ def test_wrong_type_names_key_and_value():
 
 
 def test_missing_required_key():
-    with pytest.raises(StudyError, match=r"grid: required key is missing"):
+    with pytest.raises(StudyError, match=r"name: required key is missing"):
+        study_from_dict({"grid": {"max_num_batched_tokens": [256]}})
+
+
+def test_grid_or_targets_exactly_one():
+    with pytest.raises(StudyError, match=r"give either `grid`.*or `targets`"):
         study_from_dict({"name": "t"})
+    with pytest.raises(StudyError, match=r"not both"):
+        study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [256]},
+                         "targets": [{"name": "a", "base_url": "http://127.0.0.1:1", "model": "m"}]})
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:8000", "http://127.0.0.1:8000/",
+                                 "http://127.0.0.1:8000/v1", "http://127.0.0.1:8000/v1/"])
+def test_target_base_url_is_normalized(url):
+    s = study_from_dict({"name": "t", "targets": [{"name": "a", "base_url": url, "model": "m",
+                                                   "api_key_env": "KEY"}]})
+    (p,) = expand(s, "cpu")
+    assert p.id == "target=a" and p.target.base_url == "http://127.0.0.1:8000"
+
+
+def test_target_base_url_needs_a_scheme():
+    with pytest.raises(StudyError, match="must start with http"):
+        study_from_dict({"name": "t", "targets": [{"name": "a", "base_url": "127.0.0.1:8000", "model": "m"}]})
 
 
 @pytest.mark.parametrize("bad", [0, 1.5, -0.1])

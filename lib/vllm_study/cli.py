@@ -21,7 +21,22 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv and report notebook")
     rep.add_argument("run", type=Path)
+    doc = sub.add_parser("doctor", help="check GPU, vLLM, port, proxies, model, disk; print fixes")
+    doc.add_argument("params", nargs="*", help="a study file, to check its model and tokenizer too")
+    doc.add_argument("--port", type=int, default=8000)
+    doc.add_argument("--results", type=Path, default=Path("results"))
     args = ap.parse_args(argv)
+
+    if args.cmd == "doctor":
+        from . import doctor
+        try:
+            findings = doctor.run(args.params, args.port, args.results)
+        except StudyError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for f in findings:
+            print(f)
+        return 1 if any(f.status == doctor.FAIL for f in findings) else 0
 
     from . import sweep as sw_mod  # papermill import is slow; keep --help fast
     try:
@@ -38,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     except StudyError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
     from .report import short_table
     print(f"\nrun folder: {run}\n")
     print(short_table(run).to_string())

@@ -111,7 +111,7 @@ class RoundSampler:
     """Samples KV usage from /metrics and GPU counters every `period_s` while a round
     runs. Use as a context manager; read `.result()` afterwards."""
 
-    def __init__(self, base_url: str, nvml: NvmlProbe, period_s: float = 0.5):
+    def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = 0.5):
         self.base_url, self.nvml, self.period_s = base_url, nvml, period_s
         self.kv, self.gpu, self.scrape_errors = [], [], 0
         self._stop = threading.Event()
@@ -120,7 +120,7 @@ class RoundSampler:
     def _run(self):
         while not self._stop.is_set():
             try:
-                v = scrape(self.base_url)["values"].get("vllm:kv_cache_usage_perc")
+                v = scrape(self.base_url)["values"].get("vllm:kv_cache_usage_perc") if self.base_url else None
                 if v is not None:
                     self.kv.append(v)
             except OSError:

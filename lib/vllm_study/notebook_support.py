@@ -120,6 +120,12 @@ def headline_table(df, manifest) -> pd.DataFrame:
     return report.headline_table(df, manifest)
 
 
+def target_comparison(df, manifest) -> pd.DataFrame | None:
+    """Endpoint studies: each target's medians and what it adds over the first target
+    (e.g. the same vLLM behind a gateway vs its port directly)."""
+    return report.target_comparison(df, manifest)
+
+
 def failures(df) -> pd.DataFrame:
     f = report.failures(df)
     return f if len(f) else pd.DataFrame({"reason": ["(none: every point completed)"]}, index=["-"])
@@ -135,7 +141,7 @@ HEATMAPS = {
 
 
 def _xy(manifest):
-    axes = report.axes(manifest)
+    axes = report.axes(manifest) or [None]
     return axes[0], (axes[1] if len(axes) > 1 else None)
 
 
@@ -149,7 +155,7 @@ def draw_heatmaps(run, df, manifest) -> None:
     x, y = _xy(manifest)
     med = report.medians(df)
     if y is None:  # a one-axis study has no heatmap; its trend lines say it all
-        print("one grid axis: see the trend lines below")
+        print("no second grid axis: no heatmap" + ("; see the trend lines below" if x else ""))
         return
     plots.heatmap_grid(med, HEATMAPS, x, y, out=_figdir(run) / "heatmaps.png")
     plt.show()
@@ -157,6 +163,9 @@ def draw_heatmaps(run, df, manifest) -> None:
 
 def draw_trends(run, df, manifest) -> None:
     x, y = _xy(manifest)
+    if x is None:
+        print("an endpoint study has no grid axis: see the target comparison above")
+        return
     plots.trend_vs_axis(report.medians(df), {"ttft_p90_ms": "TTFT P90 (ms)", "itl_p90_ms": "ITL P90 (ms)",
                                              "output_throughput": "output tokens/s"},
                         x, y, out=_figdir(run) / "trends.png")

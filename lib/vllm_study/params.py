@@ -91,6 +91,31 @@ class Server(_Strict):
     extra_cli_args: list[str] = []
 
 
+def normalize_base_url(url: str) -> str:
+    """'http://h:8000', 'http://h:8000/', 'http://h:8000/v1/' -> 'http://h:8000'
+    (the client adds /v1/... itself)."""
+    u = url.strip().rstrip("/")
+    if u.endswith("/v1"):
+        u = u[:-3]
+    if not u.startswith(("http://", "https://")):
+        raise ValueError(f"base_url {url!r} must start with http:// or https://")
+    return u
+
+
+class Target(_Strict):
+    """An OpenAI-compatible endpoint the kit measures but does not launch."""
+    name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
+    base_url: str
+    model: str
+    api_key_env: str | None = Field(None, description="name of the environment variable "
+                                    "holding the API key (the key itself is never written)")
+
+    @model_validator(mode="after")
+    def _normalize(self):
+        self.base_url = normalize_base_url(self.base_url)
+        return self
+
+
 class SLO(_Strict):
     ttft_ms: float | None = Field(None, gt=0)
     tpot_ms: float | None = Field(None, gt=0)
@@ -101,7 +126,8 @@ class Study(_Strict):
     description: str = ""
     model: ModelSpec = ModelSpec()
     engine_args: EngineArgs = EngineArgs()
-    grid: dict[str, list[Any]]
+    grid: dict[str, list[Any]] = {}
+    targets: list[Target] = []  # instead of a grid: measure running endpoints
     workload: Workload = Workload()
     rounds: int = Field(3, ge=1)
     server: Server = Server()
@@ -109,6 +135,12 @@ class Study(_Strict):
 
     @model_validator(mode="after")
     def _grid_axes(self):
+        if bool(self.grid) == bool(self.targets):
+            raise ValueError("give either `grid` (the kit launches vLLM per point) or `targets` "
+                             "(endpoints that already run), not both and not neither")
+        names = [t.name for t in self.targets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"target names repeat: {names}")
         known = set(EngineArgs.model_fields)
         for axis, values in self.grid.items():
             if axis not in known:
@@ -155,6 +187,7 @@ class Point(BaseModel):
     id: str
     values: dict[str, Any]         # the grid coordinates
     engine_args: EngineArgs        # fixed args merged with the coordinates
+    target: Target | None = None   # an endpoint to measure instead of a server to launch
     effective: dict[str, Any] = {}  # what vLLM will use where the params leave it open
     warnings: list[str] = []
 
@@ -284,6 +317,9 @@ def expand(study: Study, engine: str = "cpu") -> list[Point]:
     """Every combination of the grid's values, in the order the axes are written
     (the last axis varies fastest). Raises StudyError listing every invalid point."""
     from .models import card_config
+    if study.targets:
+        return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
+                      target=t) for t in study.targets]
     axes = list(study.grid)
     points, problems = [], []
     for combo in itertools.product(*(study.grid[a] for a in axes)):

@@ -11,8 +11,8 @@ import ast
 import atexit
 import functools
 import gzip
-import json
 import os
+import json
 import re
 import time
 from pathlib import Path
@@ -69,6 +69,8 @@ class PointRun:
         for stale in (ROUNDS, REQUESTS):  # a re-run of a point starts clean
             (self.dir / stale).unlink(missing_ok=True)
         self.server: VllmServer | None = None
+        self.url = self.model_name = self.api_key = None  # set by launch()
+        self.has_metrics = True   # a gateway may not expose vLLM's /metrics
         self.rounds: list[dict] = []
         self.nvml = counters.NvmlProbe()
         self.summary = {
@@ -97,14 +99,46 @@ class PointRun:
     # -- steps --------------------------------------------------------------
     @_step
     def launch(self) -> None:
+        """Start this point's vLLM, or, for an endpoint target, check that it answers."""
         s = self.study
-        model, dummy = prepare_model(s)
+        model, dummy = prepare_model(s)  # also the tokenizer that sizes prompts for targets
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         w = s.workload
         self.workload = SharedPrefixWorkload(
             self.tokenizer, api=w.api, system_prompt_tokens=w.system_prompt_tokens,
             question_tokens=w.question_tokens, output_tokens=w.output_tokens, seed=w.seed)
+        if self.point.target:
+            self._connect(self.point.target)
+        else:
+            self._start_server(model, dummy)
+
+    def _connect(self, t) -> None:
+        self.url, self.model_name = t.base_url, t.model
+        # Only the variable's name is recorded; the key stays in memory.
+        self.summary["target"] = {"name": t.name, "base_url": t.base_url, "model": t.model,
+                                  "api_key_env": t.api_key_env}
+        if t.api_key_env:
+            self.api_key = os.environ.get(t.api_key_env)
+            if not self.api_key:
+                self._fail(f"environment variable {t.api_key_env} (the API key of target "
+                           f"{t.name}) is not set; export it before the run")
+                return
+        try:
+            client.check_endpoint(self.url, self.model_name, self.api_key)
+        except client.EndpointError as e:
+            self._fail(f"target {t.name}: {e}")
+            return
+        try:
+            self.summary["effective"]["cache_config"] = counters.cache_config(counters.scrape(self.url))
+        except OSError:
+            self.has_metrics = False
+            self.summary["warnings"] = self.summary["warnings"] + [
+                f"{self.url}/metrics is not reachable: server-side counters are absent"]
+        self._write_summary()
+
+    def _start_server(self, model: str, dummy: bool) -> None:
+        s = self.study
         port = free_port()
         cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
                             load_dummy=dummy, extra=s.server.extra_cli_args)
@@ -121,6 +155,7 @@ class PointRun:
             self._fail(f"server did not start: {e.reason}")
             return
         self.summary["startup_s"] = self.server.startup_s
+        self.url, self.model_name = self.server.url, s.model.served_name
         snap = counters.scrape(self.server.url)
         self.summary["effective"]["cache_config"] = counters.cache_config(snap)
         self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
@@ -131,8 +166,8 @@ class PointRun:
     def _send(self, requests) -> list[dict]:
         w = self.study.workload
         res = client.run_sync(client.run_closed_loop(
-            self.server.url, self.study.model.served_name, w.api, requests, w.concurrency,
-            timeout_s=w.request_timeout_s))
+            self.url, self.model_name, w.api, requests, w.concurrency,
+            timeout_s=w.request_timeout_s, api_key=self.api_key))
         return [r.to_dict() for r in res]
 
     @_step
@@ -146,22 +181,25 @@ class PointRun:
 
     @_step
     def run_round(self, index: int) -> dict | None:
-        url, w = self.server.url, self.study.workload
-        counters.reset_prefix_cache(url)  # every round starts from the same (cold) cache
-        before = counters.scrape(url)
-        sampler = counters.RoundSampler(url, self.nvml)
+        url, w = self.url, self.study.workload
+        if self.has_metrics:
+            counters.reset_prefix_cache(url)  # every round starts from the same (cold) cache
+            before = counters.scrape(url)
+        sampler = counters.RoundSampler(url if self.has_metrics else None, self.nvml)
         with sampler:
             t0 = time.perf_counter()
             results = self._send(self.workload.requests(w.requests_per_round))
             duration = time.perf_counter() - t0
         row = {"round": index, **stats.round_stats(results, duration, self.study.slo.ttft_ms,
                                                    self.study.slo.tpot_ms)}
-        if not self.server.alive():
+        if self.server and not self.server.alive():
             row["status"] = "failed"
             self._append_round(row, results)
             self._fail(f"server died during round {index}: {_log_reason(self.dir / LOG)}")
             return row
-        row |= counters.round_deltas(before, counters.scrape(url)) | sampler.result()
+        if self.has_metrics:
+            row |= counters.round_deltas(before, counters.scrape(url))
+        row |= sampler.result()
         row["status"] = "ok" if row["completed"] else "failed"
         self._append_round(row, results)
         return row

