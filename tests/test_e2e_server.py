@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from procs import group_gone
 from vllm_study import client, counters
 from vllm_study.params import study_from_dict, expand
 from vllm_study.point import PointRun, prepare_model
@@ -22,14 +23,6 @@ TINY = {"name": "e2e", "model": {"card": "tiny-qwen2", "served_name": "tiny"},
         "workload": {"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 16,
                      "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
         "rounds": 2}
-
-
-def group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
 
 
 @pytest.fixture(scope="module")

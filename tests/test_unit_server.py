@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from procs import group_gone
 from vllm_study import server as server_mod
 from vllm_study.server import (
     ServerStartError,
@@ -160,14 +161,6 @@ def test_serve_command_module_exists_for_installed_distribution():
 
 # ---------------------------------------------------------------- VllmServer, real processes
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 @pytest.fixture
 def started():
     """Servers a test starts; whatever is still running at teardown is killed by its
@@ -175,7 +168,7 @@ def started():
     servers: list[VllmServer] = []
     yield servers
     for s in servers:
-        if s.proc is not None and not _group_gone(s.proc.pid):
+        if s.proc is not None and not group_gone(s.proc.pid):
             os.killpg(s.proc.pid, signal.SIGKILL)
             s.proc.wait(timeout=10)
 
@@ -227,7 +220,7 @@ def test_start_failure_becomes_server_start_error(tmp_path, started):
     assert "ValueError: bad" in text.splitlines()[-1]
     assert s.startup_s is None and not s.alive()
     assert s.proc.returncode == 1
-    assert _group_gone(s.proc.pid)
+    assert group_gone(s.proc.pid)
 
 
 def test_start_failure_with_vllm_message_gives_reason(tmp_path, started):
@@ -248,7 +241,7 @@ def test_start_times_out_and_stops_the_process(tmp_path, started):
     with pytest.raises(ServerStartError, match="not healthy within 2 s"):
         s.start()
     assert time.monotonic() - t0 < 15
-    assert _group_gone(s.proc.pid)
+    assert group_gone(s.proc.pid)
 
 
 def test_healthy_server_starts_and_stop_leaves_nothing_in_its_group(tmp_path, started):
@@ -299,6 +292,6 @@ def test_context_manager_stops_on_exit(tmp_path, started):
         started.append(s)
         assert s.alive()
         pgid = s.proc.pid
-    assert _group_gone(pgid)
+    assert group_gone(pgid)
     s.stop()  # a second stop is harmless
-    assert _group_gone(pgid)
+    assert group_gone(pgid)
