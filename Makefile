@@ -33,11 +33,11 @@ dry-run: env
 	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
 
 test: env
-	$(BIN)/python -m pytest -v -rs $(NBVAL) tests notebooks/point.ipynb $(REF_REPORTS)
+	$(BIN)/python -m pytest -v -rs --basetemp=.pytest-tmp $(NBVAL) tests notebooks/point.ipynb $(REF_REPORTS)
 
 # Unit tests only: no vLLM server is started.
 test-fast: env
-	$(BIN)/python -m pytest -v -m "not e2e"
+	$(BIN)/python -m pytest -v --basetemp=.pytest-tmp -m "not e2e"
 
 clean-env:
 	rm -rf $(VENV)

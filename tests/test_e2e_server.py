@@ -209,3 +209,100 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f
+
+
+def test_max_model_len_above_the_model_is_a_clear_start_failure(tmp_path):
+    """A model folder the kit cannot check (model.path): vLLM refuses 16,384 positions on
+    an 8,192-position model, and the recorded reason says so in one line."""
+    built, _ = prepare_model(study_from_dict(TINY))
+    study = study_from_dict({**TINY, "model": {"path": built, "served_name": "tiny"},
+                             "engine_args": {**TINY["engine_args"], "max_model_len": 16384}})
+    point = expand(study, "cpu")[0]
+    run = PointRun(study, point, tmp_path, "cpu")
+    run.launch()
+    s = run.finish()
+    assert s["status"] == "failed"
+    assert "max_model_len above what the model supports" in s["reason"], s["reason"]
+
+
+# ---------------------------------------------------------------- workloads and load models
+# Each runs one round through PointRun against the module's server (as an endpoint
+# target, so no new server starts) and checks what the server saw and what came out.
+
+def _round(server, tmp_path, workload: dict):
+    import gzip
+    import json
+
+    from vllm_study.workload import make_workload
+    srv, _, model = server
+    study = study_from_dict({"name": "wl", "model": {"card": "tiny-qwen2"}, "rounds": 1,
+                             "targets": [{"name": "srv", "base_url": srv.url, "model": "tiny"}],
+                             "workload": {"warmup_requests": 0, **workload}})
+    run = PointRun(study, expand(study, "cpu")[0], tmp_path, "cpu")
+    run.launch()
+    run.run_rounds()
+    s = run.finish()
+    assert s["status"] == "ok", s["reason"]
+    with gzip.open(tmp_path / "requests.jsonl.gz", "rt") as f:
+        results = [json.loads(line) for line in f]
+    from transformers import AutoTokenizer
+    return run.rounds[0], results, make_workload(AutoTokenizer.from_pretrained(model), study.workload)
+
+
+def test_mixed_long_documents_and_short_chats(server, tmp_path):
+    row, results, w = _round(server, tmp_path, {
+        "kind": "mixed", "long_fraction": 0.25, "long_prompt_tokens": {"uniform": [1200, 1600]},
+        "system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
+        "requests_per_round": 16, "concurrency": 4})
+    sent = w.requests(16)
+    assert [r["prompt_tokens"] for r in results] == [q.prompt_tokens for q in sent]  # as the server counted
+    n_long = sum(q.tags["class"] == "long" for q in sent)
+    assert n_long > 0 and row["requests[class=long]"] == n_long and row["requests[class=short]"] == 16 - n_long
+    for cls in ("long", "short"):
+        assert row[f"ttft_p90_ms[class={cls}]"] > 0 and row[f"itl_p90_ms[class={cls}]"] > 0
+    # a long document has to be prefilled; a short chat reuses the cached system prompt
+    assert row["ttft_p50_ms[class=long]"] > row["ttft_p50_ms[class=short]"]
+
+
+def test_random_lengths_from_distributions(server, tmp_path):
+    row, results, w = _round(server, tmp_path, {
+        "kind": "random", "api": "completions", "input_tokens": {"lognormal": {"mean": 200, "sd": 50}},
+        "output_tokens": {"uniform": [4, 12]}, "requests_per_round": 12, "concurrency": 4})
+    sent = w.requests(12)
+    assert [r["prompt_tokens"] for r in results] == [q.prompt_tokens for q in sent]
+    assert [r["output_tokens"] for r in results] == [q.max_tokens for q in sent]
+    assert len({q.prompt_tokens for q in sent}) > 6
+
+
+def test_multi_turn_reports_ttft_per_turn(server, tmp_path):
+    row, results, w = _round(server, tmp_path, {
+        "kind": "multi_turn", "turns": 3, "requests_per_round": 12, "concurrency": 2,
+        "system_prompt_tokens": 300, "question_tokens": 24, "output_tokens": 12, "think_time_s": 0.05})
+    assert [row[f"requests[turn={t}]"] for t in (1, 2, 3)] == [4, 4, 4]
+    by_conv = {}
+    for r in results:
+        by_conv.setdefault(r["tags"]["conversation"], []).append(r)
+    for turns in by_conv.values():  # the history grows: each turn resends the earlier ones
+        tokens = [r["prompt_tokens"] for r in sorted(turns, key=lambda r: r["tags"]["turn"])]
+        assert tokens[0] < tokens[1] < tokens[2] and tokens[1] - tokens[0] >= 24 + 12
+    assert row["prefix_cache_hit_rate"] > 0.5  # turns 2 and 3 reuse the cached history
+
+
+def test_poisson_arrivals_are_sent_on_schedule(server, tmp_path):
+    from vllm_study import loads
+    row, results, _ = _round(server, tmp_path, {
+        "system_prompt_tokens": 128, "question_tokens": 8, "output_tokens": 8, "requests_per_round": 12,
+        "load": {"kind": "poisson", "rate": 6.0}, "seed": 5})
+    planned = loads.arrivals(12, 6.0, 1.0, 5)
+    sent = [r["send_time"] - results[0]["send_time"] for r in results]
+    assert all(abs(s - p) < 0.25 for s, p in zip(sent, planned)), (sent, planned)
+    assert row["completed"] == 12
+
+
+def test_rate_ladder_reports_each_step(server, tmp_path):
+    row, results, _ = _round(server, tmp_path, {
+        "system_prompt_tokens": 128, "question_tokens": 8, "output_tokens": 8, "requests_per_round": 16,
+        "load": {"kind": "ladder", "rates": [4, 8]}})
+    assert row["requests[step=4]"] == 8 and row["requests[step=8]"] == 8
+    for step in (4, 8):
+        assert row[f"ttft_p50_ms[step={step}]"] > 0 and row[f"ttft_p99_ms[step={step}]"] >= row[f"ttft_p50_ms[step={step}]"]

@@ -422,3 +422,41 @@ def test_point_ids_never_collide(axis, values):
         assert "point id" in str(e)
         return
     assert len(set(ids)) == len(ids)
+
+
+def test_max_model_len_above_the_card_is_rejected_before_start():
+    s = study_from_dict(_study(engine_args={"max_model_len": 16384}))  # tiny-qwen2: 8192 positions
+    with pytest.raises(StudyError, match=r"max_model_len=16384 is above what model card tiny-qwen2 supports \(8192"):
+        expand(s, engine="cpu")
+
+
+# ---------------------------------------------------------------- workloads and load models
+
+@pytest.mark.parametrize("workload, match", [
+    ({"load": {"kind": "poisson"}}, "poisson needs load.rate"),
+    ({"load": {"kind": "ladder", "rates": [10]}}, "ladder needs load.rates with two or more"),
+    ({"kind": "multi_turn", "turns": 5, "requests_per_round": 12}, "multiple of turns"),
+    ({"kind": "multi_turn", "api": "completions", "requests_per_round": 10}, "multi_turn needs api: chat"),
+    ({"output_tokens": {"uniform": [9, 3]}}, r"needs 1 <= low <= high"),
+    ({"input_tokens": {"lognormal": {"mean": 0, "sd": 1}}}, "greater than 0"),
+    ({"question_tokens": {"normal": [1, 2]}}, "question_tokens"),
+])
+def test_bad_workloads_are_explained(workload, match):
+    with pytest.raises(StudyError, match=match):
+        study_from_dict(_study(workload={**_study()["workload"], **workload}))
+
+
+def test_long_documents_must_fit_max_model_len():
+    s = study_from_dict(_study(engine_args={"max_model_len": 4096},
+                               workload={"kind": "mixed", "long_prompt_tokens": {"uniform": [6000, 8000]},
+                                         "system_prompt_tokens": 100, "output_tokens": 16}))
+    with pytest.raises(StudyError, match=r"longest request needs about 8048 tokens"):
+        expand(s, engine="cpu")
+
+
+def test_lengths_accept_int_uniform_lognormal():
+    s = study_from_dict(_study(workload={"kind": "random", "input_tokens": {"lognormal": {"mean": 500, "sd": 100}},
+                                         "output_tokens": {"uniform": [16, 64]}, "question_tokens": 8,
+                                         "load": {"kind": "ladder", "rates": [1, 2.5]}}))
+    assert s.workload.longest_request() == 500 + 4 * 100 + 64
+    assert s.workload.load.rates == [1.0, 2.5]

@@ -35,7 +35,7 @@ def results():
 
 def test_result_dict_fields_match_what_round_stats_reads(results):
     assert set(results[0]) == {"index", "send_time", "prompt_tokens", "output_tokens", "ttft_s",
-                               "e2e_s", "itl_s", "error", "error_detail"}
+                               "e2e_s", "itl_s", "error", "error_detail", "tags", "text"}
 
 
 def test_counts_and_errors_by_kind(results):
@@ -172,3 +172,25 @@ def test_point_medians_of_real_round_stats(results):
     assert m["request_throughput__max"] == pytest.approx(4.0)
     assert m["ttft_p50_ms"] == pytest.approx(150.0)               # same in every round
     assert m["failed"] == 3.0
+
+
+def test_group_stats_split_by_tag():
+    rows = [_ok(i, ttft=0.1 * (i + 1), e2e=1.0, out=3, itl=[0.01, 0.02]) for i in range(4)]
+    for r, cls in zip(rows, ["long", "short", "short", "long"]):
+        r["tags"] = {"class": cls}
+    rows.append({**_failed(9, "timeout"), "tags": {"class": "short"}})
+    from vllm_study.stats import group_stats
+    g = group_stats(rows)
+    assert g["requests[class=long]"] == 2 and g["requests[class=short]"] == 3
+    assert g["failed[class=short]"] == 1 and g["failed[class=long]"] == 0
+    assert g["ttft_p50_ms[class=long]"] == pytest.approx(np.percentile([100, 400], 50))
+    assert g["ttft_p50_ms[class=short]"] == pytest.approx(np.percentile([200, 300], 50))
+    assert not any("turn=" in k or "step=" in k for k in g)  # only tags that are present
+
+
+def test_group_stats_rate_steps_are_labelled_compactly():
+    rows = [_ok(i, ttft=0.1, e2e=1.0, out=3, itl=[0.01]) for i in range(2)]
+    rows[0]["tags"], rows[1]["tags"] = {"step": 10.0}, {"step": 20.0}
+    from vllm_study.stats import group_stats
+    g = group_stats(rows)
+    assert "ttft_p99_ms[step=10]" in g and "ttft_p99_ms[step=20]" in g

@@ -6,6 +6,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
@@ -166,3 +167,69 @@ def test_deterministic_for_same_seed(tok):
     c = _workload(tok, "chat", seed=4)
     assert c.system_prompt != a.system_prompt
     assert c.request(0).messages[1] != a.request(0).messages[1]
+
+
+# ---------------------------------------------------------------- the other workloads
+
+def _spec(**kw):
+    from vllm_study.params import Workload
+    return Workload.model_validate(kw)
+
+
+def test_mixed_workload_long_documents_beside_short_chats(tok):
+    from vllm_study.workload import make_workload
+    w = make_workload(tok, _spec(kind="mixed", long_fraction=0.1, system_prompt_tokens=200,
+                                 long_prompt_tokens={"uniform": [6000, 8000]}, output_tokens=16))
+    reqs = w.requests(200)
+    long = [r for r in reqs if r.tags["class"] == "long"]
+    short = [r for r in reqs if r.tags["class"] == "short"]
+    assert 8 <= len(long) <= 35 and len(long) + len(short) == 200  # ~10% of 200
+    overhead = _template_overhead(tok)
+    for r in long:  # a document of its own, no shared system prompt
+        doc = r.messages[-1]["content"]
+        assert 6000 <= len(tok.encode(doc, add_special_tokens=False)) <= 8000
+        assert r.messages[0]["role"] == "user"
+    assert all(r.prompt_tokens == 200 + 32 + overhead for r in short)
+    assert [r.tags for r in make_workload(tok, _spec(kind="mixed", long_fraction=0.1, system_prompt_tokens=200,
+                                                     output_tokens=16)).requests(200)] == [r.tags for r in reqs]
+
+
+def test_random_workload_lengths_follow_their_distributions(tok):
+    from vllm_study.workload import make_workload
+    w = make_workload(tok, _spec(kind="random", api="completions",
+                                 input_tokens={"lognormal": {"mean": 300, "sd": 100}},
+                                 output_tokens={"uniform": [8, 24]}))
+    reqs = w.requests(300)
+    ins = np.array([r.prompt_tokens for r in reqs])
+    outs = np.array([r.max_tokens for r in reqs])
+    assert ins.mean() == pytest.approx(300, rel=0.1) and ins.std() == pytest.approx(100, rel=0.2)
+    assert outs.min() >= 8 and outs.max() <= 24 and len(set(outs)) > 10
+    for r in reqs[:5]:  # exact: what the request says is what the text encodes to
+        assert len(tok.encode(r.prompt, add_special_tokens=False)) == r.prompt_tokens
+
+
+def test_prefixes_set_the_expected_hit_rate(tok):
+    from vllm_study.workload import make_workload
+    one = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32))
+    four = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32, prefixes=4))
+    assert len({r.messages[0]["content"] for r in four.requests(8)}) == 4
+    assert [r.tags["prefix"] for r in four.requests(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    # 64 requests, blocks of 128: the shared part rounds down to 1536 of its 1600+ tokens
+    per = one.requests(1)[0].prompt_tokens
+    assert one.expected_hit_rate(64, 128) == pytest.approx(63 * 1536 / (64 * per))
+    assert four.expected_hit_rate(64, 128) == pytest.approx(60 * 1536 / (64 * per))
+
+
+def test_multi_turn_resends_the_history(tok):
+    from vllm_study.workload import make_workload
+    w = make_workload(tok, _spec(kind="multi_turn", turns=3, requests_per_round=6, system_prompt_tokens=100,
+                                 question_tokens=20, output_tokens=8))
+    t1 = w.turn(0, 0, [])
+    t2 = w.turn(0, 1, ["first answer"])
+    t3 = w.turn(0, 2, ["first answer", "second answer"])
+    assert [m["role"] for m in t3.messages] == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert t2.messages[:2] == t1.messages[:2] and t3.messages[:4] == t2.messages[:4]
+    assert t3.messages[2]["content"] == "first answer"
+    assert (t1.tags["turn"], t2.tags["turn"], t3.tags["turn"]) == (1, 2, 3)
+    assert t3.prompt_tokens > t2.prompt_tokens > t1.prompt_tokens
+    assert w.turn(1, 0, []).messages[1] != t1.messages[1]  # another conversation, other questions

@@ -38,6 +38,8 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
     error: str | None = None           # kind: http_401, http_5xx, connection, timeout, ...
     error_detail: str | None = None
+    tags: dict = field(default_factory=dict)  # the request's: class, turn, step, ...
+    text: str | None = None            # the answer, kept only where a next turn resends it
 
     @property
     def ok(self) -> bool:
@@ -93,10 +95,11 @@ def _content(chunk: dict, api: str) -> str:
 
 
 async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: str,
-               req: Request, headers: dict) -> RequestResult:
+               req: Request, headers: dict, keep_text: bool = False) -> RequestResult:
     path, payload = _payload(req, model, api)
-    res = RequestResult(index=req.index, send_time=time.perf_counter())
+    res = RequestResult(index=req.index, send_time=time.perf_counter(), tags=dict(req.tags))
     last = None
+    parts: list[str] = []
     try:
         async with session.post(base_url + path, json=payload, headers=headers) as resp:
             if resp.status != 200:
@@ -125,6 +128,8 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
                     return res
                 now = time.perf_counter()
                 if chunk["choices"] and _content(chunk, api):
+                    if keep_text:
+                        parts.append(_content(chunk, api))
                     if last is None:
                         res.ttft_s = now - res.send_time
                     else:
@@ -134,6 +139,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
                     res.prompt_tokens = chunk["usage"].get("prompt_tokens")
                     res.output_tokens = chunk["usage"].get("completion_tokens")
             res.e2e_s = time.perf_counter() - res.send_time
+            res.text = "".join(parts) if keep_text else None
             if res.ttft_s is None:
                 res.error, res.error_detail = "no_tokens", "the stream ended with no content"
     except aiohttp.ClientConnectorError as e:
@@ -174,6 +180,53 @@ async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Re
                     on_done(results[req.index])
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
     return [results[r.index] for r in requests]
+
+
+async def run_open_loop(base_url: str, model: str, api: str, requests: list[Request],
+                        arrivals_s: list[float], timeout_s: float = 600.0, api_key: str | None = None,
+                        max_concurrency: int | None = None) -> list[RequestResult]:
+    """Send request i at arrivals_s[i] seconds after the start, whether or not earlier
+    ones have finished (an open loop: the server's queue, not the client, absorbs load).
+    max_concurrency, if given, caps requests in flight (later ones wait for a slot)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    async with _session(timeout_s, max_concurrency or len(requests)) as session:
+        t0 = time.perf_counter()
+
+        async def fire(req: Request, at: float) -> RequestResult:
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+            if cap is None:
+                return await _one(session, base_url, model, api, req, headers)
+            async with cap:
+                return await _one(session, base_url, model, api, req, headers)
+        return list(await asyncio.gather(*(fire(r, a) for r, a in zip(requests, arrivals_s))))
+
+
+async def run_conversations(base_url: str, model: str, workload, conversations: int, concurrency: int,
+                            think_time_s: float = 0.0, timeout_s: float = 600.0, api_key: str | None = None,
+                            stream: str = "measure") -> list[RequestResult]:
+    """Multi-turn: `concurrency` conversations at a time; each sends its turns in order,
+    every turn resending the history with the answers the server actually gave, and
+    pauses think_time_s between an answer and the next question."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    todo = list(range(conversations))
+    out: list[RequestResult] = []
+    async with _session(timeout_s, concurrency) as session:
+        async def worker():
+            while todo:
+                c = todo.pop(0)
+                answers: list[str] = []
+                for t in range(workload.turns):
+                    if t and think_time_s:
+                        await asyncio.sleep(think_time_s)
+                    r = await _one(session, base_url, model, "chat", workload.turn(c, t, answers, stream),
+                                   headers, keep_text=True)
+                    out.append(r)
+                    if not r.ok:
+                        break  # the conversation cannot go on without its answer
+                    answers.append(r.text)
+        await asyncio.gather(*(worker() for _ in range(min(concurrency, conversations))))
+    return sorted(out, key=lambda r: r.index)
 
 
 def check_endpoint(base_url: str, model: str, api_key: str | None = None,

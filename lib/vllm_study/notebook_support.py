@@ -126,6 +126,10 @@ def target_comparison(df, manifest) -> pd.DataFrame | None:
     return report.target_comparison(df, manifest)
 
 
+def group_table(df) -> pd.DataFrame | None:
+    return report.group_table(df)
+
+
 def failures(df) -> pd.DataFrame:
     f = report.failures(df)
     return f if len(f) else pd.DataFrame({"reason": ["(none: every point completed)"]}, index=["-"])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import itertools
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -71,17 +71,104 @@ class ModelSpec(_Strict):
         return self
 
 
+class Uniform(_Strict):
+    uniform: tuple[int, int]
+
+    @model_validator(mode="after")
+    def _order(self):
+        lo, hi = self.uniform
+        if not 1 <= lo <= hi:
+            raise ValueError(f"uniform range {list(self.uniform)} needs 1 <= low <= high")
+        return self
+
+
+class _LogN(_Strict):
+    mean: float = Field(gt=0)
+    sd: float = Field(ge=0)
+
+
+class Lognormal(_Strict):
+    lognormal: _LogN
+
+
+# A token count: fixed (128), {uniform: [lo, hi]}, or {lognormal: {mean: 500, sd: 200}}.
+Length = Annotated[int, Field(ge=1)] | Uniform | Lognormal
+
+
+def length_max(spec) -> float:
+    """The longest a length can be, for the max_model_len check (lognormal: mean + 4 sd)."""
+    if isinstance(spec, int):
+        return spec
+    if isinstance(spec, Uniform):
+        return spec.uniform[1]
+    return spec.lognormal.mean + 4 * spec.lognormal.sd
+
+
+class Load(_Strict):
+    """How requests arrive. closed: `workload.concurrency` in flight, the next sent as one
+    ends. poisson: arrivals at `rate` req/s, gamma-distributed gaps (`burstiness` 1 is
+    Poisson, below 1 burstier, as in vllm bench serve). ladder: poisson steps at each of
+    `rates`, the round's requests split evenly; statistics per step."""
+    kind: Literal["closed", "poisson", "ladder"] = "closed"
+    rate: float | None = Field(None, gt=0)
+    rates: list[Annotated[float, Field(gt=0)]] = []
+    burstiness: float = Field(1.0, gt=0)
+    max_concurrency: int | None = Field(None, ge=1)  # open loop: cap on requests in flight
+
+    @model_validator(mode="after")
+    def _needs(self):
+        if self.kind == "poisson" and self.rate is None:
+            raise ValueError("load.kind poisson needs load.rate (requests per second)")
+        if self.kind == "ladder" and len(self.rates) < 2:
+            raise ValueError("load.kind ladder needs load.rates with two or more rates, e.g. [10, 20, 30]")
+        return self
+
+
 class Workload(_Strict):
-    kind: Literal["shared_prefix"] = "shared_prefix"
+    kind: Literal["shared_prefix", "multi_turn", "mixed", "random"] = "shared_prefix"
     api: Literal["chat", "completions"] = "chat"
-    system_prompt_tokens: int = Field(1600, ge=0)
-    question_tokens: int = Field(32, ge=1)
-    output_tokens: int = Field(64, ge=1)
-    concurrency: int = Field(32, ge=1)
+    system_prompt_tokens: int = Field(1600, ge=0)   # shared_prefix, mixed, multi_turn
+    prefixes: int = Field(1, ge=1)                  # distinct shared prompts, round-robin
+    question_tokens: Length = 32                    # per request; per turn in multi_turn
+    output_tokens: Length = 64
+    input_tokens: Length = 512                      # random: the whole prompt
+    turns: int = Field(5, ge=1)                     # multi_turn
+    think_time_s: float = Field(0.0, ge=0)          # multi_turn: pause before the next turn
+    long_fraction: float = Field(0.1, ge=0, le=1)   # mixed: share of long documents
+    long_prompt_tokens: Length = Uniform(uniform=(6000, 8000))  # mixed
+    concurrency: int = Field(32, ge=1)              # closed loop (conversations for multi_turn)
     requests_per_round: int = Field(64, ge=1)
     warmup_requests: int = Field(4, ge=0)
     seed: int = 0
     request_timeout_s: float = Field(600, gt=0)
+    load: Load = Load()
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.kind == "multi_turn":
+            if self.api != "chat":
+                raise ValueError("multi_turn needs api: chat (the history is a list of messages)")
+            if self.requests_per_round % self.turns:
+                raise ValueError(f"multi_turn: requests_per_round ({self.requests_per_round}) must be a "
+                                 f"multiple of turns ({self.turns}): each conversation sends every turn")
+            if self.load.kind != "closed":
+                raise ValueError("multi_turn runs closed loop: `concurrency` conversations at a time")
+        if self.load.kind == "ladder" and self.requests_per_round < len(self.load.rates):
+            raise ValueError("load ladder: requests_per_round must be at least one per rate")
+        return self
+
+    def longest_request(self) -> float:
+        """Prompt + output tokens of the longest request this workload can send (the
+        chat template's few tokens aside)."""
+        out = length_max(self.output_tokens)
+        if self.kind == "random":
+            return length_max(self.input_tokens) + out
+        short = self.system_prompt_tokens + length_max(self.question_tokens) + out
+        if self.kind == "mixed":
+            return max(short, length_max(self.long_prompt_tokens) + out)
+        if self.kind == "multi_turn":
+            return self.system_prompt_tokens + self.turns * (length_max(self.question_tokens) + out)
+        return short
 
 
 class Server(_Strict):
@@ -304,11 +391,10 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
                             f"({mbt} instead of {default}): this point also limits concurrency")
     else:
         effective["max_num_seqs"] = mns
-    w = study.workload
-    need = w.system_prompt_tokens + w.question_tokens + 32 + w.output_tokens
+    need = int(study.workload.longest_request()) + 32  # + the chat template, generously
     if max_model_len and need > max_model_len:
-        errors.append(f"a request needs about {need} tokens (prompt + template + output) but "
-                      f"max_model_len is {max_model_len}; shorten the workload or raise "
+        errors.append(f"the longest request needs about {need} tokens (prompt + template + output) "
+                      f"but max_model_len is {max_model_len}; shorten the workload or raise "
                       "engine_args.max_model_len")
     return effective, warnings, errors
 
@@ -329,8 +415,12 @@ def expand(study: Study, engine: str = "cpu") -> list[Point]:
         except ValidationError as e:
             problems.append(_explain(e, f"grid point {values}"))
             continue
-        mml = args.max_model_len or (card_config(study.model.card)["max_position_embeddings"]
-                                     if study.model.path is None else None)
+        supported = card_config(study.model.card)["max_position_embeddings"] if study.model.path is None else None
+        mml = args.max_model_len or supported
+        if supported and mml > supported:
+            problems.append(f"  max_model_len={mml} is above what model card {study.model.card} supports "
+                            f"({supported} positions); lower engine_args.max_model_len")
+            continue
         pid = "__".join(f"{AXIS_ABBREV.get(a, a)}={_fmt(a, v)}" for a, v in values.items())
         twin = next((p for p in points if p.id == pid), None)
         if twin:  # two points in one folder: the second would be skipped as finished

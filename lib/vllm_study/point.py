@@ -15,13 +15,14 @@ import os
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from . import client, counters, stats
+from . import client, counters, loads, stats
 from .models import build_model_dir
 from .params import Point, Study
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
-from .workload import SharedPrefixWorkload
+from .workload import SharedPrefixWorkload, make_workload
 
 SUMMARY, ROUNDS, REQUESTS, LOG = "summary.json", "rounds.jsonl", "requests.jsonl.gz", "server.log"
 
@@ -104,10 +105,9 @@ class PointRun:
         model, dummy = prepare_model(s)  # also the tokenizer that sizes prompts for targets
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        w = s.workload
-        self.workload = SharedPrefixWorkload(
-            self.tokenizer, api=w.api, system_prompt_tokens=w.system_prompt_tokens,
-            question_tokens=w.question_tokens, output_tokens=w.output_tokens, seed=w.seed)
+        self.workload = make_workload(self.tokenizer, s.workload)
+        self.summary["workload"] = {"kind": s.workload.kind, "seed": s.workload.seed,
+                                    "load": s.workload.load.kind}
         if self.point.target:
             self._connect(self.point.target)
         else:
@@ -158,16 +158,44 @@ class PointRun:
         self.url, self.model_name = self.server.url, s.model.served_name
         snap = counters.scrape(self.server.url)
         self.summary["effective"]["cache_config"] = counters.cache_config(snap)
+        if isinstance(self.workload, SharedPrefixWorkload) and s.workload.kind == "shared_prefix":
+            block = int(self.summary["effective"]["cache_config"].get("block_size", 16))
+            # what a cache that never evicts would hit: compare with the measured rate
+            self.summary["workload"]["expected_prefix_hit_rate"] = self.workload.expected_hit_rate(
+                s.workload.requests_per_round, block)
         self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
             (self.dir / LOG).read_text(errors="replace"))
         client.check_endpoint(self.server.url, s.model.served_name)
         self._write_summary()
 
     def _send(self, requests) -> list[dict]:
+        """Closed loop: `concurrency` requests in flight."""
         w = self.study.workload
         res = client.run_sync(client.run_closed_loop(
             self.url, self.model_name, w.api, requests, w.concurrency,
             timeout_s=w.request_timeout_s, api_key=self.api_key))
+        return [r.to_dict() for r in res]
+
+    def _send_round(self) -> list[dict]:
+        """One round's requests under the study's load model."""
+        w = self.study.workload
+        n, load = w.requests_per_round, w.load
+        if w.kind == "multi_turn":
+            res = client.run_sync(client.run_conversations(
+                self.url, self.model_name, self.workload, n // w.turns, w.concurrency, w.think_time_s,
+                timeout_s=w.request_timeout_s, api_key=self.api_key))
+            return [r.to_dict() for r in res]
+        requests = self.workload.requests(n)
+        if load.kind == "closed":
+            return self._send(requests)
+        if load.kind == "poisson":
+            times = loads.arrivals(n, load.rate, load.burstiness, w.seed)
+        else:
+            times, step = loads.ladder(n, load.rates, load.burstiness, w.seed)
+            requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
+        res = client.run_sync(client.run_open_loop(
+            self.url, self.model_name, w.api, requests, times, timeout_s=w.request_timeout_s,
+            api_key=self.api_key, max_concurrency=load.max_concurrency))
         return [r.to_dict() for r in res]
 
     @_step
@@ -188,10 +216,10 @@ class PointRun:
         sampler = counters.RoundSampler(url if self.has_metrics else None, self.nvml)
         with sampler:
             t0 = time.perf_counter()
-            results = self._send(self.workload.requests(w.requests_per_round))
+            results = self._send_round()
             duration = time.perf_counter() - t0
         row = {"round": index, **stats.round_stats(results, duration, self.study.slo.ttft_ms,
-                                                   self.study.slo.tpot_ms)}
+                                                   self.study.slo.tpot_ms), **stats.group_stats(results)}
         if self.server and not self.server.alive():
             row["status"] = "failed"
             self._append_round(row, results)

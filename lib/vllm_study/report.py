@@ -72,6 +72,34 @@ def target_comparison(df: pd.DataFrame, manifest: dict) -> pd.DataFrame | None:
     return pd.DataFrame(rows).set_index("target").round(2)
 
 
+GROUP_COLUMNS = {"requests": "requests", "ttft_p50_ms": "TTFT P50 ms", "ttft_p99_ms": "TTFT P99 ms",
+                 "itl_p50_ms": "ITL P50 ms", "itl_p90_ms": "ITL P90 ms", "tpot_p50_ms": "TPOT P50 ms"}
+
+
+def _group_order(label: str):
+    key, _, value = label.partition("=")
+    try:
+        return key, 0, float(value), ""
+    except ValueError:
+        return key, 1, 0.0, value
+
+
+def group_table(df: pd.DataFrame) -> pd.DataFrame | None:
+    """Medians per request class (long/short), per turn, or per ladder step, per point."""
+    med = medians(df)
+    labels = sorted({c[c.index("[") + 1:-1] for c in med.columns if c.endswith("]")}, key=_group_order)
+    if not labels:
+        print("this run's workload has no classes, turns or rate steps")
+        return None
+    rows = []
+    for _, r in med.iterrows():
+        for g in labels:
+            vals = {label: r.get(f"{m}[{g}]") for m, label in GROUP_COLUMNS.items()}
+            if pd.notna(vals["requests"]):
+                rows.append({"point": r["point"], "group": g, **vals})
+    return pd.DataFrame(rows).set_index(["point", "group"]).round(1)
+
+
 def failures(df: pd.DataFrame) -> pd.DataFrame:
     med = medians(df)
     return med.loc[med["status"] != "ok", ["point", "reason"]].set_index("point")

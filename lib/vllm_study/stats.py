@@ -72,3 +72,25 @@ def point_medians(rounds: list[dict]) -> dict:
         out[f"{col}__min"] = float(s.min())
         out[f"{col}__max"] = float(s.max())
     return out
+
+
+GROUP_KEYS = ("class", "turn", "step")  # tags the workloads and load models set
+GROUP_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
+                 "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")
+
+
+def group_stats(results: list[dict]) -> dict:
+    """Per-class (long/short), per-turn and per-ladder-step figures of one round, as flat
+    keys like 'ttft_p90_ms[class=long]' so they go through medians and summary.csv as
+    any other metric."""
+    out = {}
+    for key in GROUP_KEYS:
+        values = sorted({r["tags"][key] for r in results if key in r.get("tags", {})})
+        for v in values:
+            sub = [r for r in results if r.get("tags", {}).get(key) == v]
+            s = round_stats(sub, duration_s=0)
+            label = f"{key}={v:g}" if isinstance(v, float) else f"{key}={v}"
+            out[f"requests[{label}]"] = s["requests"]
+            out[f"failed[{label}]"] = s["failed"]
+            out |= {f"{m}[{label}]": s[m] for m in GROUP_METRICS}
+    return out

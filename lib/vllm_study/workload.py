@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 import re
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 _WORD_PIECE = re.compile(r"^ [a-z]{3,12}$")
 
@@ -22,6 +23,7 @@ class Request:
     prompt: str | None           # for /v1/completions
     prompt_tokens: int           # as the server will count them (chat template included)
     max_tokens: int
+    tags: dict = field(default_factory=dict)  # what the report groups by: class, turn, step
 
 
 def word_pieces(tokenizer) -> list[str]:
@@ -39,19 +41,29 @@ def _text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(n_tokens))
 
 
-class SharedPrefixWorkload:
-    """The shared-system-prompt workload: same prefix for every request, distinct tail."""
+def sample_length(spec, rng: random.Random) -> int:
+    """A token count from a params length: an int, {uniform: [lo, hi]} or
+    {lognormal: {mean, sd}} (mean and sd of the count itself, not of its log)."""
+    if isinstance(spec, int):
+        return spec
+    if getattr(spec, "uniform", None):
+        lo, hi = spec.uniform
+        return rng.randint(lo, hi)
+    m, sd = spec.lognormal.mean, spec.lognormal.sd
+    sigma2 = math.log(1 + (sd / m) ** 2)
+    return max(1, round(rng.lognormvariate(math.log(m) - sigma2 / 2, math.sqrt(sigma2))))
 
-    def __init__(self, tokenizer, *, api: str, system_prompt_tokens: int,
-                 question_tokens: int, output_tokens: int, seed: int):
-        self.tok = tokenizer
-        self.api = api
-        self.output_tokens = output_tokens
-        self.question_tokens = question_tokens
-        self.seed = seed
+
+class _Base:
+    """Shared by every workload: exact-length text, the chat/completions shape, and a
+    random stream per (seed, stream name, request index) so every request replays."""
+
+    def __init__(self, tokenizer, api: str, seed: int):
+        self.tok, self.api, self.seed = tokenizer, api, seed
         self._pieces = word_pieces(tokenizer)
-        # The prefix depends on the seed alone, so every round and point shares it.
-        self.system_prompt = _text(self._pieces, system_prompt_tokens, random.Random(seed))
+
+    def _rng(self, *key) -> random.Random:
+        return random.Random("/".join(map(str, (self.seed, *key))))
 
     def _count(self, messages: list[dict] | None, prompt: str | None) -> int:
         if messages is not None:
@@ -59,18 +71,134 @@ class SharedPrefixWorkload:
                                                   add_generation_prompt=True)
         return len(self.tok.encode(prompt, add_special_tokens=False))
 
-    def request(self, index: int, stream: str = "measure") -> Request:
-        """Request `index` of a stream; warmup and measured requests draw from
-        different streams so warmup never pre-caches a measured question."""
-        rng = random.Random(f"{self.seed}/{stream}/{index}")
-        question = _text(self._pieces, self.question_tokens, rng)
+    def _request(self, index: int, system: str | None, user: str, max_tokens: int, tags: dict,
+                 history: list[dict] = ()) -> Request:
+        """system None: no system message (the chat template then adds its default one)."""
         if self.api == "chat":
-            messages = [{"role": "system", "content": self.system_prompt},
-                        {"role": "user", "content": question}]
+            messages = ([{"role": "system", "content": system}] if system is not None else []) + list(history) + [
+                {"role": "user", "content": user}]
             prompt = None
         else:
-            messages, prompt = None, self.system_prompt + question
-        return Request(index, messages, prompt, self._count(messages, prompt), self.output_tokens)
+            messages, prompt = None, (system or "") + user
+        return Request(index, messages, prompt, self._count(messages, prompt), max_tokens, tags)
 
     def requests(self, n: int, stream: str = "measure") -> list[Request]:
+        """Requests 0..n-1 of a stream; warmup and measured requests draw from different
+        streams so warmup never pre-caches a measured question."""
         return [self.request(i, stream) for i in range(n)]
+
+
+class SharedPrefixWorkload(_Base):
+    """Long system prompts shared by requests (what prefix caching reuses) plus a short
+    question of each request's own. `prefixes` distinct prompts are used round-robin:
+    together with their length they set the hit rate a perfect cache would reach."""
+
+    def __init__(self, tokenizer, *, api: str, system_prompt_tokens: int, question_tokens,
+                 output_tokens, seed: int, prefixes: int = 1):
+        super().__init__(tokenizer, api, seed)
+        self.question_tokens, self.output_tokens = question_tokens, output_tokens
+        # The prefixes depend on the seed alone, so every round and point shares them.
+        self.system_prompts = [_text(self._pieces, system_prompt_tokens,
+                                     random.Random(seed) if p == 0 else self._rng("prefix", p))
+                               for p in range(prefixes)]
+        self.system_prompt = self.system_prompts[0]
+
+    def request(self, index: int, stream: str = "measure") -> Request:
+        rng = self._rng(stream, index)
+        question = _text(self._pieces, sample_length(self.question_tokens, rng), rng)
+        p = index % len(self.system_prompts)
+        tags = {"prefix": p} if len(self.system_prompts) > 1 else {}
+        return self._request(index, self.system_prompts[p], question,
+                             sample_length(self.output_tokens, rng), tags)
+
+    def expected_hit_rate(self, n: int, block_size: int) -> float:
+        """What a cache that never evicts would hit on n requests: every request after the
+        first of its prefix reuses the prefix's full blocks (the chat template's lead-in
+        included, the request's own text not)."""
+        reqs = self.requests(n)
+        shared = [self._shared_tokens(p) // block_size * block_size for p in range(len(self.system_prompts))]
+        seen, hits = set(), 0
+        for r in reqs:
+            p = r.index % len(self.system_prompts)
+            hits += shared[p] if p in seen else 0
+            seen.add(p)
+        return hits / sum(r.prompt_tokens for r in reqs)
+
+    def _shared_tokens(self, p: int) -> int:
+        if self.api != "chat":
+            return self._count(None, self.system_prompts[p])
+        head = self.tok.apply_chat_template([{"role": "system", "content": self.system_prompts[p]},
+                                             {"role": "user", "content": "x"}], tokenize=False)
+        return len(self.tok.encode(head[:head.index("<|im_start|>user")], add_special_tokens=False))
+
+
+class MixedWorkload(SharedPrefixWorkload):
+    """Long documents beside short chats: a `long_fraction` of requests carry a
+    document of `long_prompt_tokens` (its own text, no shared prefix); the rest are
+    shared-prefix chats. Tagged class=long / class=short."""
+
+    def __init__(self, tokenizer, *, long_fraction: float, long_prompt_tokens, **kw):
+        super().__init__(tokenizer, **kw)
+        self.long_fraction, self.long_prompt_tokens = long_fraction, long_prompt_tokens
+
+    def request(self, index: int, stream: str = "measure") -> Request:
+        rng = self._rng(stream, "class", index)
+        if rng.random() >= self.long_fraction:
+            r = super().request(index, stream)
+            return Request(**{**r.__dict__, "tags": {**r.tags, "class": "short"}})
+        doc = _text(self._pieces, sample_length(self.long_prompt_tokens, rng), rng)
+        return self._request(index, None, doc, sample_length(self.output_tokens, rng), {"class": "long"})
+
+
+class RandomWorkload(_Base):
+    """Prompts of random text (no shared prefix) with input and output lengths drawn
+    from the params' distributions."""
+
+    def __init__(self, tokenizer, *, api: str, input_tokens, output_tokens, seed: int):
+        super().__init__(tokenizer, api, seed)
+        self.input_tokens, self.output_tokens = input_tokens, output_tokens
+
+    def request(self, index: int, stream: str = "measure") -> Request:
+        rng = self._rng(stream, index)
+        text = _text(self._pieces, sample_length(self.input_tokens, rng), rng)
+        return self._request(index, None, text, sample_length(self.output_tokens, rng), {})
+
+
+class MultiTurnWorkload(SharedPrefixWorkload):
+    """Conversations: each turn resends the whole history (system prompt, earlier
+    questions and the answers the server actually gave) plus a new question. A
+    conversation is a list of turns built one at a time, as the answers arrive."""
+
+    def __init__(self, tokenizer, *, turns: int, **kw):
+        super().__init__(tokenizer, **kw)
+        self.turns = turns
+
+    def turn(self, conversation: int, t: int, answers: list[str], stream: str = "measure") -> Request:
+        rng = self._rng(stream, conversation, t)
+        questions = [_text(self._pieces, sample_length(self.question_tokens, self._rng(stream, conversation, i)),
+                           self._rng(stream, conversation, i)) for i in range(t + 1)]
+        history = []
+        for q, a in zip(questions[:t], answers):
+            history += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        return self._request(conversation * self.turns + t, self.system_prompts[conversation % len(self.system_prompts)],
+                             questions[t], sample_length(self.output_tokens, rng),
+                             {"turn": t + 1, "conversation": conversation}, history)
+
+    def request(self, index: int, stream: str = "measure") -> Request:
+        """First turns only (what warmup sends)."""
+        return self.turn(index, 0, [], stream)
+
+
+def make_workload(tokenizer, w):
+    """The workload object for params.Workload `w`."""
+    common = dict(api=w.api, seed=w.seed)
+    shared = dict(system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
+                  output_tokens=w.output_tokens, prefixes=w.prefixes, **common)
+    if w.kind == "shared_prefix":
+        return SharedPrefixWorkload(tokenizer, **shared)
+    if w.kind == "mixed":
+        return MixedWorkload(tokenizer, long_fraction=w.long_fraction,
+                             long_prompt_tokens=w.long_prompt_tokens, **shared)
+    if w.kind == "multi_turn":
+        return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
+    return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)

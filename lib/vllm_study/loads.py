@@ -1,0 +1,31 @@
+"""Arrival times for open-loop load: Poisson (or burstier/smoother gamma) gaps at a
+request rate, and a ladder of such rates within one round.
+
+Gaps are gamma-distributed with shape = burstiness and mean 1/rate, as in vLLM's
+`vllm bench serve --burstiness`: 1 is a Poisson process, below 1 burstier, above 1
+more regular. Seeded, so a run replays the same arrival times.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+def arrivals(n: int, rate: float, burstiness: float, seed: int, start_s: float = 0.0) -> list[float]:
+    """Send times (seconds from the round's start) of n requests."""
+    rng = np.random.default_rng(seed)
+    gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+    return (start_s + np.cumsum(gaps) - gaps[0]).tolist()  # the first request goes at start_s
+
+
+def ladder(n: int, rates: list[float], burstiness: float, seed: int) -> tuple[list[float], list[float]]:
+    """n requests split evenly over the rates, one step after another. Returns the send
+    times and, per request, the rate of its step."""
+    times, step_of = [], []
+    per = [n // len(rates) + (1 if i < n % len(rates) else 0) for i in range(len(rates))]
+    start = 0.0
+    for i, (rate, k) in enumerate(zip(rates, per)):
+        t = arrivals(k, rate, burstiness, seed + i, start)
+        times += t
+        step_of += [rate] * k
+        start = (t[-1] if t else start) + 1.0 / rate
+    return times, step_of
