@@ -48,7 +48,7 @@ def test_bad_params_fail_fast_with_a_fix(tmp_path):
 @pytest.mark.e2e
 def test_budget_resume_failure_and_report(tmp_path):
     params = tmp_path / "study.yaml"
-    params.write_text(yaml.safe_dump(STUDY))
+    params.write_text(yaml.safe_dump(STUDY, sort_keys=False))  # the grid order names the points
     results = tmp_path / "results"
 
     first = sweep(params, "--results", results, "--max-minutes", "0.01")
@@ -101,7 +101,7 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     study = {**STUDY, "grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1,
              "engine_args": {**STUDY["engine_args"], "kv_cache_memory_bytes": 33554432}}
     params = tmp_path / "study.yaml"
-    params.write_text(yaml.safe_dump(study))
+    params.write_text(yaml.safe_dump(study, sort_keys=False))
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(params), "--results", str(results)],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -24,8 +24,14 @@ COUNTERS = {
 }
 
 
-def _get(url: str, timeout: float = 5) -> str:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _open(url: str, api_key: str | None, method: str = "GET", timeout: float = 5):
+    # The key goes along for endpoints behind a gateway that guards every path.
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method), timeout=timeout)
+
+
+def _get(url: str, api_key: str | None = None) -> str:
+    with _open(url, api_key) as r:
         return r.read().decode()
 
 
@@ -43,8 +49,8 @@ def parse_metrics(text: str) -> dict:
     return {"values": values, "info": info}
 
 
-def scrape(base_url: str) -> dict:
-    return parse_metrics(_get(base_url + "/metrics"))
+def scrape(base_url: str, api_key: str | None = None) -> dict:
+    return parse_metrics(_get(base_url + "/metrics", api_key))
 
 
 def round_deltas(before: dict, after: dict) -> dict:
@@ -68,10 +74,9 @@ def cache_config(snapshot: dict) -> dict:
     return {k: labels[k] for k in keep if k in labels}
 
 
-def reset_prefix_cache(base_url: str) -> None:
+def reset_prefix_cache(base_url: str, api_key: str | None = None) -> None:
     """Needs VLLM_SERVER_DEV_MODE=1 on the server (the kit's launcher sets it)."""
-    req = urllib.request.Request(base_url + "/reset_prefix_cache", method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
+    with _open(base_url + "/reset_prefix_cache", api_key, "POST", timeout=30) as r:
         if r.status != 200:
             raise RuntimeError(f"/reset_prefix_cache answered {r.status}")
 
@@ -111,8 +116,9 @@ class RoundSampler:
     """Samples KV usage from /metrics and GPU counters every `period_s` while a round
     runs. Use as a context manager; read `.result()` afterwards."""
 
-    def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = 0.5):
-        self.base_url, self.nvml, self.period_s = base_url, nvml, period_s
+    def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = 0.5,
+                 api_key: str | None = None):
+        self.base_url, self.nvml, self.period_s, self.api_key = base_url, nvml, period_s, api_key
         self.kv, self.gpu, self.scrape_errors = [], [], 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -120,7 +126,8 @@ class RoundSampler:
     def _run(self):
         while not self._stop.is_set():
             try:
-                v = scrape(self.base_url)["values"].get("vllm:kv_cache_usage_perc") if self.base_url else None
+                v = (scrape(self.base_url, self.api_key)["values"].get("vllm:kv_cache_usage_perc")
+                     if self.base_url else None)
                 if v is not None:
                     self.kv.append(v)
             except OSError:

@@ -60,7 +60,7 @@ def show_launch(run: PointRun) -> None:
 
 
 def round_progress(total: int):
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
     bar = tqdm(total=total, unit="round")
     return lambda i: bar.update(1) or (bar.close() if i == total - 1 else None)
 

@@ -130,11 +130,14 @@ class PointRun:
             self._fail(f"target {t.name}: {e}")
             return
         try:
-            self.summary["effective"]["cache_config"] = counters.cache_config(counters.scrape(self.url))
-        except OSError:
+            self.summary["effective"]["cache_config"] = counters.cache_config(
+                counters.scrape(self.url, self.api_key))
+            counters.reset_prefix_cache(self.url, self.api_key)
+        except OSError as e:  # a gateway may expose neither
             self.has_metrics = False
             self.summary["warnings"] = self.summary["warnings"] + [
-                f"{self.url}/metrics is not reachable: server-side counters are absent"]
+                f"{self.url}: /metrics or /reset_prefix_cache not available ({e}): server-side "
+                "counters are absent and rounds do not start from a reset cache"]
         self._write_summary()
 
     def _start_server(self, model: str, dummy: bool) -> None:
@@ -210,10 +213,11 @@ class PointRun:
     @_step
     def run_round(self, index: int) -> dict | None:
         url, w = self.url, self.study.workload
+        key = self.api_key
         if self.has_metrics:
-            counters.reset_prefix_cache(url)  # every round starts from the same (cold) cache
-            before = counters.scrape(url)
-        sampler = counters.RoundSampler(url if self.has_metrics else None, self.nvml)
+            counters.reset_prefix_cache(url, key)  # every round starts from the same (cold) cache
+            before = counters.scrape(url, key)
+        sampler = counters.RoundSampler(url if self.has_metrics else None, self.nvml, api_key=key)
         with sampler:
             t0 = time.perf_counter()
             results = self._send_round()
@@ -226,7 +230,7 @@ class PointRun:
             self._fail(f"server died during round {index}: {_log_reason(self.dir / LOG)}")
             return row
         if self.has_metrics:
-            row |= counters.round_deltas(before, counters.scrape(url))
+            row |= counters.round_deltas(before, counters.scrape(url, key))
         row |= sampler.result()
         row["status"] = "ok" if row["completed"] else "failed"
         self._append_round(row, results)

@@ -5,13 +5,14 @@ budget stops cleanly between points; `resume` skips points already finished.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
 from pathlib import Path
 
 import papermill as pm
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from . import runfolder
 from .counters import NvmlProbe
@@ -76,8 +77,10 @@ def _raise_interrupt(signum, frame):
 def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = None) -> dict:
     pdir = run / runfolder.POINTS / point.id
     pdir.mkdir(parents=True, exist_ok=True)
-    params = {"study_file": str((run / "study.yaml").resolve()), "point_id": point.id,
-              "point_dir": str(pdir.resolve()), "engine": engine}
+    # Paths relative to notebooks/ (the kernel's cwd): the executed notebook then names
+    # no machine's folders.
+    params = {"study_file": os.path.relpath(run / "study.yaml", NOTEBOOKS), "point_id": point.id,
+              "point_dir": os.path.relpath(pdir, NOTEBOOKS), "engine": engine}
     stop = threading.Event()
     watcher = threading.Thread(target=_watch_rounds, args=(pdir, bar, stop), daemon=True) if bar else None
     if watcher:
