@@ -11,8 +11,8 @@ import ast
 import atexit
 import functools
 import gzip
-import os
 import json
+import os
 import re
 import time
 from dataclasses import replace
@@ -22,7 +22,7 @@ from . import client, counters, loads, stats
 from .models import build_model_dir
 from .params import Point, Study
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
-from .workload import SharedPrefixWorkload, make_workload
+from .workload import make_workload
 
 SUMMARY, ROUNDS, REQUESTS, LOG = "summary.json", "rounds.jsonl", "requests.jsonl.gz", "server.log"
 
@@ -151,23 +151,24 @@ class PointRun:
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
         try:
             self.server.start()
-            self.summary["server_pgid"] = self.server.proc.pid
+            reason = None
         except ServerStartError as e:
-            self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
-                (self.dir / LOG).read_text(errors="replace"))
-            self._fail(f"server did not start: {e.reason}")
+            reason = e.reason
+        self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
+            (self.dir / LOG).read_text(errors="replace"))
+        if reason:
+            self._fail(f"server did not start: {reason}")
             return
+        self.summary["server_pgid"] = self.server.proc.pid
         self.summary["startup_s"] = self.server.startup_s
         self.url, self.model_name = self.server.url, s.model.served_name
         snap = counters.scrape(self.server.url)
         self.summary["effective"]["cache_config"] = counters.cache_config(snap)
-        if isinstance(self.workload, SharedPrefixWorkload) and s.workload.kind == "shared_prefix":
+        if s.workload.kind == "shared_prefix":
             block = int(self.summary["effective"]["cache_config"].get("block_size", 16))
             # what a cache that never evicts would hit: compare with the measured rate
             self.summary["workload"]["expected_prefix_hit_rate"] = self.workload.expected_hit_rate(
                 s.workload.requests_per_round, block)
-        self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
-            (self.dir / LOG).read_text(errors="replace"))
         client.check_endpoint(self.server.url, s.model.served_name)
         self._write_summary()
 

@@ -31,11 +31,11 @@ def resolve_engine(engine: str) -> str:
     return "gpu" if NvmlProbe().available else "cpu"
 
 
-def check_parameters(notebook: Path, params: dict) -> None:
+def check_parameters(notebook: Path, names) -> None:
     """papermill only warns about parameters a notebook does not declare; a typo would
     then silently run the default. Refuse instead."""
     declared = pm.inspect_notebook(str(notebook))
-    unknown = sorted(set(params) - set(declared))
+    unknown = sorted(set(names) - set(declared))
     if unknown:
         raise ValueError(f"{notebook.name} has no parameter(s) {unknown}; it declares "
                          f"{sorted(declared)}")
@@ -46,7 +46,7 @@ def _watch_rounds(point_dir: Path, bar: tqdm, stop: threading.Event) -> None:
     seen = 0
     f = point_dir / ROUNDS
     while not stop.wait(1.0):
-        n = sum(1 for _ in open(f)) if f.exists() else 0
+        n = f.read_text().count("\n") if f.exists() else 0
         if n > seen:
             bar.update(n - seen)
             seen = n
@@ -89,9 +89,10 @@ def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = 
         pm.execute_notebook(str(POINT_NB), str(pdir / "point.ipynb"), parameters=params,
                             cwd=str(NOTEBOOKS), progress_bar=False, kernel_name="python3")
     except pm.PapermillExecutionError as e:
-        # The notebook is saved with the traceback; record the error as the point's result.
+        # The notebook is saved with the traceback; unless the point already recorded its
+        # outcome (ok, or failed with a reason), the error is its result.
         s = runfolder.read_point(pdir) or {"point": point.id, "values": point.values}
-        if s.get("status") != "failed":
+        if s.get("status") not in ("ok", "failed"):
             s.update(status="failed", reason=f"notebook error: {e.ename}: {e.evalue}"[:500])
             (pdir / SUMMARY).write_text(json.dumps(s, indent=2, default=str))
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import re
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _WORD_PIECE = re.compile(r"^ [a-z]{3,12}$")
 
@@ -145,7 +145,7 @@ class MixedWorkload(SharedPrefixWorkload):
         rng = self._rng(stream, "class", index)
         if rng.random() >= self.long_fraction:
             r = super().request(index, stream)
-            return Request(**{**r.__dict__, "tags": {**r.tags, "class": "short"}})
+            return replace(r, tags={**r.tags, "class": "short"})
         doc = _text(self._pieces, sample_length(self.long_prompt_tokens, rng), rng)
         return self._request(index, None, doc, sample_length(self.output_tokens, rng), {"class": "long"})
 
@@ -173,16 +173,20 @@ class MultiTurnWorkload(SharedPrefixWorkload):
         super().__init__(tokenizer, **kw)
         self.turns = turns
 
-    def turn(self, conversation: int, t: int, answers: list[str], stream: str = "measure") -> Request:
+    def _question(self, stream: str, conversation: int, t: int) -> str:
         rng = self._rng(stream, conversation, t)
-        questions = [_text(self._pieces, sample_length(self.question_tokens, self._rng(stream, conversation, i)),
-                           self._rng(stream, conversation, i)) for i in range(t + 1)]
+        return _text(self._pieces, sample_length(self.question_tokens, rng), rng)
+
+    def turn(self, conversation: int, t: int, answers: list[str], stream: str = "measure") -> Request:
+        """Turn t (0-based) of a conversation, given the answers to turns 0..t-1."""
         history = []
-        for q, a in zip(questions[:t], answers):
-            history += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        return self._request(conversation * self.turns + t, self.system_prompts[conversation % len(self.system_prompts)],
-                             questions[t], sample_length(self.output_tokens, rng),
-                             {"turn": t + 1, "conversation": conversation}, history)
+        for i, a in enumerate(answers[:t]):
+            history += [{"role": "user", "content": self._question(stream, conversation, i)},
+                        {"role": "assistant", "content": a}]
+        max_tokens = sample_length(self.output_tokens, self._rng(stream, conversation, t, "out"))
+        system = self.system_prompts[conversation % len(self.system_prompts)]
+        return self._request(conversation * self.turns + t, system, self._question(stream, conversation, t),
+                             max_tokens, {"turn": t + 1, "conversation": conversation}, history)
 
     def request(self, index: int, stream: str = "measure") -> Request:
         """First turns only (what warmup sends)."""
