@@ -69,6 +69,9 @@ def trend_vs_axis(med: pd.DataFrame, metrics: dict[str, str], x: str, hue: str |
             sns.lineplot(data=data, x=x, y=m, hue=hue, marker="o", ax=ax)
         if x == "max_num_batched_tokens":
             ax.set_xscale("log", base=2)
+            ticks = sorted(data[x].unique())
+            ax.set_xticks(ticks, [str(int(t)) for t in ticks])  # 128, not 2^7
+            ax.minorticks_off()
         ax.set_title(title)
         ax.set_xlabel(_label(x))
         ax.set_ylabel(title)
