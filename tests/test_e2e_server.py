@@ -306,3 +306,35 @@ def test_rate_ladder_reports_each_step(server, tmp_path):
     assert row["requests[step=4]"] == 8 and row["requests[step=8]"] == 8
     for step in (4, 8):
         assert row[f"ttft_p50_ms[step={step}]"] > 0 and row[f"ttft_p99_ms[step={step}]"] >= row[f"ttft_p50_ms[step={step}]"]
+
+
+def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
+    """A KV cache of 4,096 tokens and 1,024-token prefixes sent one after another: with 2
+    prefixes both stay cached and the measured hit rate meets the expected one; with 6,
+    each is evicted before its turn comes again and the measured rate falls far below
+    what a never-evicting cache would reach."""
+    study = study_from_dict({**TINY, "engine_args": {**TINY["engine_args"], "kv_cache_memory_bytes": 4 * 2**20}})
+    model, dummy = prepare_model(study)
+    port = free_port()
+    srv = VllmServer(serve_command(model, port, expand(study, "cpu")[0].engine_args.cli(), "tiny", load_dummy=dummy),
+                     port, tmp_path / "server.log", startup_timeout_s=600)
+    rates = {}
+    with srv:
+        for prefixes in (2, 6):
+            s = study_from_dict({"name": "reuse", "model": {"card": "tiny-qwen2"}, "rounds": 1,
+                                 "targets": [{"name": "srv", "base_url": srv.url, "model": "tiny"}],
+                                 "workload": {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
+                                              "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24,
+                                              "warmup_requests": 0}})
+            run = PointRun(s, expand(s, "cpu")[0], tmp_path / f"p{prefixes}", "cpu")
+            run.launch()
+            run.run_rounds()
+            summary = run.finish()
+            assert summary["status"] == "ok", summary["reason"]
+            from transformers import AutoTokenizer
+            from vllm_study.workload import make_workload
+            expected = make_workload(AutoTokenizer.from_pretrained(model), s.workload).expected_hit_rate(24, 128)
+            rates[prefixes] = (expected, run.rounds[0]["prefix_cache_hit_rate"])
+    (exp2, got2), (exp6, got6) = rates[2], rates[6]
+    assert got2 == pytest.approx(exp2, abs=0.02)
+    assert exp6 > 0.6 and got6 < exp6 / 2, rates

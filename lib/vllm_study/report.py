@@ -13,7 +13,8 @@ HEADLINE = {
     "ttft_p50_ms": "TTFT P50 ms", "ttft_p90_ms": "TTFT P90 ms", "itl_p50_ms": "ITL P50 ms",
     "itl_p90_ms": "ITL P90 ms", "tpot_p50_ms": "TPOT P50 ms", "e2e_p50_ms": "E2E P50 ms",
     "output_throughput": "out tok/s", "request_throughput": "req/s",
-    "prefix_cache_hit_rate": "prefix hit", "engine_steps": "steps", "tokens_per_step": "tok/step",
+    "prefix_cache_hit_rate": "prefix hit", "expected_prefix_hit_rate": "hit if no eviction",
+    "engine_steps": "steps", "tokens_per_step": "tok/step",
     "preemptions": "preempt", "kv_usage_peak": "KV peak", "gpu_mem_peak_frac": "GPU mem",
 }
 
@@ -50,7 +51,7 @@ def headline_table(df: pd.DataFrame, manifest: dict, digits: int = 1) -> pd.Data
     cols = [c for c in HEADLINE if c in med.columns and med[c].notna().any()]
     t = med[["point", "status", "startup_s", "effective_max_num_seqs", *cols]].rename(columns=HEADLINE)
     t = t.rename(columns={"startup_s": "start s", "effective_max_num_seqs": "max seqs"})
-    return t.set_index("point").round({c: (3 if c in ("prefix hit", "KV peak", "GPU mem") else digits)
+    return t.set_index("point").round({c: (3 if c in ("prefix hit", "hit if no eviction", "KV peak", "GPU mem") else digits)
                                        for c in t.columns if c not in ("point", "status")})
 
 

@@ -103,7 +103,9 @@ def summary_table(run: Path) -> pd.DataFrame:
             continue
         base = {"point": s["point"], **s["values"], "status": s["status"], "reason": s["reason"],
                 "startup_s": s.get("startup_s"),
-                "effective_max_num_seqs": s.get("effective", {}).get("max_num_seqs")}
+                "effective_max_num_seqs": s.get("effective", {}).get("max_num_seqs"),
+                # what a cache that never evicts would hit (shared_prefix workloads)
+                "expected_prefix_hit_rate": (s.get("workload") or {}).get("expected_prefix_hit_rate")}
         for r in read_rounds(pdir):
             rows.append({**base, **{k: v for k, v in r.items() if k not in ("errors", "status")},
                          "round": str(r["round"]), "round_status": r.get("status")})
