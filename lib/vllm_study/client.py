@@ -153,6 +153,10 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
     return res
 
 
+def auth_header(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 def _session(timeout_s: float, concurrency: int) -> aiohttp.ClientSession:
     # trust_env=False: proxy variables must never capture loopback targets.
     return aiohttp.ClientSession(
@@ -165,7 +169,7 @@ async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Re
                           concurrency: int, timeout_s: float = 600.0,
                           api_key: str | None = None, on_done=None) -> list[RequestResult]:
     """Send `requests` keeping `concurrency` in flight; results in request order."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_header(api_key)
     queue: asyncio.Queue[Request] = asyncio.Queue()
     for r in requests:
         queue.put_nowait(r)
@@ -188,7 +192,7 @@ async def run_open_loop(base_url: str, model: str, api: str, requests: list[Requ
     """Send request i at arrivals_s[i] seconds after the start, whether or not earlier
     ones have finished (an open loop: the server's queue, not the client, absorbs load).
     max_concurrency, if given, caps requests in flight (later ones wait for a slot)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_header(api_key)
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     async with _session(timeout_s, max_concurrency or len(requests)) as session:
         t0 = time.perf_counter()
@@ -208,7 +212,7 @@ async def run_conversations(base_url: str, model: str, workload, conversations: 
     """Multi-turn: `concurrency` conversations at a time; each sends its turns in order,
     every turn resending the history with the answers the server actually gave, and
     pauses think_time_s between an answer and the next question."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = auth_header(api_key)
     todo = list(range(conversations))
     out: list[RequestResult] = []
     async with _session(timeout_s, concurrency) as session:
@@ -234,7 +238,7 @@ def check_endpoint(base_url: str, model: str, api_key: str | None = None,
     """Fail early, with a fix, when the endpoint cannot be measured: unreachable,
     key rejected, not an OpenAI API, or not serving `model`."""
     async def probe():
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        headers = auth_header(api_key)
         async with _session(timeout_s, 1) as s:
             try:
                 async with s.get(base_url + "/v1/models", headers=headers) as r:

@@ -13,6 +13,8 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .client import auth_header
+
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
@@ -26,8 +28,8 @@ COUNTERS = {
 
 def _open(url: str, api_key: str | None, method: str = "GET", timeout: float = 5):
     # The key goes along for endpoints behind a gateway that guards every path.
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    return urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method), timeout=timeout)
+    req = urllib.request.Request(url, headers=auth_header(api_key), method=method)
+    return urllib.request.urlopen(req, timeout=timeout)
 
 
 def _get(url: str, api_key: str | None = None) -> str:
