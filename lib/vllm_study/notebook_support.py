@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import json
 import tempfile
+import warnings
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from tqdm import TqdmWarning
+
+# transformers imports tqdm.auto, which warns (with this machine's paths) that
+# ipywidgets is missing; the text progress bar is what the kit wants anyway.
+warnings.filterwarnings("ignore", category=TqdmWarning)
 
 from . import plots, report
 from .params import load_study
