@@ -167,7 +167,7 @@ def _session(timeout_s: float, concurrency: int) -> aiohttp.ClientSession:
 
 async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Request],
                           concurrency: int, timeout_s: float = 600.0,
-                          api_key: str | None = None, on_done=None) -> list[RequestResult]:
+                          api_key: str | None = None) -> list[RequestResult]:
     """Send `requests` keeping `concurrency` in flight; results in request order."""
     headers = auth_header(api_key)
     queue: asyncio.Queue[Request] = asyncio.Queue()
@@ -180,8 +180,6 @@ async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Re
             while not queue.empty():
                 req = queue.get_nowait()
                 results[req.index] = await _one(session, base_url, model, api, req, headers)
-                if on_done:
-                    on_done(results[req.index])
         await asyncio.gather(*(worker() for _ in range(min(concurrency, len(requests)))))
     return [results[r.index] for r in requests]
 

@@ -273,15 +273,3 @@ class PointRun:
 
 def _log_reason(log: Path) -> str:
     return failure_reason(log.read_text(errors="replace")) if log.exists() else "no log"
-
-
-def run_point(study: Study, point: Point, point_dir: str | Path, engine: str) -> dict:
-    """All steps in one call (the notebook calls them one cell at a time)."""
-    run = PointRun(study, point, point_dir, engine)
-    try:
-        run.launch()
-        run.warmup()
-        run.run_rounds()
-    finally:
-        summary = run.finish()
-    return summary
