@@ -19,7 +19,7 @@ from tqdm import TqdmWarning
 # ipywidgets is missing; the text progress bar is what the kit wants anyway.
 warnings.filterwarnings("ignore", category=TqdmWarning)
 
-from . import plots, report
+from . import plots, report, runfolder
 from .params import load_study
 from .point import PointRun  # noqa: F401  (re-exported for the point notebook)
 from .sweep import resolve_engine
@@ -93,7 +93,7 @@ def summary_table(summary: dict) -> pd.DataFrame:
 def resolve_run(run_dir: str) -> Path:
     if run_dir:
         return Path(run_dir)
-    runs = sorted(p for p in RESULTS.glob("*/manifest.json"))
+    runs = sorted(RESULTS.glob(f"*/{runfolder.MANIFEST}"))
     if not runs:
         raise FileNotFoundError(f"no run folder under {RESULTS}; run a sweep first "
                                 "(make study) or set run_dir")

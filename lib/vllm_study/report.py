@@ -1,7 +1,6 @@
 """Read a run folder into tables for the report notebook and the sweep's last words."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -20,7 +19,10 @@ HEADLINE = {
 
 
 def load_manifest(run: str | Path) -> dict:
-    return json.loads((Path(run) / "manifest.json").read_text())
+    m = runfolder.read_manifest(Path(run))
+    if m is None:
+        raise FileNotFoundError(f"{run} has no {runfolder.MANIFEST}: not a run folder")
+    return m
 
 
 def load_summary(run: str | Path) -> pd.DataFrame:

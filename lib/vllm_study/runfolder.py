@@ -20,7 +20,7 @@ import yaml
 from . import __version__
 from .params import Study
 
-POINTS = "points"
+POINTS, MANIFEST = "points", "manifest.json"
 
 
 def _git(*args: str, cwd: Path) -> str | None:
@@ -73,9 +73,14 @@ def write_manifest(run: Path, study: Study, engine: str, gpu, points, repo: Path
         "warnings": {p.id: p.warnings for p in points if p.warnings},
         "params": study.model_dump(mode="json"),
     }
-    (run / "manifest.json").write_text(json.dumps(manifest, indent=2))
+    (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
     # The exact study the points ran, as YAML: `--resume` and the notebooks read it.
     (run / "study.yaml").write_text(yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
+
+
+def read_manifest(run: Path) -> dict | None:
+    f = Path(run) / MANIFEST
+    return json.loads(f.read_text()) if f.exists() else None
 
 
 def read_point(point_dir: Path) -> dict | None:
@@ -92,8 +97,7 @@ def summary_table(run: Path) -> pd.DataFrame:
     """One row per point x round, then one 'median' row per point (status and reason
     on every row, so a failed point with no rounds still has its line)."""
     rows = []
-    manifest = Path(run) / "manifest.json"
-    order = json.loads(manifest.read_text())["points"] if manifest.exists() else []
+    order = (read_manifest(run) or {}).get("points", [])
     dirs = [d for d in (Path(run) / POINTS).iterdir() if d.is_dir()]
     # grid order (as the manifest lists the points), not the alphabetical order of ids
     dirs.sort(key=lambda d: (order.index(d.name) if d.name in order else len(order), d.name))

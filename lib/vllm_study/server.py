@@ -79,14 +79,15 @@ _FAILURES = [
 
 def failure_reason(log_text: str) -> str:
     # the first line is the kit's own record of the command, not the server's output
-    log_text = "\n".join(ln for ln in log_text.splitlines() if not ln.startswith("# "))
+    lines = [ln for ln in log_text.splitlines() if not ln.startswith("# ")]
+    log_text = "\n".join(lines)
     for pattern, reason in _FAILURES:
         m = re.search(pattern, log_text)
         if m:
-            line = next((ln for ln in log_text.splitlines() if m.group(0) in ln), m.group(0))
+            line = next((ln for ln in lines if m.group(0) in ln), m.group(0))
             return f"{reason} | {line.strip()[-600:]}"
-    errs = [ln for ln in log_text.splitlines() if re.search(r"(Error|Exception)\b", ln)]
-    tail = errs[-1] if errs else next((ln for ln in reversed(log_text.splitlines()) if ln.strip()), "")
+    errs = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
+    tail = errs[-1] if errs else next((ln for ln in reversed(lines) if ln.strip()), "")
     return f"server exited | {tail.strip()[-300:]}" if tail else "server exited with an empty log"
 
 

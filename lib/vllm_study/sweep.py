@@ -181,7 +181,7 @@ def _run_points(run: Path, todo: list[Point], study: Study, engine: str, t0: flo
 
 
 def _manifest_engine(run: Path, requested: str) -> str:
-    m = json.loads((run / "manifest.json").read_text())
+    m = runfolder.read_manifest(run) or {}
     return m.get("engine", requested) if requested == "auto" else requested
 
 
