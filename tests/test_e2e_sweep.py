@@ -83,6 +83,8 @@ def test_budget_resume_failure_and_report(tmp_path):
         assert (run / "figures" / fig).stat().st_size > 10_000, fig
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["versions"]["vllm"] and manifest["git"]["sha"]
+    (resumed,) = manifest["resumes"]  # which code ran the second slice
+    assert resumed["points"] == ["mbt=256__kv=1MiB"] and resumed["git"]["sha"] == manifest["git"]["sha"]
     for s in (ok, bad):  # nothing left running
         if s.get("server_pgid"):
             with pytest.raises(ProcessLookupError):

@@ -83,6 +83,16 @@ def read_manifest(run: Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
+def record_resume(run: Path, repo: Path, point_ids: list[str]) -> None:
+    """A resumed run may span days, commits and machines: each resume appends which
+    code and versions ran which points, so the manifest never claims one commit for all."""
+    manifest = read_manifest(run) or {}
+    manifest.setdefault("resumes", []).append({
+        "utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "git": git_state(repo), "versions": versions(), "points": point_ids})
+    (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
 def read_point(point_dir: Path) -> dict | None:
     f = point_dir / "summary.json"
     return json.loads(f.read_text()) if f.exists() else None

@@ -133,6 +133,8 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
         finished = s and s.get("status") in ("ok", "failed")
         if not finished or (retry_failed and s["status"] == "failed"):
             todo.append(p)
+    if resume and todo:
+        runfolder.record_resume(run, REPO, [p.id for p in todo])
     print(f"run: {run}\n{len(points)} points, {len(points) - len(todo)} already finished, "
           f"{study.rounds} rounds each, engine {engine}")
     for p in points:
