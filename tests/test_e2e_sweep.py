@@ -84,7 +84,8 @@ def test_budget_resume_failure_and_report(tmp_path):
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["versions"]["vllm"] and manifest["git"]["sha"]
     (resumed,) = manifest["resumes"]  # which code ran the second slice
-    assert resumed["points"] == ["mbt=256__kv=1MiB"] and resumed["git"]["sha"] == manifest["git"]["sha"]
+    assert resumed["points_left"] == ["mbt=256__kv=1MiB"] and resumed["git"]["sha"] == manifest["git"]["sha"]
+    assert resumed["host"] == manifest["host"] and "GPU" in resumed["gpu"]  # CPU machine: the reason
     for s in (ok, bad):  # nothing left running
         if s.get("server_pgid"):
             with pytest.raises(ProcessLookupError):

@@ -13,7 +13,8 @@ _CACHE_LABELS = ('block_size="16",cache_dtype="auto",enable_prefix_caching="True
 
 
 def exposition(queries=(1000.0, 500.0), hits=(600.0, 100.0), preempt=(2.0, 1.0),
-               steps=(40.0, 10.0), step_tokens=(3200.0, 800.0), kv=(0.25, 0.5)) -> str:
+               steps=(40.0, 10.0), step_tokens=(3200.0, 800.0), kv=(0.25, 0.5),
+               ttft=((20.0, 4.0), (5.0, 1.0))) -> str:
     """Prometheus text as vLLM's /metrics writes it, for two engines (data parallel)."""
     lines = []
 
@@ -38,6 +39,12 @@ def exposition(queries=(1000.0, 500.0), hits=(600.0, 100.0), preempt=(2.0, 1.0),
             lines.append(f'vllm:iteration_tokens_total_bucket{{{lab(e)},le="{le}"}} {steps[e] * frac}')
         lines.append(f"vllm:iteration_tokens_total_count{{{lab(e)}}} {steps[e]}")
         lines.append(f"vllm:iteration_tokens_total_sum{{{lab(e)}}} {step_tokens[e]}")
+    fam("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.")
+    for e in (0, 1):
+        total, count = ttft[e]
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{{lab(e)},le="+Inf"}} {count}')
+        lines.append(f"vllm:time_to_first_token_seconds_count{{{lab(e)}}} {count}")
+        lines.append(f"vllm:time_to_first_token_seconds_sum{{{lab(e)}}} {total}")
     fam("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.")
     lines += [f"vllm:prompt_tokens_total{{{lab(e)}}} {queries[e]}" for e in (0, 1)]
     fam("vllm:generation_tokens", "counter", "Number of generation tokens processed.")
@@ -76,8 +83,10 @@ def test_round_deltas_hit_rate_and_tokens_per_step():
     before = parse_metrics(exposition())
     after = parse_metrics(exposition(queries=(3000.0, 500.0), hits=(2200.0, 100.0),
                                      preempt=(5.0, 1.0), steps=(140.0, 10.0),
-                                     step_tokens=(9200.0, 800.0)))
+                                     step_tokens=(9200.0, 800.0), ttft=((20.9, 10.0), (5.3, 2.0))))
     d = round_deltas(before, after)
+    assert d["server_ttft_count"] == 7.0
+    assert d["server_ttft_mean_ms"] == pytest.approx(1000 * 1.2 / 7)  # 7 requests, 1.2 s of TTFT
     assert d["prefix_cache_queries"] == 2000.0
     assert d["prefix_cache_hits"] == 1600.0
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.8)
@@ -94,7 +103,7 @@ def test_round_deltas_idle_round_and_missing_metrics():
     d = round_deltas(snap, snap)
     assert d["prefix_cache_queries"] == 0.0
     assert d["prefix_cache_hit_rate"] is None   # no queries: no rate, not 0/0
-    assert d["tokens_per_step"] is None
+    assert d["tokens_per_step"] is None and d["server_ttft_mean_ms"] is None
     empty = parse_metrics("")
     d = round_deltas(empty, snap)
     assert d["preemptions"] is None and d["prefix_cache_hit_rate"] is None
@@ -142,6 +151,6 @@ def test_nvml_probe_says_why_when_no_gpu():
     else:
         assert probe.why == ""
         gpus = probe.describe()
-        assert gpus and all(g["memory_total_bytes"] > 0 for g in gpus)
+        assert gpus and all(g["memory_total_bytes"] > 0 and g["uuid"].startswith("GPU-") for g in gpus)
         sample = probe.sample()
         assert 0 < sample["mem_used"] <= sample["mem_total"]

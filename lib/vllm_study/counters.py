@@ -23,6 +23,10 @@ COUNTERS = {
     "step_tokens": "vllm:iteration_tokens_total_sum",
     "server_prompt_tokens": "vllm:prompt_tokens_total",
     "server_generation_tokens": "vllm:generation_tokens_total",
+    # vLLM's own TTFT (from the request's arrival at the server): beside the client's,
+    # it splits a TTFT difference into "the load differed" and "the clients' clocks differ".
+    "server_ttft_sum_s": "vllm:time_to_first_token_seconds_sum",
+    "server_ttft_count": "vllm:time_to_first_token_seconds_count",
 }
 
 
@@ -65,6 +69,8 @@ def round_deltas(before: dict, after: dict) -> dict:
     out["prefix_cache_hit_rate"] = h / q if q else None
     steps = out["engine_steps"]
     out["tokens_per_step"] = out["step_tokens"] / steps if steps else None
+    n = out["server_ttft_count"]
+    out["server_ttft_mean_ms"] = 1000 * out["server_ttft_sum_s"] / n if n else None
     return out
 
 
@@ -104,8 +110,11 @@ class NvmlProbe:
         if not self.available:
             return None
         nv = self._nvml
+        # The UUID names the physical GPU: a study resumed on another lent machine is
+        # then visible per point, and so is any difference that follows the machine.
         return [{"name": nv.nvmlDeviceGetName(h), "memory_total_bytes": nv.nvmlDeviceGetMemoryInfo(h).total,
-                 "driver": nv.nvmlSystemGetDriverVersion()} for h in self.handles]
+                 "driver": nv.nvmlSystemGetDriverVersion(), "uuid": nv.nvmlDeviceGetUUID(h)}
+                for h in self.handles]
 
     def sample(self) -> dict:
         nv = self._nvml

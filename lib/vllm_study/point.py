@@ -13,6 +13,7 @@ import functools
 import gzip
 import json
 import os
+import platform
 import re
 import time
 from dataclasses import replace
@@ -79,7 +80,7 @@ class PointRun:
             "engine": engine, "engine_args": point.engine_args.model_dump(exclude_none=True),
             "effective": dict(point.effective), "warnings": point.warnings,
             "rounds_planned": study.rounds, "rounds_ok": 0,
-            "gpu": self.nvml.describe() or self.nvml.why,
+            "gpu": self.nvml.describe() or self.nvml.why, "host": platform.node(),
         }
         self._write_summary()
 

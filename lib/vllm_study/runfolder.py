@@ -68,7 +68,7 @@ def write_manifest(run: Path, study: Study, engine: str, gpu, points, repo: Path
     manifest = {
         "study": study.name, "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "git": git_state(repo), "versions": versions(), "engine": engine, "gpu": gpu,
-        "cpu": {"machine": platform.machine(), "cores": os.cpu_count()},
+        "host": platform.node(), "cpu": {"machine": platform.machine(), "cores": os.cpu_count()},
         "points": [p.id for p in points],
         "warnings": {p.id: p.warnings for p in points if p.warnings},
         "params": study.model_dump(mode="json"),
@@ -83,13 +83,14 @@ def read_manifest(run: Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def record_resume(run: Path, repo: Path, point_ids: list[str]) -> None:
+def record_resume(run: Path, repo: Path, point_ids: list[str], gpu) -> None:
     """A resumed run may span days, commits and machines: each resume appends which
     code and versions ran which points, so the manifest never claims one commit for all."""
     manifest = read_manifest(run) or {}
     manifest.setdefault("resumes", []).append({
         "utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_state(repo), "versions": versions(), "points": point_ids})
+        "git": git_state(repo), "versions": versions(), "host": platform.node(), "gpu": gpu,
+        "points_left": point_ids})
     (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
 
 

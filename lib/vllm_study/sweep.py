@@ -134,7 +134,8 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
         if not finished or (retry_failed and s["status"] == "failed"):
             todo.append(p)
     if resume and todo:
-        runfolder.record_resume(run, REPO, [p.id for p in todo])
+        nvml = NvmlProbe()
+        runfolder.record_resume(run, REPO, [p.id for p in todo], nvml.describe() or nvml.why)
     print(f"run: {run}\n{len(points)} points, {len(points) - len(todo)} already finished, "
           f"{study.rounds} rounds each, engine {engine}")
     for p in points:
