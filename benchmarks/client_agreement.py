@@ -1,9 +1,15 @@
 """Does the kit's client measure what `vllm bench serve` measures?
 
-One server, one workload (shared prefix + distinct tail, fixed output length, fixed
-concurrency, /v1/completions), measured alternately by the kit's client and by vLLM's
-own benchmark, with the prefix cache reset before each run. Prints the median TTFT and
-median TPOT of each and their relative difference (the target: within 5%).
+One server, one workload (shared prefix + distinct tail, fixed output length,
+/v1/completions), measured alternately by the kit's client and by vLLM's own benchmark,
+with the prefix cache reset before each run. Load: the study's concurrency (closed loop),
+or with --rate a Poisson arrival process at that many requests/s on both. Prints the
+median TTFT and median TPOT of each and their relative difference (the target: within 5%).
+
+Beside each run's client figures it prints vLLM's own mean TTFT for that run (its
+/metrics histogram, measured from the request's arrival at the server): when the two
+clients' server-side TTFTs differ, the load they made differed; when only the client-side
+ones differ, their clocks do.
 
     python benchmarks/client_agreement.py params/h200-qwen2.5-7b.yaml --point mbt=2048__gmu=0.90
 
@@ -23,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import client, counters  # noqa: E402
+from vllm_study import client, counters, loads  # noqa: E402
 from vllm_study.params import expand, load_study  # noqa: E402
 from vllm_study.point import prepare_model  # noqa: E402
 from vllm_study.server import VllmServer, free_port, serve_command, vllm_distribution  # noqa: E402
@@ -41,7 +47,7 @@ def bench_command() -> list[str]:
     return [sys.executable, "-c", _MODULE_BENCH]
 
 
-def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path) -> dict:
+def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path, rate: float | None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     name = f"bench-{len(list(out.glob('bench-*.json')))}.json"
     cmd = bench_command() + [
@@ -49,20 +55,27 @@ def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path) 
         "--model", served, "--tokenizer", tokenizer, "--dataset-name", "random",
         "--random-prefix-len", str(w.system_prompt_tokens), "--random-input-len", str(w.question_tokens),
         "--random-output-len", str(w.output_tokens), "--random-range-ratio", "0",
-        "--num-prompts", str(n), "--max-concurrency", str(w.concurrency), "--ignore-eos",
+        "--num-prompts", str(n), "--ignore-eos",
+        *(["--request-rate", str(rate), "--burstiness", "1"] if rate else ["--max-concurrency", str(w.concurrency)]),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir", str(out),
         "--result-filename", name, "--disable-tqdm", "--seed", str(w.seed),
         "--temperature", "0"]  # greedy, as the kit's client asks: sampling cost must match
     subprocess.run(cmd, check=True)
     r = json.loads((out / name).read_text())
-    return {"ttft_ms": r["median_ttft_ms"], "tpot_ms": r["median_tpot_ms"], "itl_ms": r.get("median_itl_ms"),
-            "completed": r["completed"]}
+    return {"ttft_ms": r["median_ttft_ms"], "ttft_mean_ms": r["mean_ttft_ms"], "tpot_ms": r["median_tpot_ms"],
+            "itl_ms": r.get("median_itl_ms"), "completed": r["completed"]}
 
 
-def run_kit(url: str, served: str, wl: SharedPrefixWorkload, n: int, concurrency: int) -> dict:
-    res = client.run_sync(client.run_closed_loop(url, served, "completions", wl.requests(n), concurrency))
+def run_kit(url: str, served: str, wl: SharedPrefixWorkload, n: int, concurrency: int,
+            rate: float | None = None, seed: int = 0) -> dict:
+    if rate:
+        res = client.run_sync(client.run_open_loop(url, served, "completions", wl.requests(n),
+                                                   loads.arrivals(n, rate, 1.0, seed)))
+    else:
+        res = client.run_sync(client.run_closed_loop(url, served, "completions", wl.requests(n), concurrency))
     ok = [r for r in res if r.ok]
     return {"ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
+            "ttft_mean_ms": statistics.mean(r.ttft_s for r in ok) * 1000,
             "tpot_ms": statistics.median(r.tpot_s for r in ok) * 1000,
             "itl_ms": statistics.median(g for r in ok for g in r.itl_s) * 1000, "completed": len(ok)}
 
@@ -73,8 +86,11 @@ def main() -> int:
     ap.add_argument("--point", default="", help="grid point id (default: the last point)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each client")
     ap.add_argument("--requests", type=int, help="requests per run (default: the study's per round)")
+    ap.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s on both clients, "
+                    "instead of the study's concurrency (a closed loop)")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="agreement-")))
     a = ap.parse_args()
+    a.out.mkdir(parents=True, exist_ok=True)
 
     study = load_study(a.params)
     engine = resolve_engine(study.server.engine)
@@ -90,40 +106,61 @@ def main() -> int:
     port = free_port()
     cmd = serve_command(model, port, point.engine_args.cli(), served, dummy, study.server.extra_cli_args)
     runs = {"kit": [], "vllm_bench": []}
-    with VllmServer(cmd, port, a.out / "server.log", env=study.server.env,
-                    startup_timeout_s=study.server.startup_timeout_s) as srv:
-        print(f"server ready in {srv.startup_s:.0f} s; point {point.id}; {n} requests, "
-              f"concurrency {w.concurrency}, {w.system_prompt_tokens}+{w.question_tokens} in, "
-              f"{w.output_tokens} out", flush=True)
-        run_kit(srv.url, served, wl, min(n, 2 * w.concurrency), w.concurrency)  # warmup, discarded
-        def measured(fn):
-            # Same cold cache for both; the server's own counters show both sent the same work.
-            counters.reset_prefix_cache(srv.url)
-            before = counters.scrape(srv.url)
-            r = fn()
-            d = counters.round_deltas(before, counters.scrape(srv.url))
-            return {**r, "prompt_tokens": d["server_prompt_tokens"], "prefix_hit": d["prefix_cache_hit_rate"]}
+    # Each finished run goes to runs.jsonl at once and the summary covers what finished:
+    # a benchmark cut short (a device call's time limit, Ctrl-C) keeps its measurements.
+    log = a.out / "runs.jsonl"
+    try:
+        with VllmServer(cmd, port, a.out / "server.log", env=study.server.env,
+                        startup_timeout_s=study.server.startup_timeout_s) as srv:
+            load = f"Poisson {a.rate} req/s" if a.rate else f"concurrency {w.concurrency}"
+            print(f"server ready in {srv.startup_s:.0f} s; point {point.id}; {n} requests, "
+                  f"{load}, {w.system_prompt_tokens}+{w.question_tokens} in, "
+                  f"{w.output_tokens} out", flush=True)
+            run_kit(srv.url, served, wl, min(n, 2 * w.concurrency), w.concurrency)  # warmup, discarded
 
-        for _ in range(a.repeats):
-            runs["kit"].append(measured(lambda: run_kit(srv.url, served, wl, n, w.concurrency)))
-            runs["vllm_bench"].append(measured(lambda: run_vllm_bench(srv.url, served, model, w, n, a.out)))
+            def measured(who: str, fn) -> None:
+                # Same cold cache for both; the server's own counters show both sent the same work.
+                counters.reset_prefix_cache(srv.url)
+                before = counters.scrape(srv.url)
+                r = fn()
+                d = counters.round_deltas(before, counters.scrape(srv.url))
+                r = {**r, "prompt_tokens": d["server_prompt_tokens"], "prefix_hit": d["prefix_cache_hit_rate"],
+                     "server_ttft_mean_ms": d["server_ttft_mean_ms"]}
+                runs[who].append(r)
+                with log.open("a") as f:
+                    f.write(json.dumps({"client": who, "repeat": len(runs[who]) - 1, **r}) + "\n")
 
-    print(f"\n{'run':<12}{'rep':>4}{'TTFT P50 ms':>14}{'TPOT P50 ms':>14}{'ITL P50 ms':>13}{'done':>6}"
-          f"{'prompt tok':>12}{'prefix hit':>12}")
+            for i in range(a.repeats):
+                measured("kit", lambda: run_kit(srv.url, served, wl, n, w.concurrency, a.rate, w.seed + i))
+                measured("vllm_bench", lambda: run_vllm_bench(srv.url, served, model, w, n, a.out, a.rate))
+    except KeyboardInterrupt:
+        print("\ninterrupted: the summary covers the runs that finished", flush=True)
+    summarize(runs, point.id, a.out)
+    print(f"\nresults: {a.out}")
+    return 0
+
+
+def summarize(runs: dict, point_id: str, out: Path) -> None:
+    print(f"\n{'run':<12}{'rep':>4}{'TTFT P50':>10}{'TTFT mean':>11}{'server mean':>13}{'TPOT P50':>10}"
+          f"{'ITL P50':>9}{'done':>6}{'prompt tok':>12}{'prefix hit':>12}   (ms)")
     for who, rs in runs.items():
         for i, r in enumerate(rs):
-            print(f"{who:<12}{i:>4}{r['ttft_ms']:>14.2f}{r['tpot_ms']:>14.2f}{r['itl_ms'] or 0:>13.2f}"
-                  f"{r['completed']:>6}{r['prompt_tokens'] or 0:>12.0f}{r['prefix_hit'] or 0:>12.3f}")
+            print(f"{who:<12}{i:>4}{r['ttft_ms']:>10.2f}{r['ttft_mean_ms']:>11.2f}{r['server_ttft_mean_ms'] or 0:>13.2f}"
+                  f"{r['tpot_ms']:>10.2f}{r['itl_ms'] or 0:>9.2f}{r['completed']:>6}{r['prompt_tokens'] or 0:>12.0f}"
+                  f"{r['prefix_hit'] or 0:>12.3f}")
+    if not (runs["kit"] and runs["vllm_bench"]):
+        print("no run of one of the two clients finished: nothing to compare")
+        return
     summary = {}
-    for metric in ("ttft_ms", "tpot_ms"):
+    labels = {"ttft_ms": "median TTFT", "tpot_ms": "median TPOT",
+              "server_ttft_mean_ms": "server-side TTFT (vLLM's mean)"}
+    for metric, label in labels.items():
         kit = statistics.median(r[metric] for r in runs["kit"])
         ref = statistics.median(r[metric] for r in runs["vllm_bench"])
         summary[metric] = {"kit": kit, "vllm_bench": ref, "rel_diff": (kit - ref) / ref}
-        print(f"median {metric[:-3].upper():<5} kit {kit:9.2f} ms   vllm bench {ref:9.2f} ms   "
+        print(f"{label:<31} kit {kit:9.2f} ms   vllm bench {ref:9.2f} ms   "
               f"difference {100 * (kit - ref) / ref:+.1f}%  ({'within' if abs(kit - ref) <= 0.05 * ref else 'OUTSIDE'} 5%)")
-    (a.out / "agreement.json").write_text(json.dumps({"point": point.id, "runs": runs, "summary": summary}, indent=2))
-    print(f"\nresults: {a.out}")
-    return 0
+    (out / "agreement.json").write_text(json.dumps({"point": point_id, "runs": runs, "summary": summary}, indent=2))
 
 
 if __name__ == "__main__":
