@@ -75,6 +75,10 @@ def test_budget_resume_failure_and_report(tmp_path):
     assert sorted(rounds["round"]) == ["0", "1", "2"]
     for metric in ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate"):
         assert median[metric] == pytest.approx(rounds[metric].median()), metric
+    # vLLM's own TTFT starts when the request reaches the server and ends before the
+    # token reaches the client: below the client's, for every round
+    assert (0 < rounds["server_ttft_mean_ms"]).all()
+    assert (rounds["server_ttft_mean_ms"] < rounds["ttft_mean_ms"]).all()
     failed_row = df[df["point"] == "mbt=256__kv=1MiB"].iloc[0]
     assert failed_row["status"] == "failed" and "KV cache" in failed_row["reason"]
 

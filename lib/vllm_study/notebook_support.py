@@ -145,7 +145,7 @@ HEATMAPS = {
     "ttft_p90_ms": ("TTFT P90 (ms)", ".0f"), "itl_p90_ms": ("ITL P90 (ms)", ".1f"),
     "tpot_p50_ms": ("TPOT P50 (ms)", ".1f"), "output_throughput": ("output tokens/s", ".0f"),
     "prefix_cache_hit_rate": ("prefix-cache hit rate", ".2f"), "engine_steps": ("engine steps / round", ".0f"),
-    "kv_usage_peak": ("KV usage peak", ".2f"), "preemptions": ("preemptions / round", ".0f"),
+    "kv_usage_peak": ("KV usage peak", ".1%"), "preemptions": ("preemptions / round", ".0f"),
     "gpu_mem_peak_frac": ("GPU memory peak (share)", ".2f"),
 }
 
