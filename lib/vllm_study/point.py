@@ -13,13 +13,12 @@ import functools
 import gzip
 import json
 import os
-import platform
 import re
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import client, counters, loads, stats
+from . import client, counters, loads, runfolder, stats
 from .models import build_model_dir
 from .params import Point, Study
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
@@ -80,7 +79,7 @@ class PointRun:
             "engine": engine, "engine_args": point.engine_args.model_dump(exclude_none=True),
             "effective": dict(point.effective), "warnings": point.warnings,
             "rounds_planned": study.rounds, "rounds_ok": 0,
-            "gpu": self.nvml.describe() or self.nvml.why, "host": platform.node(),
+            **runfolder.machine(self.nvml),
         }
         self._write_summary()
 

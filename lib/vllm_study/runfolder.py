@@ -18,6 +18,7 @@ import pandas as pd
 import yaml
 
 from . import __version__
+from .counters import NvmlProbe
 from .params import Study
 
 POINTS, MANIFEST = "points", "manifest.json"
@@ -64,16 +65,30 @@ def new_run_dir(results: Path, study: Study, repo: Path) -> Path:
     return run
 
 
-def write_manifest(run: Path, study: Study, engine: str, gpu, points, repo: Path) -> None:
-    manifest = {
-        "study": study.name, "created_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_state(repo), "versions": versions(), "engine": engine, "gpu": gpu,
-        "host": platform.node(), "cpu": {"machine": platform.machine(), "cores": os.cpu_count()},
+def machine(nvml: NvmlProbe | None = None) -> dict:
+    """Which machine this is: host name and GPUs (or why there are none). The manifest,
+    each resume and each point record it, so a run spread over machines shows it."""
+    nvml = nvml or NvmlProbe()
+    return {"host": platform.node(), "gpu": nvml.describe() or nvml.why}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _save_manifest(run: Path, manifest: dict) -> None:
+    (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def write_manifest(run: Path, study: Study, engine: str, points, repo: Path) -> None:
+    _save_manifest(run, {
+        "study": study.name, "created_utc": _now(),
+        "git": git_state(repo), "versions": versions(), "engine": engine, **machine(),
+        "cpu": {"machine": platform.machine(), "cores": os.cpu_count()},
         "points": [p.id for p in points],
         "warnings": {p.id: p.warnings for p in points if p.warnings},
         "params": study.model_dump(mode="json"),
-    }
-    (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    })
     # The exact study the points ran, as YAML: `--resume` and the notebooks read it.
     (run / "study.yaml").write_text(yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
 
@@ -83,15 +98,14 @@ def read_manifest(run: Path) -> dict | None:
     return json.loads(f.read_text()) if f.exists() else None
 
 
-def record_resume(run: Path, repo: Path, point_ids: list[str], gpu) -> None:
+def record_resume(run: Path, repo: Path, point_ids: list[str]) -> None:
     """A resumed run may span days, commits and machines: each resume appends which
     code and versions ran which points, so the manifest never claims one commit for all."""
     manifest = read_manifest(run) or {}
     manifest.setdefault("resumes", []).append({
-        "utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git": git_state(repo), "versions": versions(), "host": platform.node(), "gpu": gpu,
+        "utc": _now(), "git": git_state(repo), "versions": versions(), **machine(),
         "points_left": point_ids})
-    (run / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _save_manifest(run, manifest)
 
 
 def read_point(point_dir: Path) -> dict | None:

@@ -147,7 +147,7 @@ class VllmServer:
 
     @property
     def pgid_file(self) -> Path:
-        return self.log_path.with_suffix(".pgid")
+        return pgid_path(self.log_path)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -185,6 +185,11 @@ class VllmServer:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def pgid_path(log_path: Path) -> Path:
+    """Where a server started with this log records its process group id."""
+    return Path(log_path).with_suffix(".pgid")
 
 
 def stop_group_from_file(pgid_file: Path) -> bool:

@@ -17,8 +17,8 @@ from tqdm import tqdm
 from . import runfolder
 from .counters import NvmlProbe
 from .params import Point, Study, expand, load_study
-from .point import ROUNDS, SUMMARY
-from .server import stop_group_from_file
+from .point import LOG, ROUNDS, SUMMARY
+from .server import pgid_path, stop_group_from_file
 
 REPO = Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
@@ -55,7 +55,7 @@ def _watch_rounds(point_dir: Path, bar: tqdm, stop: threading.Event) -> None:
 def _stop_leftover_server(point_dir: Path) -> None:
     """Safety net: if the point's kernel died (or was interrupted) without stopping its
     server, stop the process group the server recorded (never anything found by name)."""
-    if stop_group_from_file(point_dir / "server.pgid"):
+    if stop_group_from_file(pgid_path(point_dir / LOG)):
         tqdm.write(f"  stopped a server left running by {point_dir.name}")
 
 
@@ -125,8 +125,7 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
     check_parameters(REPORT_NB, {"run_dir"})
     if not resume:
         run = runfolder.new_run_dir(results, study, REPO)
-        nvml = NvmlProbe()
-        runfolder.write_manifest(run, study, engine, nvml.describe() or nvml.why, points, REPO)
+        runfolder.write_manifest(run, study, engine, points, REPO)
     todo = []
     for p in points:
         s = runfolder.read_point(run / runfolder.POINTS / p.id)
@@ -134,8 +133,7 @@ def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: 
         if not finished or (retry_failed and s["status"] == "failed"):
             todo.append(p)
     if resume and todo:
-        nvml = NvmlProbe()
-        runfolder.record_resume(run, REPO, [p.id for p in todo], nvml.describe() or nvml.why)
+        runfolder.record_resume(run, REPO, [p.id for p in todo])
     print(f"run: {run}\n{len(points)} points, {len(points) - len(todo)} already finished, "
           f"{study.rounds} rounds each, engine {engine}")
     for p in points:
