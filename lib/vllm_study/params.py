@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
+import random
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -81,6 +83,13 @@ class Uniform(_Strict):
             raise ValueError(f"uniform range {list(self.uniform)} needs 1 <= low <= high")
         return self
 
+    def longest(self) -> float:
+        return self.uniform[1]
+
+    def sample(self, rng: random.Random) -> int:
+        lo, hi = self.uniform
+        return rng.randint(lo, hi)
+
 
 class _LogN(_Strict):
     mean: float = Field(gt=0)
@@ -88,20 +97,31 @@ class _LogN(_Strict):
 
 
 class Lognormal(_Strict):
+    """mean and sd are those of the token count itself, not of its log."""
     lognormal: _LogN
+
+    def longest(self) -> float:
+        return self.lognormal.mean + 4 * self.lognormal.sd  # unbounded: 4 sd covers it in practice
+
+    def sample(self, rng: random.Random) -> int:
+        m, sd = self.lognormal.mean, self.lognormal.sd
+        sigma2 = math.log(1 + (sd / m) ** 2)
+        return max(1, round(rng.lognormvariate(math.log(m) - sigma2 / 2, math.sqrt(sigma2))))
 
 
 # A token count: fixed (128), {uniform: [lo, hi]}, or {lognormal: {mean: 500, sd: 200}}.
+# Each distribution knows its own longest value and how to draw one.
 Length = Annotated[int, Field(ge=1)] | Uniform | Lognormal
 
 
-def length_max(spec) -> float:
-    """The longest a length can be, for the max_model_len check (lognormal: mean + 4 sd)."""
-    if isinstance(spec, int):
-        return spec
-    if isinstance(spec, Uniform):
-        return spec.uniform[1]
-    return spec.lognormal.mean + 4 * spec.lognormal.sd
+def length_max(spec: Length) -> float:
+    """The longest a length can be, for the max_model_len check."""
+    return spec if isinstance(spec, int) else spec.longest()
+
+
+def sample_length(spec: Length, rng: random.Random) -> int:
+    """A token count drawn from a params length (a fixed int is itself)."""
+    return spec if isinstance(spec, int) else spec.sample(rng)
 
 
 class Load(_Strict):

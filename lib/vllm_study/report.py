@@ -70,7 +70,7 @@ def target_comparison(df: pd.DataFrame, manifest: dict) -> pd.DataFrame | None:
         row = {"target": t["name"], "base_url": t["base_url"], "status": r["status"]}
         for m, label in (("ttft_p50_ms", "TTFT P50 ms"), ("itl_p50_ms", "ITL P50 ms"), ("e2e_p50_ms", "E2E P50 ms")):
             row[label] = r.get(m)
-            row[f"{label} vs {targets[0]['name']}"] = r.get(m) - med.loc[base].get(m) if r.get(m) == r.get(m) else None
+            row[f"{label} vs {targets[0]['name']}"] = r.get(m) - med.loc[base].get(m) if pd.notna(r.get(m)) else None
         rows.append(row)
     return pd.DataFrame(rows).set_index("target").round(2)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import random
 import re
-import math
 from dataclasses import dataclass, field, replace
+
+from .params import sample_length
 
 _WORD_PIECE = re.compile(r"^ [a-z]{3,12}$")
 
@@ -39,19 +40,6 @@ def word_pieces(tokenizer) -> list[str]:
 
 def _text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(n_tokens))
-
-
-def sample_length(spec, rng: random.Random) -> int:
-    """A token count from a params length: an int, {uniform: [lo, hi]} or
-    {lognormal: {mean, sd}} (mean and sd of the count itself, not of its log)."""
-    if isinstance(spec, int):
-        return spec
-    if getattr(spec, "uniform", None):
-        lo, hi = spec.uniform
-        return rng.randint(lo, hi)
-    m, sd = spec.lognormal.mean, spec.lognormal.sd
-    sigma2 = math.log(1 + (sd / m) ** 2)
-    return max(1, round(rng.lognormvariate(math.log(m) - sigma2 / 2, math.sqrt(sigma2))))
 
 
 class _Base:
