@@ -1,7 +1,7 @@
 """Does the kit's client measure what `vllm bench serve` measures?
 
 One server, one workload (shared prefix + distinct tail, fixed output length,
-/v1/completions), measured alternately by the kit's client and by vLLM's own benchmark,
+/v1/completions; the same prompt texts for both clients), measured alternately by the kit's client and by vLLM's own benchmark,
 with the prefix cache reset before each run. Load: the study's concurrency (closed loop),
 or with --rate a Poisson arrival process at that many requests/s on both. Prints the
 median TTFT and median TPOT of each and their relative difference (the target: within 5%).
@@ -47,18 +47,27 @@ def bench_command() -> list[str]:
     return [sys.executable, "-c", _MODULE_BENCH]
 
 
-def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path, rate: float | None) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+def write_prompts(requests: list, path: Path) -> Path:
+    """The kit's requests as a `vllm bench` custom dataset, so both clients send the
+    same prompt texts in the same order. (With vllm bench's random dataset, whose text is
+    decoded random token ids, vLLM's own TTFT came out 17% higher than with the kit's
+    prompts on the H200 at equal token counts: the workloads differed, not the clients.)"""
+    path.write_text("".join(json.dumps({"prompt": r.prompt}) + "\n" for r in requests))
+    return path
+
+
+def run_vllm_bench(url: str, served: str, tokenizer: str, prompts: Path, w, n: int, out: Path,
+                   rate: float | None, seed: int = 0) -> dict:
     name = f"bench-{len(list(out.glob('bench-*.json')))}.json"
     cmd = bench_command() + [
         "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
-        "--model", served, "--tokenizer", tokenizer, "--dataset-name", "random",
-        "--random-prefix-len", str(w.system_prompt_tokens), "--random-input-len", str(w.question_tokens),
-        "--random-output-len", str(w.output_tokens), "--random-range-ratio", "0",
+        "--model", served, "--tokenizer", tokenizer,
+        "--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template",
+        "--disable-shuffle", "--custom-output-len", str(w.output_tokens),
         "--num-prompts", str(n), "--ignore-eos",
         *(["--request-rate", str(rate), "--burstiness", "1"] if rate else ["--max-concurrency", str(w.concurrency)]),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result", "--result-dir", str(out),
-        "--result-filename", name, "--disable-tqdm", "--seed", str(w.seed),
+        "--result-filename", name, "--disable-tqdm", "--seed", str(seed),  # seeds its arrival times
         "--temperature", "0"]  # greedy, as the kit's client asks: sampling cost must match
     subprocess.run(cmd, check=True)
     r = json.loads((out / name).read_text())
@@ -66,13 +75,13 @@ def run_vllm_bench(url: str, served: str, tokenizer: str, w, n: int, out: Path, 
             "itl_ms": r.get("median_itl_ms"), "completed": r["completed"]}
 
 
-def run_kit(url: str, served: str, wl: SharedPrefixWorkload, n: int, concurrency: int,
-            rate: float | None = None, seed: int = 0) -> dict:
+def run_kit(url: str, served: str, requests: list, concurrency: int, rate: float | None = None,
+            seed: int = 0) -> dict:
     if rate:
-        res = client.run_sync(client.run_open_loop(url, served, "completions", wl.requests(n),
-                                                   loads.arrivals(n, rate, 1.0, seed)))
+        res = client.run_sync(client.run_open_loop(url, served, "completions", requests,
+                                                   loads.arrivals(len(requests), rate, 1.0, seed)))
     else:
-        res = client.run_sync(client.run_closed_loop(url, served, "completions", wl.requests(n), concurrency))
+        res = client.run_sync(client.run_closed_loop(url, served, "completions", requests, concurrency))
     ok = [r for r in res if r.ok]
     return {"ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
             "ttft_mean_ms": statistics.mean(r.ttft_s for r in ok) * 1000,
@@ -103,6 +112,8 @@ def main() -> int:
     wl = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="completions",
                               system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
                               output_tokens=w.output_tokens, seed=w.seed)
+    requests = wl.requests(n)
+    prompts = write_prompts(requests, a.out / "prompts.jsonl")
     port = free_port()
     cmd = serve_command(model, port, point.engine_args.cli(), served, dummy, study.server.extra_cli_args)
     runs = {"kit": [], "vllm_bench": []}
@@ -116,7 +127,7 @@ def main() -> int:
             print(f"server ready in {srv.startup_s:.0f} s; point {point.id}; {n} requests, "
                   f"{load}, {w.system_prompt_tokens}+{w.question_tokens} in, "
                   f"{w.output_tokens} out", flush=True)
-            run_kit(srv.url, served, wl, min(n, 2 * w.concurrency), w.concurrency)  # warmup, discarded
+            run_kit(srv.url, served, wl.requests(2 * w.concurrency, "warmup"), w.concurrency)  # discarded
 
             def measured(who: str, fn) -> None:
                 # Same cold cache for both; the server's own counters show both sent the same work.
@@ -126,13 +137,20 @@ def main() -> int:
                 d = counters.round_deltas(before, counters.scrape(srv.url))
                 r = {**r, "prompt_tokens": d["server_prompt_tokens"], "prefix_hit": d["prefix_cache_hit_rate"],
                      "server_ttft_mean_ms": d["server_ttft_mean_ms"]}
+                r["order"] = sum(map(len, runs.values()))  # position in the session, 0 first
                 runs[who].append(r)
                 with log.open("a") as f:
                     f.write(json.dumps({"client": who, "repeat": len(runs[who]) - 1, **r}) + "\n")
 
+            clients = {"kit": lambda i: run_kit(srv.url, served, requests, w.concurrency, a.rate, w.seed + i),
+                       "vllm_bench": lambda i: run_vllm_bench(srv.url, served, model, prompts, w, n, a.out, a.rate,
+                                                                 w.seed + i)}
+            # Counterbalanced order (kit, bench, bench, kit, ...): a drift over the session
+            # (the H200 showed TTFT rising run after run) would otherwise favour whichever
+            # client always goes first.
             for i in range(a.repeats):
-                measured("kit", lambda: run_kit(srv.url, served, wl, n, w.concurrency, a.rate, w.seed + i))
-                measured("vllm_bench", lambda: run_vllm_bench(srv.url, served, model, w, n, a.out, a.rate))
+                for who in (("kit", "vllm_bench") if i % 2 == 0 else ("vllm_bench", "kit")):
+                    measured(who, lambda: clients[who](i))
     except KeyboardInterrupt:
         print("\ninterrupted: the summary covers the runs that finished", flush=True)
     summarize(runs, point.id, a.out)
@@ -141,11 +159,11 @@ def main() -> int:
 
 
 def summarize(runs: dict, point_id: str, out: Path) -> None:
-    print(f"\n{'run':<12}{'rep':>4}{'TTFT P50':>10}{'TTFT mean':>11}{'server mean':>13}{'TPOT P50':>10}"
+    print(f"\n{'run':<12}{'rep':>4}{'order':>6}{'TTFT P50':>10}{'TTFT mean':>11}{'server mean':>13}{'TPOT P50':>10}"
           f"{'ITL P50':>9}{'done':>6}{'prompt tok':>12}{'prefix hit':>12}   (ms)")
     for who, rs in runs.items():
         for i, r in enumerate(rs):
-            print(f"{who:<12}{i:>4}{r['ttft_ms']:>10.2f}{r['ttft_mean_ms']:>11.2f}{r['server_ttft_mean_ms'] or 0:>13.2f}"
+            print(f"{who:<12}{i:>4}{r['order']:>6}{r['ttft_ms']:>10.2f}{r['ttft_mean_ms']:>11.2f}{r['server_ttft_mean_ms'] or 0:>13.2f}"
                   f"{r['tpot_ms']:>10.2f}{r['itl_ms'] or 0:>9.2f}{r['completed']:>6}{r['prompt_tokens'] or 0:>12.0f}"
                   f"{r['prefix_hit'] or 0:>12.3f}")
     if not (runs["kit"] and runs["vllm_bench"]):
