@@ -1,8 +1,8 @@
 """Does the kit's client measure what `vllm bench serve` measures?
 
 One server, one workload (shared prefix + distinct tail, fixed output length,
-/v1/completions; the same prompt texts for both clients), measured alternately by the kit's client and by vLLM's own benchmark,
-with the prefix cache reset before each run. Load: the study's concurrency (closed loop),
+/v1/completions, the same prompt texts for both clients), measured alternately by the
+kit's client and by vLLM's own benchmark, with the prefix cache reset before each run. Load: the study's concurrency (closed loop),
 or with --rate a Poisson arrival process at that many requests/s on both. Prints the
 median TTFT and median TPOT of each and their relative difference (the target: within 5%).
 
@@ -50,8 +50,8 @@ def bench_command() -> list[str]:
 def write_prompts(requests: list, path: Path) -> Path:
     """The kit's requests as a `vllm bench` custom dataset, so both clients send the
     same prompt texts in the same order. vllm bench's random dataset (decoded random
-    token ids) matched the kit's token counts but not its text; with it, vLLM's own TTFT
-    was 17% higher in vllm bench's runs on the H200, with the same texts 5% lower (README)."""
+    token ids) matches the kit's token counts but not its text; with it, vLLM's own TTFT
+    was 17% higher in vllm bench's runs on the H200, with the same texts 4% lower (README)."""
     path.write_text("".join(json.dumps({"prompt": r.prompt}) + "\n" for r in requests))
     return path
 

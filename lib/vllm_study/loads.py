@@ -3,7 +3,8 @@ request rate, and a ladder of such rates within one round.
 
 Gaps are gamma-distributed with shape = burstiness and mean 1/rate, as in vLLM's
 `vllm bench serve --burstiness`: 1 is a Poisson process, below 1 burstier, above 1
-more regular; like vllm bench, the gaps are rescaled to hit the rate exactly. Seeded, so a run replays the same arrival times.
+more regular; like vllm bench, the gaps are rescaled to hit the rate exactly. Seeded,
+so a run replays the same arrival times.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def arrivals(n: int, rate: float, burstiness: float, seed: int, start_s: float =
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=max(n - 1, 0))
     if len(gaps):
         gaps *= (1.0 / rate) / gaps.mean()
-    return (start_s + np.concatenate(([0.0], np.cumsum(gaps)))).tolist()[:n]
+    return (start_s + np.concatenate(([0.0], np.cumsum(gaps)))).tolist()[:n]  # [:n]: n = 0
 
 
 def ladder(n: int, rates: list[float], burstiness: float, seed: int) -> tuple[list[float], list[float]]:
