@@ -25,11 +25,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import client, counters, loads  # noqa: E402
+from vllm_study import client, counters, loads, stats  # noqa: E402
 from vllm_study.params import expand, load_study  # noqa: E402
 from vllm_study.point import prepare_model  # noqa: E402
 from vllm_study.server import VllmServer, free_port, serve_command, vllm_distribution  # noqa: E402
@@ -77,16 +78,16 @@ def run_vllm_bench(url: str, served: str, tokenizer: str, prompts: Path, w, n: i
 
 def run_kit(url: str, served: str, requests: list, concurrency: int, rate: float | None = None,
             seed: int = 0) -> dict:
+    t0 = time.perf_counter()
     if rate:
         res = client.run_sync(client.run_open_loop(url, served, "completions", requests,
                                                    loads.arrivals(len(requests), rate, 1.0, seed)))
     else:
         res = client.run_sync(client.run_closed_loop(url, served, "completions", requests, concurrency))
-    ok = [r for r in res if r.ok]
-    return {"ttft_ms": statistics.median(r.ttft_s for r in ok) * 1000,
-            "ttft_mean_ms": statistics.mean(r.ttft_s for r in ok) * 1000,
-            "tpot_ms": statistics.median(r.tpot_s for r in ok) * 1000,
-            "itl_ms": statistics.median(g for r in ok for g in r.itl_s) * 1000, "completed": len(ok)}
+    # The study's own per-round statistics: the comparison covers the figures a study reports.
+    st = stats.round_stats([r.to_dict() for r in res], duration_s=time.perf_counter() - t0)
+    return {"ttft_ms": st["ttft_p50_ms"], "ttft_mean_ms": st["ttft_mean_ms"], "tpot_ms": st["tpot_p50_ms"],
+            "itl_ms": st["itl_p50_ms"], "completed": st["completed"]}
 
 
 def main() -> int:

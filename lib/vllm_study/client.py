@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
+from . import stats
 from .workload import Request
 
 # aiohttp's default 64 KiB read buffer collapses throughput on long streams (vLLM
@@ -48,9 +49,7 @@ class RequestResult:
     @property
     def tpot_s(self) -> float | None:
         """(E2E - TTFT) / (output tokens - 1), as vLLM's benchmarks define it."""
-        if self.ok and self.output_tokens and self.output_tokens > 1:
-            return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
-        return None
+        return stats.tpot_s(self.to_dict()) if self.ok else None
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -25,12 +25,17 @@ def _dist(name: str, xs_s: list[float]) -> dict:
     return out
 
 
+def tpot_s(r: dict) -> float | None:
+    """(E2E - TTFT) / (output tokens - 1); None below two output tokens."""
+    n = r["output_tokens"]
+    return (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n and n > 1 else None
+
+
 def round_stats(results: list[dict], duration_s: float, slo_ttft_ms: float | None = None,
                 slo_tpot_ms: float | None = None) -> dict:
     """Statistics of one round; `results` are RequestResult.to_dict() rows."""
     ok = [r for r in results if r["error"] is None]
-    tpot = [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
-            for r in ok if r["output_tokens"] and r["output_tokens"] > 1]
+    tpot = [t for t in map(tpot_s, ok) if t is not None]
     out = {"requests": len(results), "completed": len(ok), "failed": len(results) - len(ok),
            "errors": dict(Counter(r["error"] for r in results if r["error"])),
            "duration_s": duration_s}
@@ -48,8 +53,8 @@ def round_stats(results: list[dict], duration_s: float, slo_ttft_ms: float | Non
     if slo_ttft_ms or slo_tpot_ms:
         def meets(r):
             t = r["ttft_s"] * 1000 <= slo_ttft_ms if slo_ttft_ms else True
-            if slo_tpot_ms and r["output_tokens"] and r["output_tokens"] > 1:
-                t = t and (r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) * 1000 <= slo_tpot_ms
+            if slo_tpot_ms and tpot_s(r) is not None:
+                t = t and tpot_s(r) * 1000 <= slo_tpot_ms
             return t
         good = sum(1 for r in ok if meets(r))
         out["goodput"] = good / duration_s if duration_s else None
