@@ -3,7 +3,6 @@ answers, is measured, and is stopped with nothing left running."""
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 

@@ -8,7 +8,6 @@ usage) and GPU memory/utilization (NVML) are sampled by a background thread.
 from __future__ import annotations
 
 import threading
-import time
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families

@@ -213,7 +213,7 @@ class PointRun:
 
     @_step
     def run_round(self, index: int) -> dict | None:
-        url, w = self.url, self.study.workload
+        url = self.url
         key = self.api_key
         if self.has_metrics:
             counters.reset_prefix_cache(url, key)  # every round starts from the same (cold) cache
