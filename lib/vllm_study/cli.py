@@ -14,12 +14,13 @@ def main(argv: list[str] | None = None) -> int:
     sw = sub.add_parser("sweep", help="run a study: every grid point, then the report")
     sw.add_argument("params", nargs="*", help="study YAML file(s); later ones override earlier keys")
     sw.add_argument("--results", default="results", help="where run folders go (default: results)")
-    sw.add_argument("--engine", choices=["auto", "cpu", "gpu"], default="auto")
+    sw.add_argument("--engine", choices=["auto", "cpu", "gpu"],
+                    help="overrides the study's server.engine (auto: gpu where NVML sees one)")
     sw.add_argument("--dry-run", action="store_true", help="list the points and their vLLM args; start nothing")
     sw.add_argument("--max-minutes", type=float, help="stop cleanly between points after this long")
     sw.add_argument("--resume", type=Path, help="a run folder to complete (finished points are skipped)")
     sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
-    rep = sub.add_parser("report", help="re-render a run folder's summary.csv and report notebook")
+    rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
     rep.add_argument("run", type=Path)
     doc = sub.add_parser("doctor", help="check GPU, vLLM, port, proxies, model, disk; print fixes")
     doc.add_argument("params", nargs="*", help="a study file, to check its model and tokenizer too")
@@ -39,23 +40,36 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if any(f.status == doctor.FAIL for f in findings) else 0
 
     from . import sweep as sw_mod  # papermill import is slow; keep --help fast
+    from .results import RunFolder
     try:
         if args.cmd == "report":
-            print(sw_mod.render_report(args.run))
-            return 0
+            run = RunFolder(args.run)
+            sw_mod.render_report(run)
+            return _conclude(run)
         if not args.params and not args.resume:
             ap.error("give a params file (e.g. params/default.yaml) or --resume RUN_FOLDER")
         if args.dry_run:
             sw_mod.dry_run(args.params, args.engine)
             return 0
-        run = sw_mod.sweep(args.params, Path(args.results), args.engine, args.resume,
-                           args.max_minutes, args.retry_failed)
-    except StudyError as e:
+        outcome = sw_mod.sweep(args.params, Path(args.results), args.engine, args.resume,
+                               args.max_minutes, args.retry_failed)
+    except (StudyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
-    from .report import short_table
-    print(f"\nrun folder: {run}\n")
-    print(short_table(run).to_string())
+    return _conclude(outcome.run)
+
+
+def _conclude(run) -> int:
+    """The run folder and its short table; exit 1 when no point measured anything (the
+    report then shows only why each point failed)."""
+    from . import report
+    r = report.Run.load(run)
+    print(f"\nrun folder: {run.path}\nreport: {run.path / 'report.html'}\n")
+    if report.study_failed(r):
+        print("the study failed: no point measured a round.\n")
+        print(report.failures(r).to_string())
+        return 1
+    print(report.short_table(run).to_string())
     return 0

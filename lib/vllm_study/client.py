@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from . import stats
+from . import net, stats
 from .workload import Request
 
 # aiohttp's default 64 KiB read buffer collapses throughput on long streams (vLLM
@@ -32,6 +32,7 @@ class EndpointError(RuntimeError):
 class RequestResult:
     index: int
     send_time: float                   # time.perf_counter() at send
+    end_time: float | None = None      # time.perf_counter() when it ended, whatever the outcome
     prompt_tokens: int | None = None   # from usage
     output_tokens: int | None = None   # from usage
     ttft_s: float | None = None
@@ -66,14 +67,13 @@ def run_sync(coro):
         return pool.submit(asyncio.run, coro).result()
 
 
-def _classify_http(status: int, body: str) -> tuple[str, str]:
-    short = body[:300].replace("\n", " ")
+def _classify_http(status: int, body: str, url: str) -> tuple[str, str]:
     if status == 401:
-        return "http_401", f"401 Unauthorized: the API key is wrong or missing ({short})"
+        return "http_401", f"401 Unauthorized from {url}: the API key is wrong or missing ({net.one_line(body)})"
     if status == 404 and "does not exist" in body:
-        return "unknown_model", f"the server does not serve this model: {short}"
+        return "unknown_model", f"the server does not serve this model: {net.one_line(body)}"
     kind = "http_5xx" if status >= 500 else "http_4xx"
-    return kind, f"HTTP {status}: {short}"
+    return kind, net.http_error_reason(status, url, body)
 
 
 def _payload(req: Request, model: str, api: str) -> tuple[str, dict]:
@@ -95,6 +95,13 @@ def _content(chunk: dict, api: str) -> str:
 
 async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: str,
                req: Request, headers: dict, keep_text: bool = False) -> RequestResult:
+    res = await _stream(session, base_url, model, api, req, headers, keep_text)
+    res.end_time = time.perf_counter()
+    return res
+
+
+async def _stream(session: aiohttp.ClientSession, base_url: str, model: str, api: str,
+                  req: Request, headers: dict, keep_text: bool) -> RequestResult:
     path, payload = _payload(req, model, api)
     res = RequestResult(index=req.index, send_time=time.perf_counter(), tags=dict(req.tags))
     last = None
@@ -102,7 +109,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
     try:
         async with session.post(base_url + path, json=payload, headers=headers) as resp:
             if resp.status != 200:
-                res.error, res.error_detail = _classify_http(resp.status, await resp.text())
+                res.error, res.error_detail = _classify_http(resp.status, await resp.text(), base_url + path)
                 return res
             if not resp.content_type.startswith("text/event-stream"):
                 body = (await resp.text())[:200]
@@ -142,7 +149,7 @@ async def _one(session: aiohttp.ClientSession, base_url: str, model: str, api: s
             if res.ttft_s is None:
                 res.error, res.error_detail = "no_tokens", "the stream ended with no content"
     except aiohttp.ClientConnectorError as e:
-        res.error, res.error_detail = "connection", f"cannot connect to {base_url}: {e}"
+        res.error, res.error_detail = "connection", f"cannot connect to {base_url}: {e}{net.proxy_note(base_url)}"
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         res.error, res.error_detail = "disconnected", f"the server dropped the stream: {e}"
     except asyncio.TimeoutError:
@@ -156,17 +163,18 @@ def auth_header(api_key: str | None) -> dict:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _session(timeout_s: float, concurrency: int) -> aiohttp.ClientSession:
-    # trust_env=False: proxy variables must never capture loopback targets.
+def _session(timeout_s: float, concurrency: int, proxy: str | None = None) -> aiohttp.ClientSession:
+    # trust_env=False: proxy variables never capture a target (net.py says why); a
+    # study that needs a proxy names it per target.
     return aiohttp.ClientSession(
         timeout=aiohttp.ClientTimeout(total=timeout_s),
         connector=aiohttp.TCPConnector(limit=concurrency + 4),
-        read_bufsize=READ_BUFSIZE, trust_env=False)
+        read_bufsize=READ_BUFSIZE, trust_env=False, proxy=proxy)
 
 
 async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Request],
                           concurrency: int, timeout_s: float = 600.0,
-                          api_key: str | None = None) -> list[RequestResult]:
+                          api_key: str | None = None, proxy: str | None = None) -> list[RequestResult]:
     """Send `requests` keeping `concurrency` in flight; results in request order."""
     headers = auth_header(api_key)
     queue: asyncio.Queue[Request] = asyncio.Queue()
@@ -174,7 +182,7 @@ async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Re
         queue.put_nowait(r)
     results: dict[int, RequestResult] = {}
 
-    async with _session(timeout_s, concurrency) as session:
+    async with _session(timeout_s, concurrency, proxy) as session:
         async def worker():
             while not queue.empty():
                 req = queue.get_nowait()
@@ -185,13 +193,13 @@ async def run_closed_loop(base_url: str, model: str, api: str, requests: list[Re
 
 async def run_open_loop(base_url: str, model: str, api: str, requests: list[Request],
                         arrivals_s: list[float], timeout_s: float = 600.0, api_key: str | None = None,
-                        max_concurrency: int | None = None) -> list[RequestResult]:
+                        max_concurrency: int | None = None, proxy: str | None = None) -> list[RequestResult]:
     """Send request i at arrivals_s[i] seconds after the start, whether or not earlier
     ones have finished (an open loop: the server's queue, not the client, absorbs load).
     max_concurrency, if given, caps requests in flight (later ones wait for a slot)."""
     headers = auth_header(api_key)
     cap = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    async with _session(timeout_s, max_concurrency or len(requests)) as session:
+    async with _session(timeout_s, max_concurrency or len(requests), proxy) as session:
         t0 = time.perf_counter()
 
         async def fire(req: Request, at: float) -> RequestResult:
@@ -205,14 +213,14 @@ async def run_open_loop(base_url: str, model: str, api: str, requests: list[Requ
 
 async def run_conversations(base_url: str, model: str, workload, conversations: int, concurrency: int,
                             think_time_s: float = 0.0, timeout_s: float = 600.0, api_key: str | None = None,
-                            stream: str = "measure") -> list[RequestResult]:
+                            stream: str = "measure", proxy: str | None = None) -> list[RequestResult]:
     """Multi-turn: `concurrency` conversations at a time; each sends its turns in order,
     every turn resending the history with the answers the server actually gave, and
     pauses think_time_s between an answer and the next question."""
     headers = auth_header(api_key)
     todo = list(range(conversations))
     out: list[RequestResult] = []
-    async with _session(timeout_s, concurrency) as session:
+    async with _session(timeout_s, concurrency, proxy) as session:
         async def worker():
             while todo:
                 c = todo.pop(0)
@@ -231,31 +239,31 @@ async def run_conversations(base_url: str, model: str, workload, conversations: 
 
 
 def check_endpoint(base_url: str, model: str, api_key: str | None = None,
-                   timeout_s: float = 10.0) -> None:
+                   timeout_s: float = 10.0, proxy: str | None = None) -> None:
     """Fail early, with a fix, when the endpoint cannot be measured: unreachable,
     key rejected, not an OpenAI API, or not serving `model`."""
     async def probe():
         headers = auth_header(api_key)
-        async with _session(timeout_s, 1) as s:
+        async with _session(timeout_s, 1, proxy) as s:
             try:
                 async with s.get(base_url + "/v1/models", headers=headers) as r:
                     body = await r.text()
                     status = r.status
             except aiohttp.ClientConnectorError as e:
                 raise EndpointError(f"cannot connect to {base_url} ({e}); is the server "
-                                    "running, and is the URL right?") from e
+                                    f"running, and is the URL right?{net.proxy_note(base_url)}") from e
             except asyncio.TimeoutError as e:
                 raise EndpointError(f"{base_url}/v1/models gave no answer within {timeout_s:.0f} s") from e
             except aiohttp.ClientError as e:
                 raise EndpointError(f"{base_url} does not answer HTTP like an OpenAI server "
                                     f"({type(e).__name__}: {e}); check the URL and port") from e
         if status != 200:
-            raise EndpointError(_classify_http(status, body)[1])
+            raise EndpointError(_classify_http(status, body, base_url + "/v1/models")[1])
         try:
             served = [m["id"] for m in json.loads(body)["data"]]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise EndpointError(f"{base_url}/v1/models did not answer an OpenAI model list "
-                                f"(got {body[:200]!r}); check the base URL") from e
+                                f"(got {net.one_line(body)!r}); check the base URL") from e
         if model not in served:
             raise EndpointError(f"model {model!r} is not served at {base_url}; "
                                 f"it serves: {', '.join(served)}")

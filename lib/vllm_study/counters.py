@@ -8,11 +8,13 @@ usage) and GPU memory/utilization (NVML) are sampled by a background thread.
 from __future__ import annotations
 
 import threading
-import urllib.request
+import urllib.error
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from . import net
 from .client import auth_header
+from .machine import NvmlProbe
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
@@ -29,15 +31,9 @@ COUNTERS = {
 }
 
 
-def _open(url: str, api_key: str | None, method: str = "GET", timeout: float = 5):
+def _open(url: str, api_key: str | None, method: str = "GET", timeout: float = 5, proxy: str | None = None):
     # The key goes along for endpoints behind a gateway that guards every path.
-    req = urllib.request.Request(url, headers=auth_header(api_key), method=method)
-    return urllib.request.urlopen(req, timeout=timeout)
-
-
-def _get(url: str, api_key: str | None = None) -> str:
-    with _open(url, api_key) as r:
-        return r.read().decode()
+    return net.open_url(url, method, auth_header(api_key), timeout, proxy)
 
 
 def parse_metrics(text: str) -> dict:
@@ -54,8 +50,9 @@ def parse_metrics(text: str) -> dict:
     return {"values": values, "info": info}
 
 
-def scrape(base_url: str, api_key: str | None = None) -> dict:
-    return parse_metrics(_get(base_url + "/metrics", api_key))
+def scrape(base_url: str, api_key: str | None = None, proxy: str | None = None) -> dict:
+    with _open(base_url + "/metrics", api_key, proxy=proxy) as r:
+        return parse_metrics(r.read().decode())
 
 
 def round_deltas(before: dict, after: dict) -> dict:
@@ -68,8 +65,8 @@ def round_deltas(before: dict, after: dict) -> dict:
     out["prefix_cache_hit_rate"] = h / q if q else None
     steps = out["engine_steps"]
     out["tokens_per_step"] = out["step_tokens"] / steps if steps else None
-    n = out["server_ttft_count"]
-    out["server_ttft_mean_ms"] = 1000 * out["server_ttft_sum_s"] / n if n else None
+    n, total = out.pop("server_ttft_count"), out.pop("server_ttft_sum_s")
+    out["server_ttft_mean_ms"] = 1000 * total / n if n else None
     return out
 
 
@@ -81,66 +78,62 @@ def cache_config(snapshot: dict) -> dict:
     return {k: labels[k] for k in keep if k in labels}
 
 
-def reset_prefix_cache(base_url: str, api_key: str | None = None) -> None:
+def reset_prefix_cache(base_url: str, api_key: str | None = None, proxy: str | None = None) -> None:
     """Needs VLLM_SERVER_DEV_MODE=1 on the server (the kit's launcher sets it)."""
-    with _open(base_url + "/reset_prefix_cache", api_key, "POST", timeout=30) as r:
+    with _open(base_url + "/reset_prefix_cache", api_key, "POST", timeout=30, proxy=proxy) as r:
         if r.status != 200:
             raise RuntimeError(f"/reset_prefix_cache answered {r.status}")
 
 
-class NvmlProbe:
-    """GPU 0..n via NVML (nvidia-ml-py). `available` is False, with `why`, on a machine
-    without an NVIDIA GPU or driver; callers record that instead of numbers."""
+def probe_server_api(base_url: str, api_key: str | None = None, proxy: str | None = None) -> tuple[dict | None, list[str]]:
+    """What a running endpoint offers beyond the OpenAI API, each part on its own: a
+    /metrics snapshot (None if it does not answer) and the cache reset (vLLM's dev
+    mode). Returns (snapshot, warnings that say plainly what is missing)."""
+    notes, snap = [], None
+    try:
+        snap = scrape(base_url, api_key, proxy)
+    except (OSError, ValueError) as e:
+        notes.append(f"{base_url}/metrics does not answer ({_why(e)}): server-side counters are absent")
+    try:
+        reset_prefix_cache(base_url, api_key, proxy)
+    except (OSError, RuntimeError) as e:
+        notes.append(f"{base_url}/reset_prefix_cache is refused ({_why(e)}; vLLM offers it only with "
+                     "VLLM_SERVER_DEV_MODE=1): the prefix cache is NOT reset between rounds, so later "
+                     "rounds may start warm")
+    return snap, notes
 
-    def __init__(self):
-        self.available, self.why, self.handles = False, "", []
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-            n = pynvml.nvmlDeviceGetCount()
-            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-            self.available = n > 0
-            self.why = "" if n else "NVML found no GPU"
-            self._nvml = pynvml
-        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, driver errors
-            self.why = f"no NVIDIA GPU visible ({type(e).__name__}: {e})"
 
-    def describe(self) -> list[dict] | None:
-        if not self.available:
-            return None
-        nv = self._nvml
-        # The UUID names the physical GPU: a study resumed on another lent machine is
-        # then visible per point, and so is any difference that follows the machine.
-        return [{"name": nv.nvmlDeviceGetName(h), "memory_total_bytes": nv.nvmlDeviceGetMemoryInfo(h).total,
-                 "driver": nv.nvmlSystemGetDriverVersion(), "uuid": nv.nvmlDeviceGetUUID(h)}
-                for h in self.handles]
+def _why(e: Exception) -> str:
+    if isinstance(e, urllib.error.HTTPError):
+        return f"HTTP {e.code}"
+    return f"{type(e).__name__}: {e}"
 
-    def sample(self) -> dict:
-        nv = self._nvml
-        mem = [nv.nvmlDeviceGetMemoryInfo(h) for h in self.handles]
-        return {"mem_used": sum(m.used for m in mem), "mem_total": sum(m.total for m in mem),
-                "util": sum(nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles) / len(self.handles)}
+
+# Gauges sampled during a round (they move within it; a snapshot after would miss the peak).
+GAUGES = {"kv": "vllm:kv_cache_usage_perc", "running": "vllm:num_requests_running",
+          "waiting": "vllm:num_requests_waiting"}
 
 
 class RoundSampler:
-    """Samples KV usage from /metrics and GPU counters every `period_s` while a round
-    runs. Use as a context manager; read `.result()` afterwards."""
+    """Samples vLLM's gauges from /metrics and the GPU through NVML every `period_s`
+    while a round runs. Use as a context manager; read `.result()` afterwards."""
 
     def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = 0.5,
-                 api_key: str | None = None):
-        self.base_url, self.nvml, self.period_s, self.api_key = base_url, nvml, period_s, api_key
-        self.kv, self.gpu, self.scrape_errors = [], [], 0
+                 api_key: str | None = None, proxy: str | None = None):
+        self.base_url, self.nvml, self.period_s, self.api_key, self.proxy = base_url, nvml, period_s, api_key, proxy
+        self.gauges: dict[str, list[float]] = {}
+        self.gpu, self.scrape_errors = [], 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self):
         while not self._stop.is_set():
             try:
-                v = (scrape(self.base_url, self.api_key)["values"].get("vllm:kv_cache_usage_perc")
-                     if self.base_url else None)
-                if v is not None:
-                    self.kv.append(v)
-            except OSError:
+                values = scrape(self.base_url, self.api_key, self.proxy)["values"] if self.base_url else {}
+                for key, name in GAUGES.items():
+                    if name in values:
+                        self.gauges.setdefault(key, []).append(values[name])
+            except (OSError, ValueError):
                 self.scrape_errors += 1
             if self.nvml.available:
                 self.gpu.append(self.nvml.sample())
@@ -155,9 +148,10 @@ class RoundSampler:
         self._thread.join(timeout=10)
 
     def result(self) -> dict:
-        out = {"kv_usage_peak": max(self.kv) if self.kv else None,
-               "kv_usage_mean": sum(self.kv) / len(self.kv) if self.kv else None,
-               "kv_samples": len(self.kv)}
+        kv, running = self.gauges.get("kv", []), self.gauges.get("running", [])
+        waiting = self.gauges.get("waiting", [])
+        out = {"kv_usage_peak": max(kv) if kv else None, "kv_usage_mean": sum(kv) / len(kv) if kv else None,
+               "running_peak": max(running) if running else None, "waiting_peak": max(waiting) if waiting else None}
         if self.gpu:
             peak = max(s["mem_used"] for s in self.gpu)
             out.update(gpu_mem_peak_bytes=peak, gpu_mem_peak_frac=peak / self.gpu[0]["mem_total"],

@@ -8,8 +8,8 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from .counters import NvmlProbe
-from .server import vllm_distribution
+from . import models
+from .machine import NvmlProbe, cpu_dtype, cpu_info, vllm_distribution
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -69,27 +69,45 @@ def check_proxies(env=os.environ) -> Finding:
     if all(any(h == n.strip() for n in no_proxy) for h in LOOPBACK):
         return Finding(OK, "proxy", f"{', '.join(proxies)} set; NO_PROXY covers loopback")
     return Finding(WARN, "proxy", f"{', '.join(proxies)} set and NO_PROXY does not cover "
-                   "127.0.0.1 and localhost: the kit's client ignores proxies, but other tools "
-                   "(vllm bench serve, curl) would send loopback traffic through the proxy",
-                   "export NO_PROXY=127.0.0.1,localhost")
+                   "127.0.0.1 and localhost: the kit never sends its own requests through proxy "
+                   "variables (a target that needs one names it), but other tools (vllm bench serve, "
+                   "curl) would send loopback traffic through the proxy", "export NO_PROXY=127.0.0.1,localhost")
 
 
-def check_model(params: list[str]) -> Finding:
-    from .params import load_study
-    from .point import prepare_model
-    study = load_study(*params)
-    if study.model.path and not Path(study.model.path).exists():
-        return Finding(WARN, "model", f"{study.model.path} is not a local folder: vLLM will "
-                       "try to download it", "point model.path at a folder with config.json")
+def check_cpu() -> Finding:
+    cpu = cpu_info()
+    choice = cpu_dtype(cpu)
+    feats = ", ".join(f for f, on in (("AVX-512", cpu.avx512), ("AVX-512 BF16", cpu.avx512_bf16),
+                                      ("AMX", cpu.amx)) if on) or "none of AVX-512, AVX-512 BF16, AMX"
+    return Finding(OK, "CPU", f"{cpu.model}, {cpu.cores} cores, torch dispatch {cpu.capability}, {feats}; "
+                   f"the CPU engine runs {choice.dtype} where a study leaves dtype unset ({choice.reason})")
+
+
+def study_findings(study) -> list[Finding]:
+    """What would stop this study here, found before anything starts: the model folder,
+    its tokenizer, and whether its chat template renders the workload."""
+    why = models.check_path(study.model)
+    if why:
+        return [Finding(FAIL, "model", why, "fix model.path in the study")]
     try:
-        model, dummy = prepare_model(study)
+        model, dummy = models.resolve(study.model)
         from transformers import AutoTokenizer
-        ids = AutoTokenizer.from_pretrained(model).encode("Hello world!")
+        tok = AutoTokenizer.from_pretrained(model)
     except Exception as e:
-        return Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
-                       "check model.card / model.path in the params")
-    kind = f"dummy weights of card {study.model.card}" if dummy else "real weights"
-    return Finding(OK, "model", f"{model} ({kind}); tokenizer encodes 'Hello world!' as {ids}")
+        return [Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
+                        "check model.card / model.path in the study")]
+    from .workload import check_template
+    kind = f"dummy weights of card {study.model.card}" if study.model.path is None else \
+        ("dummy weights" if dummy else "its own weights")
+    found = [Finding(OK, "model", f"{model} ({kind}); its tokenizer encodes 'Hello world!' as "
+                     f"{tok.encode('Hello world!', add_special_tokens=False)}")]
+    problems, warnings = check_template(tok, study.workload)
+    found += [Finding(FAIL, "chat template", p) for p in problems]
+    found += [Finding(WARN, "chat template", w) for w in warnings]
+    if not problems and not warnings:
+        found.append(Finding(OK, "chat template", f"renders the {study.workload.kind} workload via "
+                             f"{study.workload.api}"))
+    return found
 
 
 def check_disk(results: Path, need_gib: float = 1.0) -> Finding:
@@ -103,8 +121,9 @@ def check_disk(results: Path, need_gib: float = 1.0) -> Finding:
 
 def run(params: list[str], port: int, results: Path) -> list[Finding]:
     gpu = check_gpu()
-    findings = [gpu, check_vllm(gpu.status == OK), check_port(port), check_proxies(),
+    findings = [gpu, check_cpu(), check_vllm(gpu.status == OK), check_port(port), check_proxies(),
                 check_disk(results)]
     if params:
-        findings.append(check_model(params))
+        from .params import load_study
+        findings += study_findings(load_study(*params))
     return findings

@@ -8,6 +8,7 @@ model id or path instead (`model.path` in the params) and this module is not use
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 from pathlib import Path
 
@@ -125,3 +126,56 @@ def build_model_dir(card: str, dest: Path) -> Path:
     assert len(tok) == cfg["vocab_size"], (len(tok), cfg["vocab_size"])
     marker.write_text(f"{card} {FOLDER_FORMAT}")
     return dest
+
+
+def cache_dir() -> Path:
+    """Where built model folders live (VLLM_STUDY_CACHE overrides ~/.cache/vllm_study)."""
+    return Path(os.environ.get("VLLM_STUDY_CACHE", Path.home() / ".cache" / "vllm_study")) / "models"
+
+
+def resolve(spec) -> tuple[str, bool]:
+    """(model folder or id to serve, load dummy weights?) for a params.ModelSpec; a card's
+    folder is built once and reused."""
+    if spec.path:
+        return spec.path, spec.dummy
+    return str(build_model_dir(spec.card, cache_dir() / spec.card)), True
+
+
+def local_config(spec) -> dict | None:
+    """The model's config.json where the kit can read it: a card, or a local folder."""
+    if spec.path is None:
+        return card_config(spec.card)
+    f = Path(spec.path).expanduser() / "config.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def max_positions(spec) -> int | None:
+    cfg = local_config(spec) or {}
+    return cfg.get("max_position_embeddings")
+
+
+def looks_like_path(name: str) -> bool:
+    """A model name meant as a folder rather than a hub id (org/name)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+
+
+def check_path(spec) -> str | None:
+    """Why a model.path cannot be served here, or None. Checked before anything starts:
+    vLLM would otherwise fail at every point's launch with a hub repo-id error."""
+    if spec.path is None:
+        return None
+    p = Path(spec.path).expanduser()
+    if p.is_dir():
+        return None if (p / "config.json").exists() else f"model.path {spec.path} has no config.json"
+    if looks_like_path(spec.path) or p.exists():
+        return (f"model.path {spec.path} is not a folder on this machine; point it at a model folder "
+                "(with config.json and the tokenizer) or give a hub id such as Qwen/Qwen2.5-7B-Instruct")
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        from huggingface_hub import try_to_load_from_cache
+        if not isinstance(try_to_load_from_cache(spec.path, "config.json"), str):
+            return (f"model.path {spec.path} is a hub id that is not in the local Hugging Face cache, and "
+                    "HF_HUB_OFFLINE=1 forbids downloading it; download it first or give a local folder")
+    return None

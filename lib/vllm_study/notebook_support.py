@@ -6,7 +6,6 @@ no longer hides them (nbval issue 194).
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import warnings
 from pathlib import Path
@@ -19,50 +18,76 @@ from tqdm import TqdmWarning
 # ipywidgets is missing; the text progress bar is what the kit wants anyway.
 warnings.filterwarnings("ignore", category=TqdmWarning)
 
-from . import plots, report, runfolder
-from .params import load_study
-from .point import PointRun  # noqa: F401  (re-exported for the point notebook)
-from .sweep import resolve_engine
+from . import metrics, plots, report  # noqa: E402
+from .grid import PointPlan, expand  # noqa: E402
+from .params import StudyError, load_study  # noqa: E402
+from .point import PointRun  # noqa: E402,F401  (re-exported for the point notebook)
+from .results import PointFolder, PointSummary, RunFolder  # noqa: E402
+from .sweep import study_engine  # noqa: E402
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 40)
 
-RESULTS = Path(__file__).resolve().parents[2] / "results"
-
 
 # -- point notebook ----------------------------------------------------------
-def select_point(study_file: str, point_id: str, point_dir: str, engine: str):
-    from .params import expand
-    study = load_study(study_file)
-    engine = resolve_engine(engine)
-    points = expand(study, engine)
-    by_id = {p.id: p for p in points}
-    if point_id and point_id not in by_id:
-        raise ValueError(f"point_id {point_id!r} is not in the grid of {study_file}; "
-                         f"its points are: {', '.join(by_id)}")
-    point = by_id[point_id] if point_id else points[0]
-    if not point_dir:
-        scratch = RESULTS / "scratch"
-        scratch.mkdir(parents=True, exist_ok=True)
-        point_dir = tempfile.mkdtemp(prefix=f"{point.id}-", dir=scratch)
-    return study, point, engine, Path(point_dir)
+def select_point(point_file: str, study_file: str, point_id: str, out_dir: str, start: int):
+    """The sweep passes point_file (its resolved point.json). By hand: a study file and a
+    point id, expanded here, into a scratch folder unless out_dir is given."""
+    if point_file:
+        folder = PointFolder(Path(point_file).parent)
+        plan = folder.plan()
+    else:
+        study = load_study(study_file)
+        engine = study_engine(study, None)
+        by_id = {p.id: p for p in expand(study, engine)}
+        if point_id and point_id not in by_id:
+            raise StudyError(f"point_id {point_id!r} is not in the grid of {study_file}; "
+                             f"its points are: {', '.join(by_id)}")
+        point = by_id[point_id] if point_id else next(iter(by_id.values()))
+        plan = PointPlan(study=study, point=point, engine=engine)
+        if out_dir:
+            folder = PointFolder(Path(out_dir).parent)
+        else:
+            scratch = Path("results") / "scratch"
+            scratch.mkdir(parents=True, exist_ok=True)
+            folder = PointFolder(Path(tempfile.mkdtemp(prefix=f"{point.id}-", dir=scratch)))
+        folder.save_plan(plan)
+    start_dir = Path(out_dir) if out_dir else folder.start_dir(start)
+    return plan, start_dir
 
 
-def describe_point(study, point, engine, point_dir) -> None:
-    print(f"study {study.name}, point {point.id}, engine {engine}")
-    print("vllm args:", " ".join(point.engine_args.cli()))
-    print("effective (where vLLM decides):", point.effective)
-    for w in point.warnings:
+def gpu_list(gpus: str) -> list[int] | None:
+    return [int(g) for g in gpus.split(",")] if gpus else None
+
+
+def describe_point(plan: PointPlan, start: int) -> None:
+    p = plan.point
+    print(f"study {plan.study.name}, point {p.id}, server start {start} of {plan.study.replicates}, "
+          f"engine {plan.engine}")
+    if p.target:
+        print(f"endpoint: {p.target.base_url} serving {p.target.model}")
+    else:
+        print("vllm args:", " ".join(p.engine_args.cli()))
+        print("effective (where vLLM decides):", p.effective.model_dump(exclude_none=True))
+    for w in p.warnings:
         print("warning:", w)
 
 
 def show_launch(run: PointRun) -> None:
-    s = run.summary
+    rec = run.record
     if run.failed:
-        print(f"FAILED: {s['reason']}")
+        print(f"FAILED: {rec.reason}")
         return
-    print(f"ready in {s['startup_s']:.1f} s at {run.server.url}")
-    print("cache config:", s["effective"].get("cache_config"))
+    launch = rec.launch
+    if launch.target:
+        print(f"endpoint {launch.target['base_url']} answers; /metrics: "
+              f"{'yes' if launch.has_metrics else 'no'}, cache reset: {'yes' if launch.cache_reset else 'no'}")
+    else:
+        print(f"ready in {launch.startup_s:.1f} s at {run.url}")
+    if launch.cache_config:
+        print("cache config:", launch.cache_config)
+    for w in rec.warnings:
+        print("warning:", w)
 
 
 def round_progress(total: int):
@@ -71,117 +96,86 @@ def round_progress(total: int):
     return lambda i: bar.update(1) or (bar.close() if i == total - 1 else None)
 
 
-_ROUND_COLS = ["round", "status", "completed", "failed", "ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms",
-               "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate", "engine_steps",
-               "preemptions", "kv_usage_peak"]
+ROUND_COLUMNS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput",
+                 "prefix_cache_hit_rate", "engine_steps", "preemptions", "kv_usage_peak")
 
 
 def rounds_table(run: PointRun) -> pd.DataFrame:
     if not run.rounds:
-        return pd.DataFrame({"status": [run.summary["status"]], "reason": [run.summary["reason"]]})
-    df = pd.DataFrame(run.rounds)
-    return df[[c for c in _ROUND_COLS if c in df.columns]].round(3)
+        return pd.DataFrame({"status": [run.record.status], "reason": [run.record.reason]})
+    rows = [{"round": r.round, "status": r.status, "completed": r.metrics["completed"],
+             "failed": r.metrics["failed"], **{m: r.metrics.get(m) for m in ROUND_COLUMNS}} for r in run.rounds]
+    return pd.DataFrame(rows).set_index("round").round(3)
 
 
-def summary_table(summary: dict) -> pd.DataFrame:
-    med = {k: v for k, v in (summary.get("medians") or {}).items() if "__" not in k}
-    head = {"status": summary["status"], "reason": summary["reason"], "startup_s": summary.get("startup_s")}
-    return pd.Series({**head, **med}, name=summary["point"]).to_frame()
+def summary_table(summary: PointSummary) -> pd.DataFrame:
+    """The point over all its starts so far: each metric's median, interval and range."""
+    print(f"point {summary.point}: {summary.status}, {summary.rounds_ok} of {summary.rounds_planned} rounds "
+          f"over {summary.starts_done} of {summary.starts_planned} server start(s)")
+    for r in summary.reasons:
+        print("  ", r)
+    return report.estimates_frame(summary)
 
 
 # -- report notebook ---------------------------------------------------------
-def resolve_run(run_dir: str) -> Path:
+def resolve_run(run_dir: str) -> RunFolder:
     if run_dir:
-        return Path(run_dir)
-    runs = sorted(RESULTS.glob(f"*/{runfolder.MANIFEST}"))
+        return RunFolder(run_dir)
+    runs = sorted(Path("../results").glob("*/manifest.json"))
     if not runs:
-        raise FileNotFoundError(f"no run folder under {RESULTS}; run a sweep first "
-                                "(make study) or set run_dir")
-    return max(runs, key=lambda p: p.parent.name).parent
+        raise FileNotFoundError("no run folder under ../results; run a sweep first (make study) or set run_dir")
+    return RunFolder(max(runs, key=lambda p: p.parent.name).parent)
 
 
-def load_run(run: Path):
-    return report.load_manifest(run), report.load_summary(run)
+def load_run(run: RunFolder) -> report.Run:
+    return report.Run.load(run)
 
 
-def describe_run(m: dict) -> None:
-    v = m["versions"]
-    print(f"study {m['study']} created {m['created_utc']}  git {str(m['git']['sha'])[:12]}"
-          f"{' (dirty)' if m['git']['dirty'] else ''}")
-    print(f"engine {m['engine']}: {v['vllm_distribution']} {v['vllm']}, torch {v['torch']}, "
-          f"python {v['python']}, kit {v['vllm_study']}")
-    gpu = m["gpu"]
-    print("GPU:", ", ".join(f"{g['name']} {g['memory_total_bytes'] / 2**30:.0f} GiB driver {g['driver']}"
-                            for g in gpu) if isinstance(gpu, list) else gpu)
-    p = m["params"]
-    w = p["workload"]
-    print(f"grid: {json.dumps(p['grid'])}  x {p['rounds']} rounds")
-    print(f"workload: {w['kind']} via {w['api']}, {w['system_prompt_tokens']}-token shared prefix "
-          f"+ {w['question_tokens']}-token question, {w['output_tokens']} output tokens, "
-          f"concurrency {w['concurrency']}, {w['requests_per_round']} requests/round")
-    print("fixed engine args:", json.dumps(p["engine_args"], sort_keys=True))
+def describe_run(r: report.Run) -> None:
+    print(report.describe(r))
 
 
-def headline_table(df, manifest) -> pd.DataFrame:
-    return report.headline_table(df, manifest)
+def headline_table(r: report.Run) -> pd.DataFrame:
+    return report.headline_table(r)
 
 
-def target_comparison(df, manifest) -> pd.DataFrame | None:
+def failures(r: report.Run) -> pd.DataFrame:
+    return report.failures(r)
+
+
+def target_comparison(r: report.Run) -> pd.DataFrame | None:
     """Endpoint studies: each target's medians and what it adds over the first target
     (e.g. the same vLLM behind a gateway vs its port directly)."""
-    return report.target_comparison(df, manifest)
+    return report.target_comparison(r)
 
 
-def group_table(df) -> pd.DataFrame | None:
-    return report.group_table(df)
+def group_table(r: report.Run) -> pd.DataFrame | None:
+    return report.group_table(r)
 
 
-def failures(df) -> pd.DataFrame:
-    f = report.failures(df)
-    return f if len(f) else pd.DataFrame({"reason": ["(none: every point completed)"]}, index=["-"])
+def definitions(r: report.Run) -> pd.DataFrame:
+    return metrics.definitions(report.reported_metrics(r))
 
 
-HEATMAPS = {
-    "ttft_p90_ms": ("TTFT P90 (ms)", ".0f"), "itl_p90_ms": ("ITL P90 (ms)", ".1f"),
-    "tpot_p50_ms": ("TPOT P50 (ms)", ".1f"), "output_throughput": ("output tokens/s", ".0f"),
-    "prefix_cache_hit_rate": ("prefix-cache hit rate", ".2f"), "engine_steps": ("engine steps / round", ".0f"),
-    "kv_usage_peak": ("KV usage peak", ".1%"), "preemptions": ("preemptions / round", ".0f"),
-    "gpu_mem_peak_frac": ("GPU memory peak (share)", ".2f"),
-}
+def draw_heatmaps(r: report.Run) -> None:
+    why = plots.heatmap_grid(r, out=r.folder.figures / "heatmaps.png")
+    if why:
+        print(why)
+    else:
+        plt.show()
 
 
-def _xy(manifest):
-    axes = report.axes(manifest) or [None]
-    return axes[0], (axes[1] if len(axes) > 1 else None)
+def draw_trends(r: report.Run) -> None:
+    why = plots.trend_vs_axis(r, out=r.folder.figures / "trends.png")
+    if why:
+        print(why)
+    else:
+        plt.show()
 
 
-def _figdir(run: Path) -> Path:
-    d = Path(run) / "figures"
-    d.mkdir(exist_ok=True)
-    return d
-
-
-def draw_heatmaps(run, df, manifest) -> None:
-    x, y = _xy(manifest)
-    med = report.medians(df)
-    if y is None:  # a one-axis study has no heatmap; its trend lines say it all
-        print("no second grid axis: no heatmap" + ("; see the trend lines below" if x else ""))
-        return
-    plots.heatmap_grid(med, HEATMAPS, x, y, out=_figdir(run) / "heatmaps.png")
-    plt.show()
-
-
-def draw_trends(run, df, manifest) -> None:
-    x, y = _xy(manifest)
-    if x is None:
-        print("an endpoint study has no grid axis: see the target comparison above")
-        return
-    plots.trend_vs_axis(report.medians(df), {"ttft_p90_ms": "TTFT P90 (ms)", "itl_p90_ms": "ITL P90 (ms)",
-                                             "output_throughput": "output tokens/s"},
-                        x, y, out=_figdir(run) / "trends.png")
-    plt.show()
-
-
-def draw_round_trend(run, df) -> None:
-    plots.round_trend(report.rounds(df), out=_figdir(run) / "ttft_p90_by_round.png")
-    plt.show()
+def draw_round_trend(r: report.Run) -> None:
+    why = plots.round_trend(r, out=r.folder.figures / "ttft_p90_by_round.png")
+    if why:
+        print(why)
+    else:
+        plt.show()

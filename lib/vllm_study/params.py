@@ -61,7 +61,9 @@ class EngineArgs(_Strict):
 
 class ModelSpec(_Strict):
     card: str | None = Field("tiny-qwen2", description="architecture card for dummy weights")
-    path: str | None = Field(None, description="a real model id or folder (overrides card)")
+    path: str | None = Field(None, description="a model id or folder (overrides card)")
+    dummy_weights: bool | None = Field(None, description="random weights from the config alone; "
+                                       "default: yes for a card, no for a path")
     served_name: str = "model"
 
     @model_validator(mode="after")
@@ -69,8 +71,12 @@ class ModelSpec(_Strict):
         from .models import CARDS
         if self.path is None and self.card not in CARDS:
             raise ValueError(f"unknown card {self.card!r}; known: {', '.join(CARDS)} "
-                             "(or set model.path to a real model id or folder)")
+                             "(or set model.path to a model id or folder)")
         return self
+
+    @property
+    def dummy(self) -> bool:
+        return self.path is None if self.dummy_weights is None else self.dummy_weights
 
 
 class Uniform(_Strict):
@@ -191,11 +197,27 @@ class Workload(_Strict):
         return short
 
 
+# Flags the kit sets itself for every server it launches: a copy in extra_cli_args
+# would silently win over the kit's (argparse keeps the last), so it is refused.
+KIT_FLAGS = {"--port": "the kit picks a free port per server", "--host": "servers listen on 127.0.0.1",
+             "--model": "set model.card or model.path", "--served-model-name": "set model.served_name",
+             "--load-format": "set model.dummy_weights"}
+
+
 class Server(_Strict):
     engine: Literal["auto", "cpu", "gpu"] = "auto"  # auto: gpu when NVML sees one
     startup_timeout_s: float = Field(900, gt=0)
     env: dict[str, str] = {}
-    extra_cli_args: list[str] = []
+    extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
+
+    @model_validator(mode="after")
+    def _no_kit_flags(self):
+        for arg in self.extra_cli_args:
+            flag = arg.split("=", 1)[0]
+            if flag in KIT_FLAGS:
+                raise ValueError(f"server.extra_cli_args: {flag} is set by the kit ({KIT_FLAGS[flag]}); "
+                                 "remove it from extra_cli_args")
+        return self
 
 
 def normalize_base_url(url: str) -> str:
@@ -216,6 +238,8 @@ class Target(_Strict):
     model: str
     api_key_env: str | None = Field(None, description="name of the environment variable "
                                     "holding the API key (the key itself is never written)")
+    proxy: str | None = Field(None, description="an HTTP proxy to reach this target through; "
+                              "proxy variables in the environment are never used")
 
     @model_validator(mode="after")
     def _normalize(self):
@@ -236,7 +260,9 @@ class Study(_Strict):
     grid: dict[str, list[Any]] = {}
     targets: list[Target] = []  # instead of a grid: measure running endpoints
     workload: Workload = Workload()
-    rounds: int = Field(3, ge=1)
+    rounds: int = Field(3, ge=1)                # measured rounds per server start
+    replicates: int = Field(1, ge=1)            # server starts per point, in randomized blocks
+    order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
     slo: SLO = SLO()
 
@@ -263,42 +289,6 @@ class Study(_Strict):
         return self
 
 
-# Short names used in point ids, so paths stay readable: points/mbt=512__gmu=0.90/
-AXIS_ABBREV = {
-    "max_num_batched_tokens": "mbt", "gpu_memory_utilization": "gmu",
-    "kv_cache_memory_bytes": "kv", "max_num_seqs": "mns", "block_size": "bs",
-    "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
-    "max_model_len": "len", "enforce_eager": "eager",
-}
-
-# vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
-# and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
-# gpu: cards of 70 GiB and more but A100s (H100, H200); smaller cards and A100s get 256.
-# cpu: 128 per tensor-parallel rank.
-DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}
-DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
-
-
-def _fmt(axis: str, value) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if axis == "kv_cache_memory_bytes":
-        mib = value / 2**20
-        return f"{mib / 1024:g}GiB" if mib >= 1024 and mib % 1024 == 0 else f"{mib:g}MiB"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
-
-
-class Point(BaseModel):
-    id: str
-    values: dict[str, Any]         # the grid coordinates
-    engine_args: EngineArgs        # fixed args merged with the coordinates
-    target: Target | None = None   # an endpoint to measure instead of a server to launch
-    effective: dict[str, Any] = {}  # what vLLM will use where the params leave it open
-    warnings: list[str] = []
-
-
 def _did_you_mean(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -315,11 +305,15 @@ def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
 
 
 def _read_layers(path: Path, seen: tuple = ()) -> dict:
-    """A file may name a base file with `extends:`; its keys override the base's."""
+    """A file may name a base file with `extends:`, resolved against the including
+    file's folder; the including file's keys override the base's."""
     path = Path(path)
     if path in seen:
         raise StudyError(f"{path}: `extends` loops back to itself")
     if not path.exists():
+        if seen:
+            raise StudyError(f"params file not found: {path}, named by `extends:` in {seen[-1]} "
+                             f"(`extends` is resolved against that file's folder, {seen[-1].parent})")
         raise StudyError(f"params file not found: {path}")
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -379,77 +373,3 @@ def study_from_dict(data: dict, source: str = "params") -> Study:
         raise StudyError(_explain(e, source)) from None
 
 
-def _check_point(study: Study, args: EngineArgs, engine: str,
-                 max_model_len: int | None) -> tuple[dict, list[str], list[str]]:
-    """vLLM's own rules and costly choices, for one point; max_model_len None means
-    unknown here (a real model's config decides). Returns (effective, warnings, errors)."""
-    warnings, errors = [], []
-    mbt, mns = args.max_num_batched_tokens, args.max_num_seqs
-    block = args.block_size or DEFAULT_BLOCK_SIZE[engine]
-    effective = {"block_size": block, "max_model_len": max_model_len}
-    if mbt is not None:
-        if mbt % block:
-            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of the block size "
-                            f"({block}): prefix-cache blocks are reused per full block")
-        if mbt % 128:
-            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of 128: GEMM tiles pad it")
-        if args.enable_chunked_prefill is False and max_model_len and mbt < max_model_len:
-            errors.append(f"max_num_batched_tokens={mbt} is below max_model_len={max_model_len} "
-                          "with chunked prefill off: vLLM would reject longer prompts. Raise "
-                          "max_num_batched_tokens, lower engine_args.max_model_len, or turn "
-                          "chunked prefill on")
-        if mns is not None and mns > mbt:
-            errors.append(f"max_num_seqs={mns} is above max_num_batched_tokens={mbt}; vLLM "
-                          "rejects this at startup. Lower max_num_seqs or raise the chunk size")
-    if mns is None:
-        ranks = (args.tensor_parallel_size or 1) if engine == "cpu" else 1
-        default = DEFAULT_MAX_NUM_SEQS[engine] * ranks
-        # vLLM caps an unset max_num_seqs at the chunk size: small chunks also cap concurrency.
-        effective["max_num_seqs"] = min(default, mbt) if mbt else default
-        if mbt is not None and mbt < default:
-            warnings.append(f"max_num_seqs is not set, so vLLM caps it at max_num_batched_tokens "
-                            f"({mbt} instead of {default}): this point also limits concurrency")
-    else:
-        effective["max_num_seqs"] = mns
-    need = int(study.workload.longest_request()) + 32  # + the chat template, generously
-    if max_model_len and need > max_model_len:
-        errors.append(f"the longest request needs about {need} tokens (prompt + template + output) "
-                      f"but max_model_len is {max_model_len}; shorten the workload or raise "
-                      "engine_args.max_model_len")
-    return effective, warnings, errors
-
-
-def expand(study: Study, engine: str = "cpu") -> list[Point]:
-    """Every combination of the grid's values, in the order the axes are written
-    (the last axis varies fastest). Raises StudyError listing every invalid point."""
-    from .models import card_config
-    if study.targets:
-        return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
-                      target=t) for t in study.targets]
-    axes = list(study.grid)
-    points, problems = [], []
-    for combo in itertools.product(*(study.grid[a] for a in axes)):
-        values = dict(zip(axes, combo))
-        try:
-            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **values})
-        except ValidationError as e:
-            problems.append(_explain(e, f"grid point {values}"))
-            continue
-        supported = card_config(study.model.card)["max_position_embeddings"] if study.model.path is None else None
-        mml = args.max_model_len or supported
-        if supported and mml > supported:
-            problems.append(f"  max_model_len={mml} is above what model card {study.model.card} supports "
-                            f"({supported} positions); lower engine_args.max_model_len")
-            continue
-        pid = "__".join(f"{AXIS_ABBREV.get(a, a)}={_fmt(a, v)}" for a, v in values.items())
-        twin = next((p for p in points if p.id == pid), None)
-        if twin:  # two points in one folder: the second would be skipped as finished
-            problems.append(f"  points {twin.values} and {values} both get the point id {pid}; "
-                            "make the values differ at the precision ids show")
-            continue
-        effective, warns, errs = _check_point(study, args, engine, mml)
-        problems += [f"  point {pid}: {e}" for e in errs]
-        points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))
-    if problems:
-        raise StudyError("the grid has points vLLM would reject:\n" + "\n".join(problems))
-    return points

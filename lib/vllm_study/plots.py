@@ -1,5 +1,10 @@
-"""Seaborn figures for a run: heatmaps over the grid (medians annotated, failed points
-masked and labelled), metric-vs-chunk-size lines, and the per-round trend."""
+"""Seaborn figures for a run: heatmaps over the grid (medians annotated; failed points
+grey, points missing rounds marked), metric-vs-axis lines with their 95% intervals, and
+each round per point. Colours, labels and number formats come from the metric registry.
+
+Each drawing function returns None when it drew, or a sentence saying why it could not
+(a one-axis study has no heatmap; a study where every point failed has nothing to draw).
+"""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +14,11 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from .params import AXIS_ABBREV, _fmt
+from . import metrics
+from .grid import AXIS_ABBREV, fmt_value
+from .report import Run, long_estimates
+
+PARTIAL_NOTE = "* = not every planned round was measured; grey = failed"
 
 
 def _label(axis: str) -> str:
@@ -17,79 +26,126 @@ def _label(axis: str) -> str:
             "kv_cache_memory_bytes": "KV cache size"}.get(axis, axis)
 
 
-def heatmap(med: pd.DataFrame, metric: str, x: str, y: str, title: str, fmt: str = ".0f",
-            ax=None, cmap: str = "viridis_r"):
-    """One cell per (x, y) point; failed points (no value) are grey and say 'failed'."""
-    ax = ax or plt.gca()
-    table = med.pivot_table(index=y, columns=x, values=metric, aggfunc="first", dropna=False)
-    status = med.pivot_table(index=y, columns=x, values="status", aggfunc="first")
+def _nothing(r: Run) -> str | None:
+    if not r.measured:
+        return ("no point has a measured round, so there is nothing to draw: "
+                "the failure table above says why each point failed")
+    return None
+
+
+def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str, ax) -> None:
+    """One cell per (x, y) point: the median, '*' where rounds are missing, grey + 'failed'
+    where none were measured."""
+    m = metrics.get(metric)
+    sub = est[est["metric"] == metric]
+    table = sub.pivot_table(index=y, columns=x, values="median", aggfunc="first")
     table = table.reindex(index=status.index, columns=status.columns).astype(float)
-    sns.heatmap(table, annot=True, fmt=fmt, mask=table.isna(), cmap=cmap, ax=ax,
-                cbar_kws={"label": title}, linewidths=0.5, linecolor="white")
+    sns.heatmap(table, annot=False, mask=table.isna(), cmap=m.cmap, ax=ax, cbar_kws={"label": m.title},
+                linewidths=0.5, linecolor="white")
     ax.set_facecolor("#d9d9d9")
     for (i, j), v in np.ndenumerate(table.to_numpy()):
+        st = status.iat[i, j]
         if np.isnan(v):
-            ax.text(j + 0.5, i + 0.5, "failed" if status.iat[i, j] == "failed" else "n/a",
-                    ha="center", va="center", color="#b00020", fontsize=9)
-    ax.set_xticklabels([_fmt(x, v) for v in table.columns])
-    ax.set_yticklabels([_fmt(y, v) for v in table.index], rotation=0)
+            text, colour = ("failed" if st == "failed" else "n/a"), "#b00020"
+        else:
+            text, colour = m.format(v) + ("*" if st != "ok" else ""), "white" if _dark(table, v, m) else "black"
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
+    ax.set_xticklabels([fmt_value(x, v) for v in table.columns])
+    ax.set_yticklabels([fmt_value(y, v) for v in table.index], rotation=0)
     ax.set_xlabel(_label(x))
     ax.set_ylabel(_label(y))
     ax.invert_yaxis()
-    ax.set_title(title)
-    return ax
+    ax.set_title(m.title)
 
 
-def heatmap_grid(med: pd.DataFrame, metrics: dict[str, tuple[str, str]], x: str, y: str,
-                 out: Path | None = None, cols: int = 3):
-    """Several heatmaps side by side; metrics: column -> (title, number format)."""
-    present = {m: v for m, v in metrics.items() if m in med.columns and med[m].notna().any()}
+def _dark(table: pd.DataFrame, v: float, m: metrics.Metric) -> bool:
+    """Is the cell's colour dark (text in white)? viridis is dark at its low end."""
+    lo, hi = np.nanmin(table.to_numpy()), np.nanmax(table.to_numpy())
+    frac = 0.5 if hi == lo else (v - lo) / (hi - lo)
+    return (frac < 0.5) if m.cmap == "viridis" else (frac > 0.5)
+
+
+def _status_table(r: Run, x: str, y: str) -> pd.DataFrame:
+    rows = [{**s.values, "status": s.status} for s in r.summaries]
+    return pd.DataFrame(rows).pivot_table(index=y, columns=x, values="status", aggfunc="first")
+
+
+def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: int = 3) -> str | None:
+    if len(r.axes) < 2:
+        return "no second grid axis: no heatmap" + ("; see the trend lines below" if r.axes else "")
+    if why := _nothing(r):
+        return why
+    x, y = r.axes[0], r.axes[1]
+    est = long_estimates(r)
+    present = [n for n in names if n in set(est["metric"])]
+    status = _status_table(r, x, y)
     rows = -(-len(present) // cols)
     fig, axs = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
-    for ax, (m, (title, fmt)) in zip(axs.flat, present.items()):
-        heatmap(med, m, x, y, title, fmt, ax=ax,
-                cmap="viridis" if "throughput" in m or "hit" in m else "viridis_r")
+    for ax, n in zip(axs.flat, present):
+        heatmap(est, status, n, x, y, ax)
     for ax in list(axs.flat)[len(present):]:
         ax.axis("off")
-    fig.tight_layout()
+    fig.text(0.01, 0.002, PARTIAL_NOTE, fontsize=8)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
     if out:
         fig.savefig(out, dpi=110)
-    return fig
+    return None
 
 
-def trend_vs_axis(med: pd.DataFrame, metrics: dict[str, str], x: str, hue: str | None,
-                  out: Path | None = None):
-    """Each metric against x (log2 axis for chunk sizes), one line per hue value."""
-    fig, axs = plt.subplots(1, len(metrics), figsize=(5 * len(metrics), 3.8), squeeze=False)
-    data = med.copy()
-    if hue:
-        data[hue] = data[hue].map(lambda v: f"{AXIS_ABBREV.get(hue, hue)}={_fmt(hue, v)}")
-    for ax, (m, title) in zip(axs.flat, metrics.items()):
-        if m in data.columns:
-            sns.lineplot(data=data, x=x, y=m, hue=hue, marker="o", ax=ax)
+def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str | None:
+    """Each metric against the first axis (log2 for chunk sizes), one line per value of
+    the second, with the 95% interval as a band."""
+    if not r.axes:
+        return "an endpoint study has no grid axis: see the target comparison above"
+    if why := _nothing(r):
+        return why
+    x = r.axes[0]
+    hue = r.axes[1] if len(r.axes) > 1 else None
+    est = long_estimates(r)
+    fig, axs = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    for ax, n in zip(axs.flat, names):
+        m = metrics.get(n)
+        sub = est[est["metric"] == n].sort_values(x)
+        for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
+            label = f"{AXIS_ABBREV.get(hue, hue)}={fmt_value(hue, key)}" if hue else None
+            line, = ax.plot(part[x], part["median"], marker="o", label=label)
+            ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
+            odd = part[part["status"] != "ok"]
+            ax.scatter(odd[x], odd["median"], marker="*", s=120, color=line.get_color(), zorder=3)
         if x == "max_num_batched_tokens":
             ax.set_xscale("log", base=2)
-            ticks = sorted(data[x].unique())
+            ticks = sorted(sub[x].unique())
             ax.set_xticks(ticks, [str(int(t)) for t in ticks])  # 128, not 2^7
             ax.minorticks_off()
-        ax.set_title(title)
+        ax.set_title(m.title)
         ax.set_xlabel(_label(x))
-        ax.set_ylabel(title)
-    fig.tight_layout()
+        ax.set_ylabel(m.title)
+        if hue:
+            ax.legend(fontsize=8)
+    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
         fig.savefig(out, dpi=110)
-    return fig
+    return None
 
 
-def round_trend(rounds: pd.DataFrame, metric: str = "ttft_p90_ms", title: str = "TTFT P90 ms",
-                out: Path | None = None):
-    """The metric in each round, per point: spread across rounds is the noise floor."""
+def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) -> str | None:
+    """The metric in each round of each server start, per point: the spread is the noise
+    the medians sit on."""
+    df = r.rounds
+    if df.empty or metric not in df.columns:
+        return _nothing(r) or f"no round has {metric}"
+    df = df[(df["group"] == "all") & (df["round_status"] == "ok")].copy()
+    if df.empty:
+        return _nothing(r) or "no round completed"
+    df["start.round"] = df["start"].astype(int).astype(str) + "." + df["round"].astype(int).astype(str)
+    m = metrics.get(metric)
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    sns.lineplot(data=rounds, x="round", y=metric, hue="point", marker="o", ax=ax)
-    ax.set_xticks(sorted(rounds["round"].unique()))
-    ax.set_title(f"{title} per round")
+    sns.lineplot(data=df, x="start.round", y=metric, hue="point", marker="o", ax=ax)
+    ax.set_title(f"{m.title} per round (server start . round)")
+    ax.set_ylabel(m.title)
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     if out:
         fig.savefig(out, dpi=110)
-    return fig
+    return None

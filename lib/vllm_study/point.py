@@ -1,7 +1,8 @@
-"""One grid point: launch vLLM, warm up, run the rounds, record everything.
+"""One server start of one grid point: launch vLLM (or connect to an endpoint), warm
+up, run the rounds, record everything; then the point's summary over all its starts.
 
 The steps are methods so the point notebook can show each as a cell. A failure
-(server that never starts, server that dies mid-round) marks the point failed with a
+(server that never starts, server that dies mid-round) marks the start failed with a
 reason and turns the remaining steps into no-ops: the notebook still finishes and
 the sweep goes on. Finished rounds are on disk the moment they end.
 """
@@ -10,32 +11,19 @@ from __future__ import annotations
 import ast
 import atexit
 import functools
-import gzip
-import json
 import os
 import re
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import client, counters, loads, runfolder, stats
-from .models import build_model_dir
-from .params import Point, Study
+from . import client, counters, loads, models, stats
+from .grid import PointPlan
+from .machine import NvmlProbe, describe
+from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
+                      compress_log, now_utc, read_log, START)
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
 from .workload import make_workload
-
-SUMMARY, ROUNDS, REQUESTS, LOG = "summary.json", "rounds.jsonl", "requests.jsonl.gz", "server.log"
-
-
-def model_cache_dir() -> Path:
-    return Path(os.environ.get("VLLM_STUDY_CACHE", Path.home() / ".cache" / "vllm_study")) / "models"
-
-
-def prepare_model(study: Study) -> tuple[str, bool]:
-    """(model path or id, load dummy weights?)"""
-    if study.model.path:
-        return study.model.path, False
-    return str(build_model_dir(study.model.card, model_cache_dir() / study.model.card)), True
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -48,7 +36,7 @@ def _non_default_args(log_text: str) -> dict | None:
 
 
 def _step(method):
-    """A step that raises records the point as failed (with the error) instead of
+    """A step that raises records the start as failed (with the error) instead of
     stopping the notebook: failures are data, and later steps become no-ops."""
     @functools.wraps(method)
     def wrapper(self, *a, **kw):
@@ -63,61 +51,64 @@ def _step(method):
 
 
 class PointRun:
-    def __init__(self, study: Study, point: Point, point_dir: str | Path, engine: str):
-        self.study, self.point, self.engine = study, point, engine
-        self.dir = Path(point_dir)
+    """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/)."""
+
+    def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,
+                 gpu_indices: list[int] | None = None):
+        self.plan, self.study, self.point = plan, plan.study, plan.point
+        self.dir = Path(start_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in (ROUNDS, REQUESTS):  # a re-run of a point starts clean
-            (self.dir / stale).unlink(missing_ok=True)
+        for stale in self.dir.iterdir():  # a re-run of a start starts clean (its notebook aside)
+            if stale.is_file() and stale.suffix != ".ipynb":
+                stale.unlink()
+        self.gpu_indices = gpu_indices
         self.server: VllmServer | None = None
-        self.url = self.model_name = self.api_key = None  # set by launch()
-        self.has_metrics = True   # a gateway may not expose vLLM's /metrics
-        self.rounds: list[dict] = []
-        self.nvml = counters.NvmlProbe()
-        self.summary = {
-            "point": point.id, "values": point.values, "status": "running", "reason": None,
-            "engine": engine, "engine_args": point.engine_args.model_dump(exclude_none=True),
-            "effective": dict(point.effective), "warnings": point.warnings,
-            "rounds_planned": study.rounds, "rounds_ok": 0,
-            **runfolder.machine(self.nvml),
-        }
-        self._write_summary()
+        self.url = self.model_name = self.api_key = self.proxy = None  # set by launch()
+        self.rounds: list[RoundRecord] = []
+        self.nvml = NvmlProbe(gpu_indices)
+        m = describe(gpu_indices)
+        self.record = StartRecord(point=self.point.id, start=start, block=block, started_utc=now_utc(),
+                                  host=m.host, gpus=m.gpus, no_gpu_reason=m.no_gpu_reason,
+                                  rounds_planned=self.study.rounds, warnings=list(self.point.warnings))
+        self._save()
 
     # -- bookkeeping --------------------------------------------------------
     @property
     def failed(self) -> bool:
-        return self.summary["status"] == "failed"
+        return self.record.status == "failed"
 
     def _fail(self, reason: str) -> None:
-        self.summary.update(status="failed", reason=reason)
-        self._write_summary()
+        self.record.status, self.record.reason = "failed", reason
+        self._save()
 
-    def _write_summary(self) -> None:
-        tmp = self.dir / (SUMMARY + ".tmp")
-        tmp.write_text(json.dumps(self.summary, indent=2, default=str))
-        tmp.replace(self.dir / SUMMARY)  # atomic: a reader never sees half a file
+    def _save(self) -> None:
+        self.record.save(self.dir / START)
 
     # -- steps --------------------------------------------------------------
     @_step
     def launch(self) -> None:
         """Start this point's vLLM, or, for an endpoint target, check that it answers."""
-        s = self.study
-        model, dummy = prepare_model(s)  # also the tokenizer that sizes prompts for targets
+        model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.workload = make_workload(self.tokenizer, s.workload)
-        self.summary["workload"] = {"kind": s.workload.kind, "seed": s.workload.seed,
-                                    "load": s.workload.load.kind}
+        self.workload = make_workload(self.tokenizer, self.study.workload)
         if self.point.target:
             self._connect(self.point.target)
         else:
             self._start_server(model, dummy)
+        block = self.record.launch.cache_config.get("block_size") or (
+            self.point.effective.block_size if self.point.effective else None)
+        if not self.failed and self.study.workload.kind == "shared_prefix" and block:
+            # what a cache that never evicts would hit: the report puts it beside the measured rate
+            self.record.expected_prefix_hit_rate = self.workload.expected_hit_rate(
+                self.study.workload.requests_per_round, int(block))
+        self._save()
 
     def _connect(self, t) -> None:
-        self.url, self.model_name = t.base_url, t.model
+        self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy
         # Only the variable's name is recorded; the key stays in memory.
-        self.summary["target"] = {"name": t.name, "base_url": t.base_url, "model": t.model,
-                                  "api_key_env": t.api_key_env}
+        self.record.launch = Launch(target={"name": t.name, "base_url": t.base_url, "model": t.model,
+                                            "api_key_env": t.api_key_env, "proxy": t.proxy})
         if t.api_key_env:
             self.api_key = os.environ.get(t.api_key_env)
             if not self.api_key:
@@ -125,127 +116,111 @@ class PointRun:
                            f"{t.name}) is not set; export it before the run")
                 return
         try:
-            client.check_endpoint(self.url, self.model_name, self.api_key)
+            client.check_endpoint(self.url, self.model_name, self.api_key, proxy=self.proxy)
         except client.EndpointError as e:
             self._fail(f"target {t.name}: {e}")
             return
-        try:
-            self.summary["effective"]["cache_config"] = counters.cache_config(
-                counters.scrape(self.url, self.api_key))
-            counters.reset_prefix_cache(self.url, self.api_key)
-        except OSError as e:  # a gateway may expose neither
-            self.has_metrics = False
-            self.summary["warnings"] = self.summary["warnings"] + [
-                f"{self.url}: /metrics or /reset_prefix_cache not available ({e}): server-side "
-                "counters are absent and rounds do not start from a reset cache"]
-        self._write_summary()
+        snap, notes = counters.probe_server_api(self.url, self.api_key, self.proxy)
+        self.record.launch.has_metrics = snap is not None
+        self.record.launch.cache_reset = not any("reset_prefix_cache" in n for n in notes)
+        if snap is not None:
+            self.record.launch.cache_config = counters.cache_config(snap)
+        self.record.warnings += notes
 
     def _start_server(self, model: str, dummy: bool) -> None:
         s = self.study
         port = free_port()
         cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
                             load_dummy=dummy, extra=s.server.extra_cli_args)
-        self.summary["command"] = cmd
-        self.server = VllmServer(cmd, port, self.dir / LOG, env=s.server.env,
-                                 startup_timeout_s=s.server.startup_timeout_s)
+        env = dict(s.server.env)
+        if self.gpu_indices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
+        self.record.launch = Launch(command=cmd)
+        self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
         try:
             self.server.start()
             reason = None
         except ServerStartError as e:
             reason = e.reason
-        self.summary["effective"]["vllm_non_default_args"] = _non_default_args(
-            (self.dir / LOG).read_text(errors="replace"))
+        self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))
         if reason:
             self._fail(f"server did not start: {reason}")
             return
-        self.summary["server_pgid"] = self.server.proc.pid
-        self.summary["startup_s"] = self.server.startup_s
+        self.record.launch.server_pgid = self.server.proc.pid
+        self.record.launch.startup_s = self.server.startup_s
         self.url, self.model_name = self.server.url, s.model.served_name
-        snap = counters.scrape(self.server.url)
-        self.summary["effective"]["cache_config"] = counters.cache_config(snap)
-        if s.workload.kind == "shared_prefix":
-            block = int(self.summary["effective"]["cache_config"].get("block_size", 16))
-            # what a cache that never evicts would hit: compare with the measured rate
-            self.summary["workload"]["expected_prefix_hit_rate"] = self.workload.expected_hit_rate(
-                s.workload.requests_per_round, block)
+        self.record.launch.cache_config = counters.cache_config(counters.scrape(self.server.url))
         client.check_endpoint(self.server.url, s.model.served_name)
-        self._write_summary()
 
-    def _send(self, requests) -> list[dict]:
-        """Closed loop: `concurrency` requests in flight."""
+    def _run_closed(self, requests) -> list[dict]:
         w = self.study.workload
-        res = client.run_sync(client.run_closed_loop(
-            self.url, self.model_name, w.api, requests, w.concurrency,
-            timeout_s=w.request_timeout_s, api_key=self.api_key))
-        return [r.to_dict() for r in res]
+        return [r.to_dict() for r in client.run_sync(client.run_closed_loop(
+            self.url, self.model_name, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s,
+            api_key=self.api_key, proxy=self.proxy))]
 
-    def _send_round(self) -> list[dict]:
-        """One round's requests under the study's load model."""
+    def _prepare_round(self):
+        """The round's requests and the coroutine that sends them, built before the
+        round's clock starts (tokenizing prompts is not the server's time)."""
         w = self.study.workload
         n, load = w.requests_per_round, w.load
-        if w.kind == "multi_turn":
-            res = client.run_sync(client.run_conversations(
-                self.url, self.model_name, self.workload, n // w.turns, w.concurrency, w.think_time_s,
-                timeout_s=w.request_timeout_s, api_key=self.api_key))
-            return [r.to_dict() for r in res]
+        common = dict(timeout_s=w.request_timeout_s, api_key=self.api_key, proxy=self.proxy)
+        if w.kind == "multi_turn":  # turns are built as answers arrive
+            return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
+                                            w.concurrency, w.think_time_s, **common)
         requests = self.workload.requests(n)
         if load.kind == "closed":
-            return self._send(requests)
+            return client.run_closed_loop(self.url, self.model_name, w.api, requests, w.concurrency, **common)
         if load.kind == "poisson":
             times = loads.arrivals(n, load.rate, load.burstiness, w.seed)
         else:
             times, step = loads.ladder(n, load.rates, load.burstiness, w.seed)
             requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
-        res = client.run_sync(client.run_open_loop(
-            self.url, self.model_name, w.api, requests, times, timeout_s=w.request_timeout_s,
-            api_key=self.api_key, max_concurrency=load.max_concurrency))
-        return [r.to_dict() for r in res]
+        return client.run_open_loop(self.url, self.model_name, w.api, requests, times,
+                                    max_concurrency=load.max_concurrency, **common)
 
     @_step
     def warmup(self) -> None:
         """Requests from a separate stream, excluded from every statistic."""
-        if not self.study.workload.warmup_requests:
-            return
-        res = self._send(self.workload.requests(self.study.workload.warmup_requests, "warmup"))
-        self.summary["warmup_errors"] = sum(1 for r in res if r["error"])
-        self._write_summary()
+        n = self.study.workload.warmup_requests
+        if n:
+            res = self._run_closed(self.workload.requests(n, "warmup"))
+            self.record.warmup_errors = sum(1 for r in res if r["error"])
+            self._save()
 
     @_step
-    def run_round(self, index: int) -> dict | None:
-        url = self.url
-        key = self.api_key
-        if self.has_metrics:
-            counters.reset_prefix_cache(url, key)  # every round starts from the same (cold) cache
-            before = counters.scrape(url, key)
-        sampler = counters.RoundSampler(url if self.has_metrics else None, self.nvml, api_key=key)
+    def run_round(self, index: int) -> RoundRecord | None:
+        launch = self.record.launch
+        if launch.cache_reset:
+            counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
+        before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
+        sending = self._prepare_round()
+        sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
+                                        api_key=self.api_key, proxy=self.proxy)
         with sampler:
             t0 = time.perf_counter()
-            results = self._send_round()
+            results = [r.to_dict() for r in client.run_sync(sending)]
             duration = time.perf_counter() - t0
-        row = {"round": index, **stats.round_stats(results, duration, self.study.slo.ttft_ms,
-                                                   self.study.slo.tpot_ms), **stats.group_stats(results)}
-        if self.server and not self.server.alive():
-            row["status"] = "failed"
-            self._append_round(row, results)
-            self._fail(f"server died during round {index}: {_log_reason(self.dir / LOG)}")
-            return row
-        if self.has_metrics:
-            row |= counters.round_deltas(before, counters.scrape(url, key))
-        row |= sampler.result()
-        row["status"] = "ok" if row["completed"] else "failed"
-        self._append_round(row, results)
-        return row
-
-    def _append_round(self, row: dict, results: list[dict]) -> None:
-        self.rounds.append(row)
-        with open(self.dir / ROUNDS, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        with gzip.open(self.dir / REQUESTS, "at") as f:
-            for r in results:
-                r = {**r, "round": row["round"],
-                     "itl_s": [round(x, 6) for x in r["itl_s"]]}
-                f.write(json.dumps(r) + "\n")
+        values = stats.round_metrics(results, duration, self.study.slo)
+        values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
+        died = self.server is not None and not self.server.alive()
+        if not died:
+            if before is not None:
+                values |= counters.round_deltas(before, counters.scrape(self.url, self.api_key, self.proxy))
+            values |= sampler.result()
+        ok = not died and values["completed"] > 0
+        rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
+                          status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
+                          metrics=values, groups=stats.group_records(results))
+        self.rounds.append(rec)
+        append_round(self.dir, rec, results)
+        if died:
+            self._fail(f"server died during round {index}: "
+                       f"{failure_reason(read_log(self.dir), self.server.proc.returncode)}")
+        elif ok:
+            self.record.rounds_ok += 1
+            self._save()
+        return rec
 
     def run_rounds(self, progress=None) -> None:
         for i in range(self.study.rounds):
@@ -255,21 +230,52 @@ class PointRun:
             if progress:
                 progress(i)
 
-    def finish(self) -> dict:
+    def finish(self) -> PointSummary:
+        """Stop the server, close this start's record, and summarize the point over
+        every start it has so far."""
         if self.server:
             self.server.stop()
-        ok = [r for r in self.rounds if r.get("status") == "ok"]
-        self.summary["rounds_ok"] = len(ok)
-        if ok:
-            self.summary["medians"] = stats.point_medians(ok)
+            compress_log(self.dir)
         if not self.failed:
-            if len(ok) < self.study.rounds:
-                self._fail(f"only {len(ok)} of {self.study.rounds} rounds completed a request")
+            if self.record.rounds_ok < self.study.rounds:
+                self._fail(f"only {self.record.rounds_ok} of {self.study.rounds} rounds completed a request")
             else:
-                self.summary["status"] = "ok"
-        self._write_summary()
-        return self.summary
+                self.record.status = "ok"
+        self.record.finished_utc = now_utc()
+        self._save()
+        return summarize(PointFolder(self.dir.parent), self.plan)
 
 
-def _log_reason(log: Path) -> str:
-    return failure_reason(log.read_text(errors="replace")) if log.exists() else "no log"
+def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
+    """The point over all its starts: status, reasons, and every metric's estimate.
+    ok = every planned round of every planned start; partial = some; failed = none,
+    with a start that failed; running = nothing measured yet."""
+    study, point = plan.study, plan.point
+    starts = folder.starts()
+    rounds = folder.rounds()
+    ok_rounds = [r for r in rounds if r.status == "ok"]
+    planned = study.replicates * study.rounds
+    failed_starts = [s for s in starts if s.status == "failed"]
+    if len(ok_rounds) >= planned and not failed_starts:
+        status = "ok"
+    elif ok_rounds:
+        status = "partial"
+    else:
+        status = "failed" if failed_starts else "running"
+    reasons = [f"start {s.start}: {s.reason}" for s in failed_starts]
+    done = sum(1 for s in starts if s.status != "running")
+    if status == "partial" and done < study.replicates:
+        reasons.append(f"{study.replicates - done} of {study.replicates} server starts not run yet")
+    first_up = next((s for s in starts if s.launch.startup_s is not None or s.launch.target), None)
+    estimates = stats.point_estimates(rounds, point.id)
+    startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
+    if startups:  # a figure per start, not per round
+        estimates["startup_s"] = stats.estimate([[v] for v in startups])
+    summary = PointSummary(
+        point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=study.replicates,
+        starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,
+        engine_args=point.engine_args.model_dump(exclude_none=True), effective=point.effective,
+        launch=first_up.launch if first_up else None, warnings=sorted({w for s in starts for w in s.warnings}),
+        estimates=estimates, groups=stats.group_estimates(rounds, point.id))
+    summary.save(folder.summary_path)
+    return summary

