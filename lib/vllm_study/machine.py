@@ -163,7 +163,7 @@ class Versions(BaseModel):
     torch: str | None
     vllm_study: str
     python: str
-    interpreter: str   # the one that ran the study: what a resume hint must name
+    interpreter: str | None = None   # the one that ran the study: what a resume hint must name
 
 
 def versions() -> Versions:

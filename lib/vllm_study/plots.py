@@ -14,11 +14,14 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from . import metrics
+from matplotlib.patches import Rectangle
+
+from . import analysis, metrics
 from .grid import AXIS_ABBREV, fmt_value
 from .report import Run, long_estimates
 
-PARTIAL_NOTE = "* = not every planned round was measured; grey = failed"
+PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
+                "measured; grey = failed")
 
 
 def _label(axis: str) -> str:
@@ -33,12 +36,13 @@ def _nothing(r: Run) -> str | None:
     return None
 
 
-def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str, ax) -> None:
-    """One cell per (x, y) point: the median, '*' where rounds are missing, grey + 'failed'
-    where none were measured."""
+def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str, ax,
+            tied: set | None = None) -> None:
+    """One cell per (x, y) point: the value, '*' where rounds are missing, grey + 'failed'
+    where none were measured, a box around the points tied with the best."""
     m = metrics.get(metric)
     sub = est[est["metric"] == metric]
-    table = sub.pivot_table(index=y, columns=x, values="median", aggfunc="first")
+    table = sub.pivot_table(index=y, columns=x, values="value", aggfunc="first")
     table = table.reindex(index=status.index, columns=status.columns).astype(float)
     sns.heatmap(table, annot=False, mask=table.isna(), cmap=m.cmap, ax=ax, cbar_kws={"label": m.title},
                 linewidths=0.5, linecolor="white")
@@ -50,6 +54,8 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
         else:
             text, colour = m.format(v) + ("*" if st != "ok" else ""), "white" if _dark(table, v, m) else "black"
         ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
+        if tied and (table.index[i], table.columns[j]) in tied:
+            ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
     ax.set_xticklabels([fmt_value(x, v) for v in table.columns])
     ax.set_yticklabels([fmt_value(y, v) for v in table.index], rotation=0)
     ax.set_xlabel(_label(x))
@@ -82,7 +88,12 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
     rows = -(-len(present) // cols)
     fig, axs = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
     for ax, n in zip(axs.flat, present):
-        heatmap(est, status, n, x, y, ax)
+        vb = analysis.versus_best(r.rounds, n)
+        tied = None
+        if not vb.empty:
+            cells = est[(est["metric"] == n) & est["point"].isin(vb.index[vb["tied_with_best"]])]
+            tied = set(zip(cells[y], cells[x]))
+        heatmap(est, status, n, x, y, ax, tied)
     for ax in list(axs.flat)[len(present):]:
         ax.axis("off")
     fig.text(0.01, 0.002, PARTIAL_NOTE, fontsize=8)
@@ -108,10 +119,10 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
         sub = est[est["metric"] == n].sort_values(x)
         for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
             label = f"{AXIS_ABBREV.get(hue, hue)}={fmt_value(hue, key)}" if hue else None
-            line, = ax.plot(part[x], part["median"], marker="o", label=label)
+            line, = ax.plot(part[x], part["value"], marker="o", label=label)
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
-            ax.scatter(odd[x], odd["median"], marker="*", s=120, color=line.get_color(), zorder=3)
+            ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
         if x == "max_num_batched_tokens":
             ax.set_xscale("log", base=2)
             ticks = sorted(sub[x].unique())

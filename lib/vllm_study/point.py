@@ -267,7 +267,7 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
     if status == "partial" and done < study.replicates:
         reasons.append(f"{study.replicates - done} of {study.replicates} server starts not run yet")
     first_up = next((s for s in starts if s.launch.startup_s is not None or s.launch.target), None)
-    estimates = stats.point_estimates(rounds, point.id)
+    estimates = stats.point_estimates(rounds)
     startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
     if startups:  # a figure per start, not per round
         estimates["startup_s"] = stats.estimate([[v] for v in startups])
@@ -276,6 +276,6 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
         starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,
         engine_args=point.engine_args.model_dump(exclude_none=True), effective=point.effective,
         launch=first_up.launch if first_up else None, warnings=sorted({w for s in starts for w in s.warnings}),
-        estimates=estimates, groups=stats.group_estimates(rounds, point.id))
+        estimates=estimates, groups=stats.group_estimates(rounds))
     summary.save(folder.summary_path)
     return summary

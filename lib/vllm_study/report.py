@@ -6,9 +6,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
-from . import metrics
+from . import analysis, metrics
 from .results import Manifest, PointSummary, RunFolder
 
 
@@ -18,13 +19,17 @@ class Run:
     manifest: Manifest
     summaries: list[PointSummary]
     rounds: pd.DataFrame            # summary.csv: one row per point x start x round x group
+    intervals: pd.DataFrame         # analysis.point_intervals: point x metric
 
     @classmethod
     def load(cls, folder: RunFolder | str | Path) -> "Run":
         folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         manifest = folder.manifest()
         rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
-        return cls(folder, manifest, folder.summaries(), rounds)
+        return cls(folder, manifest, folder.summaries(), rounds, analysis.point_intervals(rounds))
+
+    def interval(self, point: str, metric: str) -> dict | None:
+        return _lookup(self.intervals, point, metric)
 
     @property
     def axes(self) -> list[str]:
@@ -34,6 +39,14 @@ class Run:
     def measured(self) -> list[PointSummary]:
         """Points with at least one measured round (ok or partial)."""
         return [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
+
+
+def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
+    """One point x metric row of an intervals frame, or None."""
+    if iv.empty:
+        return None
+    row = iv[(iv["point"] == point) & (iv["metric"] == metric)]
+    return row.iloc[0].to_dict() if len(row) else None
 
 
 def describe(r: Run) -> str:
@@ -58,13 +71,13 @@ def describe(r: Run) -> str:
     return "\n".join(lines)
 
 
-def _cell(e, m: metrics.Metric) -> str:
-    """'182 [140, 230]': the median and its 95% interval in the metric's format."""
-    if e is None:
+def _cell(iv: dict | None, m: metrics.Metric) -> str:
+    """'182 [140, 230]': the value and its 95% interval in the metric's format."""
+    if iv is None:
         return ""
-    if e.ci_low is None or e.starts * e.rounds < 2:
-        return m.format(e.median)
-    return f"{m.format(e.median)} [{m.format(e.ci_low)}, {m.format(e.ci_high)}]"
+    if not np.isfinite(iv["ci_low"]):
+        return m.format(iv["value"])
+    return f"{m.format(iv['value'])} [{m.format(iv['ci_low'])}, {m.format(iv['ci_high'])}]"
 
 
 def status_label(s: PointSummary) -> str:
@@ -74,37 +87,36 @@ def status_label(s: PointSummary) -> str:
 
 
 def headline_table(r: Run) -> pd.DataFrame:
-    """Per point: status, and each headline metric's median [95% interval]."""
-    names = [n for n in ("startup_s", *metrics.HEADLINE) if any(n in s.estimates for s in r.summaries)]
+    """Per point: status, startup, and each headline metric's value [95% interval]."""
+    names = [n for n in metrics.HEADLINE if n in set(r.intervals.get("metric", []))]
     rows = []
     for s in r.summaries:
         row = {"point": s.point, "status": status_label(s)}
         if s.effective:
             row["max seqs"] = s.effective.max_num_seqs
+        if "startup_s" in s.estimates:
+            row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
         for n in names:
             m = metrics.get(n)
-            row[m.title] = _cell(s.estimates.get(n), m)
+            row[m.title] = _cell(r.interval(s.point, n), m)
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
 
 
 def estimates_frame(s: PointSummary) -> pd.DataFrame:
-    rows = [{"metric": n, "median": e.median, "ci_low": e.ci_low, "ci_high": e.ci_high, "min": e.min,
-             "max": e.max, "rounds": e.rounds, "starts": e.starts} for n, e in s.estimates.items()]
+    """One point on its own: each metric's median, range and per-start medians."""
+    rows = [{"metric": n, "median": e.median, "min": e.min, "max": e.max, "rounds": e.rounds,
+             "start medians": ", ".join(f"{v:.4g}" for v in e.start_medians)} for n, e in s.estimates.items()]
     return pd.DataFrame(rows).set_index("metric").round(3) if rows else pd.DataFrame({"median": []})
 
 
-def long_estimates(r: Run, groups: bool = False) -> pd.DataFrame:
-    """One row per point x metric (x group): median, interval, range, with the point's
-    axis values and status: what figures draw from."""
-    rows = []
-    for s in r.summaries:
-        base = {"point": s.point, **s.values, "status": s.status}
-        sets = s.groups.items() if groups else [("all", s.estimates)]
-        for label, ests in sets:
-            for n, e in ests.items():
-                rows.append({**base, "group": label, "metric": n, **e.model_dump(exclude={"method"})})
-    return pd.DataFrame(rows)
+def long_estimates(r: Run) -> pd.DataFrame:
+    """One row per point x metric: value and intervals with the point's axis values and
+    status: what figures draw from."""
+    if r.intervals.empty:
+        return pd.DataFrame()
+    base = pd.DataFrame([{"point": s.point, **s.values, "status": s.status} for s in r.summaries])
+    return r.intervals.merge(base, on="point")
 
 
 def failures(r: Run) -> pd.DataFrame:
@@ -122,20 +134,30 @@ def target_comparison(r: Run) -> pd.DataFrame | None:
         print("not an endpoint study (it has a grid, no targets)")
         return None
     by_id = {s.point: s for s in r.summaries}
-    first = by_id.get(f"target={targets[0]['name']}")
+    first = f"target={targets[0]['name']}"
     rows = []
     for t in targets:
-        s = by_id.get(f"target={t['name']}")
+        pid = f"target={t['name']}"
+        s = by_id.get(pid)
         row = {"target": t["name"], "base_url": t["base_url"], "status": status_label(s) if s else "not run"}
         for n in ("ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms"):
             m = metrics.get(n)
-            e = s.estimates.get(n) if s else None
-            base = first.estimates.get(n) if first else None
-            row[m.title] = _cell(e, m)
-            row[f"{m.label} vs {targets[0]['name']}"] = \
-                m.format(e.median - base.median) if e is not None and base is not None else ""
+            row[m.title] = _cell(r.interval(pid, n), m)
+            row[f"{m.label} vs {targets[0]['name']}"] = _change(r, n, pid, first) if pid != first else ""
         rows.append(row)
     return pd.DataFrame(rows).set_index("target")
+
+
+def _change(r: Run, metric: str, a: str, b: str) -> str:
+    """a relative to b, '+12.0% [+3.1%, +21.7%]', or '' where either was not measured."""
+    data = analysis.MetricData.from_rounds(r.rounds, metric)
+    if data is None or a not in data.starts or b not in data.starts:
+        return ""
+    d = analysis.difference(data, a, b)
+    if d.relative:
+        return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
+    m = metrics.get(metric)
+    return f"{d.estimate:+{m.fmt}} [{d.low:+{m.fmt}}, {d.high:+{m.fmt}}]"
 
 
 def _group_order(label: str):
@@ -147,21 +169,35 @@ def _group_order(label: str):
 
 
 def group_table(r: Run) -> pd.DataFrame | None:
-    """Per point and request class (long/short), turn, or ladder step."""
-    rows = []
-    for s in r.summaries:
-        for label in sorted(s.groups, key=_group_order):
-            ests = s.groups[label]
-            rows.append({"point": s.point, "group": label,
-                         **{metrics.get(n).title: _cell(ests.get(n), metrics.get(n)) for n in metrics.GROUP_METRICS}})
-    if not rows:
+    """Per point and request class (long/short), turn, or ladder step: value [95% interval]."""
+    df = r.rounds
+    if df.empty or "group" not in df.columns or not (df["group"] != "all").any():
         print("this run's workload has no classes, turns or rate steps")
         return None
+    groups = df.loc[df["group"] != "all", ["group", "group_value"]].drop_duplicates()
+    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=_group_order)
+    frames = {lab: analysis.point_intervals(df, metrics.GROUP_METRICS, tuple(lab.split("=", 1))) for lab in labels}
+    rows = []
+    for s in r.summaries:
+        for lab in labels:
+            cells = {metrics.get(n).title: _cell(_lookup(frames[lab], s.point, n), metrics.get(n))
+                     for n in metrics.GROUP_METRICS}
+            if any(cells.values()):
+                rows.append({"point": s.point, "group": lab, **cells})
     return pd.DataFrame(rows).set_index(["point", "group"])
 
 
+def noise_table(r: Run) -> pd.DataFrame:
+    """The study's noise floor: how much each headline metric moves between server starts
+    and between rounds of a start."""
+    nf = analysis.noise_floor(r.rounds, [n for n in metrics.HEADLINE if n in metrics.REGISTRY])
+    if nf.empty:
+        return pd.DataFrame({"summary": ["(nothing measured)"]})
+    return nf[["scale", "summary"]].rename(index=lambda n: metrics.get(n).title)
+
+
 def reported_metrics(r: Run) -> list[str]:
-    present = {n for s in r.summaries for n in s.estimates}
+    present = set(r.intervals.get("metric", [])) | {n for s in r.summaries for n in s.estimates}
     return [n for n in metrics.REGISTRY if n in present]
 
 

@@ -128,16 +128,14 @@ class StartRecord(_Record):
 
 # -- one point over all its starts ------------------------------------------
 class Estimate(BaseModel):
-    """A point's figure for one metric: the median over its rounds, a 95% interval that
-    respects rounds within starts, and the range, so noise is visible."""
+    """A point's figure for one metric over its measured rounds: the median, the range,
+    and each server start's median (intervals need the whole run: analysis.py)."""
     median: float
-    ci_low: float | None = None
-    ci_high: float | None = None
     min: float
     max: float
     rounds: int
     starts: int
-    method: str
+    start_medians: list[float]
 
 
 PointStatus = Literal["running", "ok", "partial", "failed"]
@@ -169,7 +167,7 @@ class PointSummary(_Record):
 class GitState(BaseModel):
     sha: str | None
     dirty: bool | None
-    source: Literal["git", "VLLM_STUDY_GIT_SHA", "none"] = "git"
+    source: Literal["git", "VLLM_STUDY_GIT_SHA", "none", "recorded after the run"] = "git"
 
 
 class Resume(BaseModel):
@@ -193,6 +191,7 @@ class Manifest(_Record):
     warnings: dict[str, list[str]] = {}
     params: dict[str, Any]
     resumes: list[Resume] = []
+    notes: list[str] = []   # provenance the fields above cannot hold (e.g. a converted run)
 
 
 def _git(*args: str, cwd: Path) -> str | None:

@@ -1,17 +1,12 @@
-"""Statistics, in one place: per-round figures from per-request results, and per-point
-estimates (median, 95% interval, range) across rounds and server starts.
+"""Per-round figures from per-request results, and a point's figures across its rounds
+and server starts (median, range, each start's median).
 
 Round figures use the metric registry's names (metrics.py says what each one is).
-Per point, the interval is a hierarchical bootstrap of the median: resample server
-starts with replacement, then rounds within each drawn start, take the median of the
-pooled draw; 2,000 times; the 2.5th and 97.5th percentiles. It respects the nesting
-(rounds of one start share that start's state), so start-to-start variation widens
-the interval as it should; with a single start it covers round-to-round variation
-only, and says so in its method. Seeded: a report re-renders to the same numbers.
+Intervals, comparisons and the noise floor are computed over a whole run, in
+analysis.py.
 """
 from __future__ import annotations
 
-import zlib
 from collections import Counter
 from collections.abc import Sequence
 
@@ -20,7 +15,6 @@ import numpy as np
 from .metrics import GROUP_METRICS, PERCENTILES
 from .results import Estimate, GroupRecord, RoundRecord
 
-BOOTSTRAP = 2000
 GROUP_KEYS = ("class", "turn", "step", "prefix")  # tags the workloads and load models set
 
 
@@ -89,43 +83,18 @@ def group_records(results: list[dict]) -> list[GroupRecord]:
     return out
 
 
-# -- estimates across rounds and starts ------------------------------------------
-def _seed(*parts) -> int:
-    return zlib.crc32("/".join(map(str, parts)).encode())
-
-
-def bootstrap_medians(by_start: Sequence[Sequence[float]], n: int = BOOTSTRAP, seed: int = 0) -> np.ndarray:
-    """n bootstrap replicates of the median: starts drawn with replacement, then each
-    drawn start's rounds drawn with replacement (as many as it has)."""
-    groups = [np.asarray(g, dtype=float) for g in by_start if len(g)]
-    rng = np.random.default_rng(seed)
-    counts = np.array([len(g) for g in groups])
-    width = counts.max()
-    table = np.full((len(groups), width), np.nan)
-    for i, g in enumerate(groups):
-        table[i, :len(g)] = g
-    pick = rng.integers(0, len(groups), size=(n, len(groups)))           # which start in each slot
-    k = counts[pick]                                                     # its number of rounds
-    draw = np.floor(rng.random((n, len(groups), width)) * k[..., None]).astype(int)
-    vals = table[pick[..., None], draw]
-    vals[np.arange(width)[None, None, :] >= k[..., None]] = np.nan       # a start gives its own count
-    return np.nanmedian(vals.reshape(n, -1), axis=1)
-
-
-def estimate(by_start: Sequence[Sequence[float]], seed: int = 0) -> Estimate | None:
-    """Median over all rounds, with its 95% hierarchical-bootstrap interval and range."""
+# -- a point's figures across its rounds and starts ---------------------------------
+def estimate(by_start: Sequence[Sequence[float | None]]) -> Estimate | None:
+    """Median, range and each start's median over a point's rounds (grouped by start).
+    Intervals need the whole run (the start-to-start spread is pooled over points):
+    analysis.py computes them."""
     groups = [[float(x) for x in g if x is not None and np.isfinite(x)] for g in by_start]
     groups = [g for g in groups if g]
     if not groups:
         return None
     pooled = np.concatenate(groups)
-    boot = bootstrap_medians(groups, seed=seed)
-    lo, hi = np.percentile(boot, [2.5, 97.5])
-    method = "hierarchical bootstrap, 95%" if len(groups) > 1 else \
-        "bootstrap over rounds, 95% (one server start: start-to-start variation not covered)"
-    return Estimate(median=float(np.median(pooled)), ci_low=float(lo), ci_high=float(hi),
-                    min=float(pooled.min()), max=float(pooled.max()), rounds=len(pooled),
-                    starts=len(groups), method=method)
+    return Estimate(median=float(np.median(pooled)), min=float(pooled.min()), max=float(pooled.max()),
+                    rounds=len(pooled), starts=len(groups), start_medians=[float(np.median(g)) for g in groups])
 
 
 def _by_start(rounds: list[RoundRecord], value) -> list[list[float]]:
@@ -137,30 +106,22 @@ def _by_start(rounds: list[RoundRecord], value) -> list[list[float]]:
     return [starts[k] for k in sorted(starts)]
 
 
-def point_estimates(rounds: list[RoundRecord], point: str = "") -> dict[str, Estimate]:
-    """Every metric of a point's ok rounds (seeded by point and metric)."""
+def point_estimates(rounds: list[RoundRecord]) -> dict[str, Estimate]:
+    """Every metric of a point's ok rounds."""
     ok = [r for r in rounds if r.status == "ok"]
     names = sorted({k for r in ok for k, v in r.metrics.items() if v is not None})
-    out = {}
-    for m in names:
-        e = estimate(_by_start(ok, lambda r: r.metrics.get(m)), seed=_seed(point, m))
-        if e is not None:
-            out[m] = e
-    return out
+    out = {m: estimate(_by_start(ok, lambda r: r.metrics.get(m))) for m in names}
+    return {m: e for m, e in out.items() if e is not None}
 
 
-def group_estimates(rounds: list[RoundRecord], point: str = "") -> dict[str, dict[str, Estimate]]:
+def group_estimates(rounds: list[RoundRecord]) -> dict[str, dict[str, Estimate]]:
     """Per group label ("class=long") and metric."""
     ok = [r for r in rounds if r.status == "ok"]
-    labels = sorted({(g.key, g.value) for r in ok for g in r.groups})
     out = {}
-    for key, value in labels:
+    for key, value in sorted({(g.key, g.value) for r in ok for g in r.groups}):
         def pick(r, m):
             g = next((g for g in r.groups if g.key == key and g.value == value), None)
             return g.metrics.get(m) if g else None
-        label = f"{key}={value}"
-        ests = {m: estimate(_by_start(ok, lambda r: pick(r, m)), seed=_seed(point, label, m))
-                for m in GROUP_METRICS}
-        out[label] = {m: e for m, e in ests.items() if e is not None}
+        ests = {m: estimate(_by_start(ok, lambda r: pick(r, m))) for m in GROUP_METRICS}
+        out[f"{key}={value}"] = {m: e for m, e in ests.items() if e is not None}
     return out
-

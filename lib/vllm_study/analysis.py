@@ -1,0 +1,224 @@
+"""Run-level statistics: each point's value with a 95% interval, comparisons between
+points, which points cannot be told apart from the best, and the study's noise floor.
+
+The model, per metric: a server start's value is the median of its rounds; a point's
+value is the mean of its starts' values; starts of a point scatter around it with a
+spread that is common to the run's points (one-way random effects, pooled variance).
+Latency and throughput noise is multiplicative (a restart moved TTFT P90 by +25-55% on
+the H200), so metrics whose values are all positive are analysed on a log scale and
+their intervals are ratios; others (counts that can be 0) on a linear scale.
+
+Pooling the start-to-start spread over the run's points is what makes two starts per
+point usable: a point's own two starts give one degree of freedom (t = 12.7), a 12-point
+grid gives twelve. A bootstrap over starts was tried first and covered a known median
+only 55% of the time with two starts per point (tests/test_unit_statistics.py). With one
+start per point nothing measures start-to-start variation: the interval then comes from
+round-to-round variation alone, and its method says so.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy import stats as sps
+
+from . import metrics
+
+Z_LEVEL = 0.975  # two-sided 95%
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """How much one metric moves: between server starts of a point, and between rounds
+    of a start, pooled over the run's points (sd on the metric's scale; on the log
+    scale 0.10 is about 10%)."""
+    metric: str
+    log: bool
+    start_sd: float | None
+    start_df: int
+    round_sd: float | None
+    round_df: int
+
+    def describe(self) -> str:
+        def fmt(sd):
+            return "n/a" if sd is None else (f"{np.expm1(sd) * 100:.1f}%" if self.log else f"{sd:.3g}")
+        return f"start-to-start {fmt(self.start_sd)} (df {self.start_df}), round-to-round {fmt(self.round_sd)} " \
+               f"(df {self.round_df})"
+
+
+def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None) -> pd.DataFrame:
+    """Rows of rounds that completed: the whole round, or one request group of it
+    (e.g. ("class", "long")); summary.csv holds both."""
+    if rounds.empty:
+        return rounds
+    key, value = group or ("all", "")
+    sel = (rounds["group"] == key) & (rounds["round_status"] == "ok")
+    if group:
+        sel &= rounds["group_value"].astype(str) == str(value)
+    return rounds[sel]
+
+
+def _scale(values: pd.Series) -> tuple[bool, pd.Series]:
+    v = values.dropna()
+    log = bool(len(v)) and bool((v > 0).all())
+    return log, (np.log(values) if log else values)
+
+
+def _pooled_sd(groups) -> tuple[float | None, int]:
+    """Pooled within-group standard deviation and its degrees of freedom."""
+    ss, df = 0.0, 0
+    for g in groups:
+        g = np.asarray(g, dtype=float)
+        g = g[np.isfinite(g)]
+        if len(g) > 1:
+            ss += float(((g - g.mean()) ** 2).sum())
+            df += len(g) - 1
+    return (float(np.sqrt(ss / df)), df) if df else (None, 0)
+
+
+@dataclass
+class MetricData:
+    """One metric's values, on its scale: start values per point, rounds per start."""
+    metric: str
+    log: bool
+    starts: dict[str, list[float]]          # point -> value of each start (median of its rounds)
+    rounds: dict[tuple[str, int], list[float]]  # (point, start) -> rounds
+
+    @classmethod
+    def from_rounds(cls, rounds: pd.DataFrame, metric: str, group: tuple[str, str] | None = None) -> "MetricData | None":
+        df = ok_rounds(rounds, group)
+        if df.empty or metric not in df.columns or df[metric].isna().all():
+            return None
+        log, scaled = _scale(df[metric])
+        df = df.assign(_v=scaled).dropna(subset=["_v"])
+        by_start = {k: g["_v"].tolist() for k, g in df.groupby(["point", "start"], sort=False)}
+        starts: dict[str, list[float]] = {}
+        for (point, _), vals in by_start.items():
+            starts.setdefault(point, []).append(float(np.median(vals)))
+        return cls(metric, log, starts, by_start)
+
+    def noise(self) -> NoiseFloor:
+        s_sd, s_df = _pooled_sd(self.starts.values())
+        r_sd, r_df = _pooled_sd(self.rounds.values())
+        return NoiseFloor(self.metric, self.log, s_sd, s_df, r_sd, r_df)
+
+    def center(self, point: str) -> float:
+        return float(np.mean(self.starts[point]))
+
+    def se(self, point: str, noise: NoiseFloor) -> tuple[float, int, str]:
+        """Standard error of a point's value, its degrees of freedom, and the method."""
+        n = len(self.starts[point])
+        if noise.start_df:
+            return noise.start_sd / np.sqrt(n), noise.start_df, "t over server starts, spread pooled over points"
+        rounds = sum(len(v) for (p, _), v in self.rounds.items() if p == point)
+        if noise.round_df and rounds:
+            return noise.round_sd / np.sqrt(rounds), noise.round_df, \
+                "t over rounds (one server start per point: start-to-start variation not covered)"
+        return float("nan"), 0, "no spread measured (a single round)"
+
+    def back(self, x):
+        return np.exp(x) if self.log else x
+
+
+def _t(df: int) -> float:
+    return float(sps.t.ppf(Z_LEVEL, df)) if df else float("nan")
+
+
+def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | None = None) -> pd.DataFrame:
+    """One row per point x metric: value, 95% interval, a 95% prediction interval for one
+    more server start, starts, rounds, method."""
+    rows = []
+    for m in names or metrics.REGISTRY:
+        data = MetricData.from_rounds(rounds, m, group)
+        if data is None:
+            continue
+        noise = data.noise()
+        for point in data.starts:
+            c = data.center(point)
+            se, df, method = data.se(point, noise)
+            half = _t(df) * se
+            n = len(data.starts[point])
+            spread = noise.start_sd if noise.start_df else None
+            pred = _t(df) * spread * np.sqrt(1 + 1 / n) if spread is not None else np.nan
+            rows.append({"point": point, "metric": m, "value": float(data.back(c)),
+                         "ci_low": float(data.back(c - half)) if np.isfinite(half) else np.nan,
+                         "ci_high": float(data.back(c + half)) if np.isfinite(half) else np.nan,
+                         "next_start_low": float(data.back(c - pred)) if np.isfinite(pred) else np.nan,
+                         "next_start_high": float(data.back(c + pred)) if np.isfinite(pred) else np.nan,
+                         "starts": n, "rounds": sum(len(v) for (p, _), v in data.rounds.items() if p == point),
+                         "scale": "log" if data.log else "linear", "df": df, "method": method})
+    return pd.DataFrame(rows)
+
+
+def noise_floor(rounds: pd.DataFrame, names=None) -> pd.DataFrame:
+    rows = []
+    for m in names or metrics.REGISTRY:
+        data = MetricData.from_rounds(rounds, m)
+        if data is not None:
+            nf = data.noise()
+            rows.append({"metric": m, "scale": "log" if nf.log else "linear", "start_to_start": nf.start_sd,
+                         "start_df": nf.start_df, "round_to_round": nf.round_sd, "round_df": nf.round_df,
+                         "summary": nf.describe()})
+    return pd.DataFrame(rows).set_index("metric") if rows else pd.DataFrame()
+
+
+@dataclass(frozen=True)
+class Difference:
+    """a minus b on the metric's scale: on the log scale as a relative change (0.12 =
+    a is 12% above b), with its 95% interval; resolved when the interval excludes 0."""
+    metric: str
+    a: str
+    b: str
+    relative: bool
+    estimate: float
+    low: float
+    high: float
+
+    @property
+    def resolved(self) -> bool:
+        return np.isfinite(self.low) and (self.low > 0 or self.high < 0)
+
+    def verdict(self) -> str:
+        """better / worse / not resolved, for a compared to b, by the metric's direction."""
+        better = metrics.get(self.metric).better
+        if not self.resolved or better is None:
+            return "not resolved" if not self.resolved else ("higher" if self.estimate > 0 else "lower")
+        up = self.estimate > 0
+        return "better" if (up and better == "higher") or (not up and better == "lower") else "worse"
+
+
+def difference(data: MetricData, a: str, b: str, noise: NoiseFloor | None = None) -> Difference:
+    noise = noise or data.noise()
+    d = data.center(a) - data.center(b)
+    se_a, df, _ = data.se(a, noise)
+    se_b, _, _ = data.se(b, noise)
+    half = _t(df) * float(np.hypot(se_a, se_b))
+    lo, hi = d - half, d + half
+    if data.log:  # a ratio: report it as a relative change
+        d, lo, hi = np.expm1(d), np.expm1(lo), np.expm1(hi)
+    return Difference(data.metric, a, b, data.log, float(d), float(lo), float(hi))
+
+
+def best_point(data: MetricData) -> str | None:
+    better = metrics.get(data.metric).better
+    if better is None or not data.starts:
+        return None
+    centers = {p: data.center(p) for p in data.starts}
+    return (max if better == "higher" else min)(centers, key=centers.get)
+
+
+def versus_best(rounds: pd.DataFrame, metric: str) -> pd.DataFrame:
+    """Each point against the best point of the metric: the difference, its interval and
+    whether the study tells them apart (tied = not resolved)."""
+    data = MetricData.from_rounds(rounds, metric)
+    best = best_point(data) if data else None
+    if best is None:
+        return pd.DataFrame()
+    noise = data.noise()
+    rows = []
+    for p in data.starts:
+        d = difference(data, p, best, noise)
+        rows.append({"point": p, "best": best, "difference": d.estimate, "low": d.low, "high": d.high,
+                     "relative": d.relative, "tied_with_best": p == best or not d.resolved})
+    return pd.DataFrame(rows).set_index("point")

@@ -1,0 +1,126 @@
+"""Run-level statistics (analysis.py) on synthetic data whose answer is known: intervals
+that hold the true value about 95% of the time, differences that resolve a real effect
+and not a null one, and the noise floor it reports."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from vllm_study import analysis
+from vllm_study.stats import estimate
+
+
+def _rounds(values: dict[str, np.ndarray], metric: str = "ttft_p90_ms") -> pd.DataFrame:
+    """A summary.csv-shaped frame: values[point] is a (starts, rounds) array."""
+    rows = []
+    for point, arr in values.items():
+        for s, start in enumerate(arr, 1):
+            for r, v in enumerate(start):
+                rows.append({"point": point, "start": s, "round": r, "group": "all", "round_status": "ok",
+                             metric: v})
+    return pd.DataFrame(rows)
+
+
+def _grid(rng, truth: dict[str, float], starts: int, rounds: int, start_sd: float, round_sd: float):
+    """Log-normal noise around each point's true value: a start effect shared by its
+    rounds, and round noise on top (multiplicative, as latency noise is)."""
+    return {p: v * np.exp(rng.normal(0, start_sd, (starts, 1)) + rng.normal(0, round_sd, (starts, rounds)))
+            for p, v in truth.items()}
+
+
+def test_estimate_is_median_range_and_start_medians():
+    e = estimate([[10.0, 12.0, 11.0], [20.0, 14.0, None]])
+    assert e.median == pytest.approx(np.median([10, 12, 11, 20, 14]))
+    assert (e.min, e.max, e.rounds, e.starts) == (10.0, 20.0, 5, 2)
+    assert e.start_medians == [11.0, 17.0]
+    assert estimate([[None], []]) is None
+
+
+def test_value_is_mean_of_start_medians_on_the_log_scale():
+    df = _rounds({"a": np.array([[100.0, 110.0, 90.0], [400.0, 380.0, 420.0]])})
+    row = analysis.point_intervals(df, ["ttft_p90_ms"]).iloc[0]
+    assert row["scale"] == "log"
+    assert row["value"] == pytest.approx(np.sqrt(100 * 400))  # geometric mean of 100 and 400
+    assert row["starts"] == 2 and row["rounds"] == 6
+
+
+def test_interval_holds_the_true_value_about_95_percent_of_the_time_with_two_starts():
+    """12 points x 2 starts x 3 rounds, restarts moving values by ~25% (as on the H200):
+    pooling the start spread over points gives close to nominal coverage."""
+    rng = np.random.default_rng(7)
+    truth = {f"p{i}": 100.0 * (1 + i / 10) for i in range(12)}
+    hits = total = 0
+    for _ in range(150):
+        df = _rounds(_grid(rng, truth, starts=2, rounds=3, start_sd=0.25, round_sd=0.08))
+        iv = analysis.point_intervals(df, ["ttft_p90_ms"]).set_index("point")
+        # the true "typical value" of a point is its median (log-normal: exp of the log mean)
+        inside = (iv["ci_low"] <= pd.Series(truth)) & (pd.Series(truth) <= iv["ci_high"])
+        hits += int(inside.sum())
+        total += len(inside)
+    assert 0.91 <= hits / total <= 0.98, hits / total
+
+
+def test_a_new_start_falls_inside_the_prediction_interval():
+    rng = np.random.default_rng(3)
+    truth = {f"p{i}": 50.0 + 5 * i for i in range(10)}
+    hits = total = 0
+    for _ in range(100):
+        df = _rounds(_grid(rng, truth, 2, 3, 0.2, 0.05))
+        iv = analysis.point_intervals(df, ["ttft_p90_ms"]).set_index("point")
+        later = _grid(rng, truth, 1, 3, 0.2, 0.05)  # a re-run of each point, later
+        for p, arr in later.items():
+            v = float(np.median(arr))
+            hits += iv.at[p, "next_start_low"] <= v <= iv.at[p, "next_start_high"]
+            total += 1
+    assert 0.90 <= hits / total <= 0.99, hits / total
+
+
+def test_one_start_per_point_says_start_variation_is_not_covered():
+    df = _rounds({"a": np.array([[10.0, 11.0, 12.0]]), "b": np.array([[20.0, 21.0, 19.0]])})
+    iv = analysis.point_intervals(df, ["ttft_p90_ms"])
+    assert iv["method"].str.contains("start-to-start variation not covered").all()
+    assert (iv["ci_low"] < iv["value"]).all() and (iv["value"] < iv["ci_high"]).all()
+    assert iv["next_start_low"].isna().all()  # nothing measured how a restart moves it
+
+
+def test_a_real_effect_is_resolved_and_a_null_one_mostly_not():
+    rng = np.random.default_rng(11)
+    resolved_real = resolved_null = 0
+    trials = 120
+    for _ in range(trials):
+        truth = {"base": 100.0, "slower": 200.0, "same": 100.0, **{f"x{i}": 120.0 for i in range(6)}}
+        df = _rounds(_grid(rng, truth, 2, 3, 0.15, 0.05))
+        data = analysis.MetricData.from_rounds(df, "ttft_p90_ms")
+        real = analysis.difference(data, "slower", "base")
+        null = analysis.difference(data, "same", "base")
+        resolved_real += real.resolved and real.verdict() == "worse"
+        resolved_null += null.resolved
+    assert resolved_real / trials > 0.9, resolved_real / trials  # a 2x effect against ~15% restart noise
+    assert resolved_null / trials < 0.1, resolved_null / trials  # a 5% false-alarm rate, with slack
+
+
+def test_difference_is_a_relative_change_with_direction_from_the_registry():
+    df = _rounds({"a": np.array([[200.0, 200.0, 200.0], [210.0, 190.0, 200.0]]),
+                  "b": np.array([[100.0, 100.0, 100.0], [105.0, 95.0, 100.0]])}, "output_throughput")
+    d = analysis.difference(analysis.MetricData.from_rounds(df, "output_throughput"), "a", "b")
+    assert d.relative and d.estimate == pytest.approx(1.0, rel=0.01)  # a is +100%
+    assert d.resolved and d.verdict() == "better"  # more throughput is better
+
+
+def test_ties_with_best_and_the_noise_floor():
+    df = _rounds({"fast": np.array([[100.0, 101.0, 99.0], [103.0, 104.0, 102.0]]),
+                  "close": np.array([[101.0, 102.0, 100.0], [104.0, 103.0, 105.0]]),
+                  "slow": np.array([[200.0, 201.0, 199.0], [206.0, 204.0, 205.0]])})
+    vb = analysis.versus_best(df, "ttft_p90_ms")
+    assert (vb["best"] == "fast").all()
+    assert vb.loc["close", "tied_with_best"] and not vb.loc["slow", "tied_with_best"]
+    nf = analysis.noise_floor(df, ["ttft_p90_ms"]).loc["ttft_p90_ms"]
+    assert nf["start_df"] == 3 and nf["round_df"] == 12
+    assert 0.01 < nf["start_to_start"] < 0.05 and nf["round_to_round"] < nf["start_to_start"]
+
+
+def test_counts_that_can_be_zero_use_a_linear_scale():
+    df = _rounds({"a": np.array([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0]])}, "preemptions")
+    row = analysis.point_intervals(df, ["preemptions"]).iloc[0]
+    assert row["scale"] == "linear" and row["value"] == pytest.approx(np.mean([1.0, 1.0]))
