@@ -8,8 +8,9 @@ STAMP  := $(VENV)/.installed
 # The pip list of environment.yml: the lines after "- pip:", without comments.
 REQS   := $(shell sed -n '/- pip:/,$$p' environment.yml | sed -e 's/\#.*//' -n -e 's/^ *- *\([^ ]\{1,\}\) *$$/\1/p' | grep -v '^pip:')
 PARAMS ?= params/default.yaml
-# nbval: the point notebook runs (lax) against the CPU engine; each committed report
-# is re-executed and its tables (cells tagged nbval-check-output) must reproduce.
+# nbval: each committed report is re-executed and its tables (cells tagged
+# nbval-check-output) must reproduce. The point notebook runs in the end-to-end sweep
+# tests through papermill, against real vLLM CPU servers.
 REF_REPORTS := $(shell git ls-files 'results/*/report.ipynb' 2>/dev/null)
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
@@ -33,7 +34,7 @@ dry-run: env
 	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
 
 test: env
-	$(BIN)/python -m pytest -v -rs --basetemp=.pytest-tmp $(NBVAL) tests notebooks/point.ipynb $(REF_REPORTS)
+	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp $(NBVAL) tests $(REF_REPORTS)
 
 # Unit tests only: no vLLM server is started.
 test-fast: env

@@ -30,11 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import client, counters, loads, stats  # noqa: E402
-from vllm_study.params import expand, load_study  # noqa: E402
-from vllm_study.point import prepare_model  # noqa: E402
-from vllm_study.server import VllmServer, free_port, serve_command, vllm_distribution  # noqa: E402
-from vllm_study.sweep import resolve_engine  # noqa: E402
+from vllm_study import client, counters, loads, models, stats  # noqa: E402
+from vllm_study.grid import expand  # noqa: E402
+from vllm_study.machine import resolve_engine, vllm_distribution  # noqa: E402
+from vllm_study.params import load_study  # noqa: E402
+from vllm_study.server import VllmServer, free_port, serve_command  # noqa: E402
 from vllm_study.workload import SharedPrefixWorkload  # noqa: E402
 
 _MODULE_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
@@ -52,7 +52,8 @@ def write_prompts(requests: list, path: Path) -> Path:
     """The kit's requests as a `vllm bench` custom dataset, so both clients send the
     same prompt texts in the same order. vllm bench's random dataset (decoded random
     token ids) matches the kit's token counts but not its text; with it, vLLM's own TTFT
-    was 17% higher in vllm bench's runs on the H200, with the same texts 4% lower (README)."""
+    was 17% higher in vllm bench's runs on the H200, with the same texts 4% lower
+    (results/agreement/README.md)."""
     path.write_text("".join(json.dumps({"prompt": r.prompt}) + "\n" for r in requests))
     return path
 
@@ -85,7 +86,7 @@ def run_kit(url: str, served: str, requests: list, concurrency: int, rate: float
     else:
         res = client.run_sync(client.run_closed_loop(url, served, "completions", requests, concurrency))
     # The study's own per-round statistics: the comparison covers the figures a study reports.
-    st = stats.round_stats([r.to_dict() for r in res], duration_s=time.perf_counter() - t0)
+    st = stats.round_metrics([r.to_dict() for r in res], duration_s=time.perf_counter() - t0)
     return {"ttft_ms": st["ttft_p50_ms"], "ttft_mean_ms": st["ttft_mean_ms"], "tpot_ms": st["tpot_p50_ms"],
             "itl_ms": st["itl_p50_ms"], "completed": st["completed"]}
 
@@ -108,7 +109,7 @@ def main() -> int:
     point = points[a.point] if a.point else list(points.values())[-1]
     w, served = study.workload, study.model.served_name
     n = a.requests or w.requests_per_round
-    model, dummy = prepare_model(study)
+    model, dummy = models.resolve(study.model)
     from transformers import AutoTokenizer
     wl = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="completions",
                               system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,

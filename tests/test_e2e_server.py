@@ -1,47 +1,64 @@
-"""End to end against a real vLLM (the CPU build) on loopback: a server starts,
-answers, is measured, and is stopped with nothing left running."""
+"""End to end against a real vLLM (the CPU build) on loopback: a server starts, answers,
+is measured, and is stopped with nothing left running; endpoints measured as targets
+(directly, behind a gateway, through proxy settings), and failures recorded with the
+right reason."""
 from __future__ import annotations
 
+import asyncio
+import gzip
+import json
 import os
+import signal
+import socket
+import threading
 
 import pytest
 
+from e2e_support import kv_bytes, measure, plan_of, tiny
 from procs import group_gone
-from vllm_study import client, counters
-from vllm_study.params import study_from_dict, expand
-from vllm_study.point import PointRun, prepare_model
-from vllm_study.server import ServerStartError, VllmServer, free_port, serve_command
-from vllm_study.workload import SharedPrefixWorkload
+from vllm_study import client, counters, models
+from vllm_study.grid import PointPlan, expand
+from vllm_study.params import study_from_dict
+from vllm_study.point import PointRun
+from vllm_study.results import REQUESTS
+from vllm_study.server import ServerStartError, VllmServer, _health, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
-TINY = {"name": "e2e", "model": {"card": "tiny-qwen2", "served_name": "tiny"},
-        "engine_args": {"max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True,
-                        "dtype": "bfloat16", "kv_cache_memory_bytes": 32 * 2**20},
-        "grid": {"max_num_batched_tokens": [256]},
-        "workload": {"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 16,
-                     "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
-        "rounds": 2}
+DEAD_PROXY = "http://127.0.0.1:9"   # nothing listens there: a proxy variable left behind
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    study = study_from_dict(TINY)
-    point = expand(study, "cpu")[0]
-    model, dummy = prepare_model(study)
+    plan = plan_of(tiny())
+    model, dummy = models.resolve(plan.study.model)
     port = free_port()
-    cmd = serve_command(model, port, point.engine_args.cli(), "tiny", load_dummy=dummy)
+    cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy)
     srv = VllmServer(cmd, port, tmp_path_factory.mktemp("srv") / "server.log", startup_timeout_s=600)
     srv.start()
-    yield srv, study, model
+    yield srv, model
     pgid = srv.proc.pid
     srv.stop()
     assert group_gone(pgid), "the server's process group outlived stop()"
 
 
+def _target_study(url: str, workload: dict | None = None, **over) -> dict:
+    return {"name": "t", "model": {"card": "tiny-qwen2"}, "rounds": 1,
+            "targets": [{"name": "srv", "base_url": url, "model": "tiny"}],
+            "workload": {"warmup_requests": 0, "system_prompt_tokens": 128, "question_tokens": 8,
+                         "output_tokens": 8, "requests_per_round": 8, "concurrency": 4, **(workload or {})}, **over}
+
+
+def _requests(start_dir) -> list[dict]:
+    with gzip.open(start_dir / REQUESTS, "rt") as f:
+        return [json.loads(line) for line in f]
+
+
 def test_server_answers_and_counts_prefix_hits(server):
-    srv, study, model = server
+    srv, model = server
     from transformers import AutoTokenizer
+
+    from vllm_study.workload import SharedPrefixWorkload
     w = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="chat", system_prompt_tokens=512,
                              question_tokens=16, output_tokens=16, seed=1)
     client.check_endpoint(srv.url, "tiny")
@@ -67,85 +84,43 @@ def test_server_answers_and_counts_prefix_hits(server):
 
 
 def test_unknown_model_lists_served_models(server):
-    srv, _, _ = server
+    srv, _ = server
     with pytest.raises(client.EndpointError, match="it serves: tiny"):
         client.check_endpoint(srv.url, "no-such-model")
     res = client.run_sync(client.run_closed_loop(
-        srv.url, "no-such-model", "completions",
-        [client.Request(0, None, "hello", 1, 4)], 1))
+        srv.url, "no-such-model", "completions", [client.Request(0, None, "hello", 1, 4)], 1))
     assert res[0].error == "unknown_model"
 
 
-def test_kv_cache_too_small_is_a_clear_start_failure(tmp_path):
-    """1 MiB of KV (1,024 tokens) cannot hold one 2,048-token request: vLLM refuses to
-    start, and the kit says why in one line."""
-    study = study_from_dict(TINY)
-    model, dummy = prepare_model(study)
-    args = expand(study, "cpu")[0].engine_args.model_copy(update={"kv_cache_memory_bytes": 2**20})
-    port = free_port()
-    srv = VllmServer(serve_command(model, port, args.cli(), "tiny", load_dummy=dummy), port,
-                     tmp_path / "server.log", startup_timeout_s=600)
-    with pytest.raises(ServerStartError) as e:
-        srv.start()
-    assert e.value.reason.startswith("max_model_len too large for the KV cache"), e.value.reason
-    assert group_gone(srv.proc.pid)
+@pytest.mark.parametrize("load", [{"kind": "closed"}, {"kind": "poisson", "rate": 8.0}])
+def test_round_clock_is_first_send_to_last_finish(server, tmp_path, load):
+    """The round's clock starts after its requests are built and tokenized: the recorded
+    duration is the span from the first send to the last finish, within a few ms."""
+    srv, _ = server
+    plan = plan_of(_target_study(srv.url, {"requests_per_round": 12, "system_prompt_tokens": 1500,
+                                           "load": load}))
+    run, summary = measure(plan, tmp_path / "s1")
+    assert summary.status == "ok", summary.reasons
+    res = _requests(tmp_path / "s1")
+    span = max(r["end_time"] for r in res) - min(r["send_time"] for r in res)
+    duration = run.rounds[0].metrics["duration_s"]
+    assert abs(duration - span) < 0.005, (duration, span)
+    assert run.rounds[0].metrics["output_throughput"] == pytest.approx(
+        sum(r["output_tokens"] for r in res) / span, rel=0.01)
 
 
-def test_point_run_records_rounds_and_medians(tmp_path):
-    study = study_from_dict(TINY)
-    point = expand(study, "cpu")[0]
-    run = PointRun(study, point, tmp_path, "cpu")
-    run.launch()
-    run.warmup()
-    run.run_rounds()
-    s = run.finish()
-    assert s["status"] == "ok", s["reason"]
-    assert s["rounds_ok"] == 2 and len(run.rounds) == 2
-    ttft = sorted(r["ttft_p90_ms"] for r in run.rounds)
-    assert s["medians"]["ttft_p90_ms"] == pytest.approx(sum(ttft) / 2)  # median of two
-    assert s["effective"]["cache_config"]["kv_cache_memory_bytes"] == str(32 * 2**20)
-    assert s["effective"]["vllm_non_default_args"]["max_num_batched_tokens"] == 256
-    assert isinstance(s["gpu"], str) and "no NVIDIA GPU" in s["gpu"]  # said plainly on a CPU
-    assert (tmp_path / "requests.jsonl.gz").exists() and (tmp_path / "server.log").exists()
-    assert group_gone(s["server_pgid"])
-
-
-def test_server_dying_mid_round_keeps_finished_rounds(tmp_path):
-    """Round 0 completes; the server is killed during round 1: that round is recorded
-    as failed, round 0 stays, the point is failed with the reason, nothing runs on."""
-    import signal
-    import threading
-
-    study = study_from_dict({**TINY, "rounds": 3,
-                             "workload": {**TINY["workload"], "requests_per_round": 48, "output_tokens": 64}})
-    run = PointRun(study, expand(study, "cpu")[0], tmp_path, "cpu")
-    run.launch()
-    assert not run.failed, run.summary["reason"]
-    run.run_round(0)
-    killer = threading.Timer(1.0, lambda: os.killpg(run.server.proc.pid, signal.SIGKILL))
-    killer.start()
-    run.run_round(1)
-    killer.join()
-    run.run_round(2)  # a no-op once the point has failed
-    s = run.finish()
-    assert [r["status"] for r in run.rounds] == ["ok", "failed"]
-    assert run.rounds[1]["failed"] > 0
-    assert s["status"] == "failed" and s["reason"].startswith("server died during round 1")
-    assert s["rounds_ok"] == 1 and s["medians"]["ttft_p90_ms"] == run.rounds[0]["ttft_p90_ms"]
-    lines = (tmp_path / "rounds.jsonl").read_text().splitlines()
-    assert len(lines) == 2  # both rounds on disk
-
-
-def _gateway(upstream: str, key: str, delay_s: float):
-    """A small reverse proxy on loopback: checks a bearer key, waits delay_s, then
-    streams the upstream vLLM answer through, as an API gateway would."""
-    import asyncio
-    import threading
-
+def _gateway(upstream: str, key: str | None = None, delay_s: float = 0.0, refuse: tuple = ()):
+    """A small reverse proxy on loopback, as an API gateway: checks a bearer key (if
+    given), waits delay_s, streams the upstream vLLM answer through; paths in `refuse`
+    get an HTML 404 page, as a gateway that exposes only the public API does."""
     from aiohttp import ClientSession, web
 
     async def forward(request: web.Request):
-        if request.headers.get("Authorization") != f"Bearer {key}":
+        if request.path in refuse:
+            return web.Response(status=404, content_type="text/html",
+                                text="<html><head><title>404 Not Found</title></head>\n<body><h1>Not Found</h1>"
+                                     "<p>The requested URL was not found on this server.</p></body></html>")
+        if key and request.headers.get("Authorization") != f"Bearer {key}":
             return web.json_response({"error": "bad key"}, status=401)
         await asyncio.sleep(delay_s)
         async with ClientSession(trust_env=False) as s:
@@ -180,92 +155,130 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     wants a key: both measured, the gateway's TTFT higher by about its delay; the key is
     read from the variable the params name and never written; a third target without
     the key fails with a 401 reason."""
-    srv, _, _ = server
+    srv, _ = server
     secret = "s3cret-key-for-test"
     monkeypatch.setenv("GATEWAY_KEY", secret)
     gw_url, close = _gateway(srv.url, secret, delay_s=0.2)
     try:
         study = study_from_dict({
-            **{k: v for k, v in TINY.items() if k not in ("grid", "engine_args")},
+            **{k: v for k, v in tiny().items() if k not in ("grid", "engine_args")},
             "targets": [{"name": "direct", "base_url": srv.url + "/v1/", "model": "tiny"},
                         {"name": "gateway", "base_url": gw_url, "model": "tiny", "api_key_env": "GATEWAY_KEY"},
                         {"name": "nokey", "base_url": gw_url, "model": "tiny"}],
             "rounds": 1})
         summaries = {}
         for p in expand(study, "cpu"):
-            run = PointRun(study, p, tmp_path / p.id, "cpu")
-            run.launch()
-            run.warmup()
-            run.run_rounds()
-            summaries[p.target.name] = run.finish()
+            _, summaries[p.target.name] = measure(PointPlan(study=study, point=p, engine="cpu"), tmp_path / p.id)
     finally:
         close()
     direct, gateway, nokey = summaries["direct"], summaries["gateway"], summaries["nokey"]
-    assert direct["status"] == "ok" and direct["target"]["base_url"] == srv.url  # /v1/ normalized away
-    assert gateway["status"] == "ok", gateway["reason"]
-    assert nokey["status"] == "failed" and "401" in nokey["reason"]
-    added = gateway["medians"]["ttft_p50_ms"] - direct["medians"]["ttft_p50_ms"]
+    assert direct.status == "ok" and direct.launch.target["base_url"] == srv.url  # /v1/ normalized away
+    assert gateway.status == "ok", gateway.reasons
+    assert nokey.status == "failed" and "401" in nokey.reasons[0]
+    added = gateway.estimates["ttft_p50_ms"].median - direct.estimates["ttft_p50_ms"].median
     assert 150 < added < 400, added  # the gateway's 200 ms shows up in TTFT, and no more than noise on top
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f
 
 
-def test_max_model_len_above_the_model_is_a_clear_start_failure(tmp_path):
-    """A model folder the kit cannot check (model.path): vLLM refuses 16,384 positions on
-    an 8,192-position model, and the recorded reason says so in one line."""
-    built, _ = prepare_model(study_from_dict(TINY))
-    study = study_from_dict({**TINY, "model": {"path": built, "served_name": "tiny"},
-                             "engine_args": {**TINY["engine_args"], "max_model_len": 16384}})
-    point = expand(study, "cpu")[0]
-    run = PointRun(study, point, tmp_path, "cpu")
-    run.launch()
-    s = run.finish()
-    assert s["status"] == "failed"
-    assert "max_model_len above what the model supports" in s["reason"], s["reason"]
+def test_proxy_variables_never_capture_the_kit(server, tmp_path, monkeypatch):
+    """A stale proxy in the environment: readiness, /metrics, the cache reset and the
+    load all still reach the loopback server directly."""
+    srv, _ = server
+    for var in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(var, DEAD_PROXY)
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    assert _health(srv.url)
+    run, summary = measure(plan_of(_target_study(srv.url)), tmp_path / "s1")
+    assert summary.status == "ok", summary.reasons
+    assert run.record.launch.has_metrics and run.record.launch.cache_reset
+    assert run.rounds[0].metrics["prefix_cache_queries"] > 0
+
+
+def test_a_target_that_needs_the_proxy_names_it(tmp_path, monkeypatch):
+    """A target the kit cannot reach while a proxy variable would have captured it: the
+    reason names the variable and how to use a proxy on purpose; a target whose own
+    `proxy` is dead names that proxy."""
+    monkeypatch.setenv("HTTP_PROXY", DEAD_PROXY)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    closed = f"http://127.0.0.1:{free_port()}"
+    _, summary = measure(plan_of(_target_study(closed)), tmp_path / "a")
+    assert summary.status == "failed"
+    assert f"HTTP_PROXY={DEAD_PROXY} is set and would capture" in summary.reasons[0]
+    assert "target's `proxy`" in summary.reasons[0]
+    study = _target_study(closed)
+    study["targets"][0]["proxy"] = DEAD_PROXY
+    _, summary = measure(plan_of(study), tmp_path / "b")
+    assert f"through the proxy {DEAD_PROXY}" in summary.reasons[0]
+
+
+def test_a_gateway_without_the_cache_reset_is_still_measured(server, tmp_path):
+    """/metrics answers but /reset_prefix_cache is refused (no dev mode behind a gateway):
+    the counters are collected, and the record says plainly that rounds start warm."""
+    srv, _ = server
+    gw_url, close = _gateway(srv.url, refuse=("/reset_prefix_cache",))
+    try:
+        run, summary = measure(plan_of(_target_study(gw_url, rounds=2)), tmp_path / "s1")
+    finally:
+        close()
+    assert summary.status == "ok", summary.reasons
+    assert run.record.launch.has_metrics and not run.record.launch.cache_reset
+    assert any("NOT reset between rounds" in w for w in summary.warnings)
+    assert not any("/metrics does not answer" in w for w in summary.warnings)
+    assert all(r.metrics["prefix_cache_queries"] > 0 for r in run.rounds)
+
+
+def test_a_wrong_path_is_named_in_one_line(server, tmp_path):
+    """A base URL with a wrong prefix: the reason names the path that answered 404 and
+    keeps the body to one line (here an HTML page from a gateway)."""
+    srv, _ = server
+    gw_url, close = _gateway(srv.url, refuse=("/api/v1/models",))
+    try:
+        _, summary = measure(plan_of(_target_study(gw_url + "/api")), tmp_path / "s1")
+    finally:
+        close()
+    reason = summary.reasons[0]
+    assert f"HTTP 404 from {gw_url}/api/v1/models: 404 Not Found Not Found The requested URL" in reason
+    assert "<" not in reason and "\n" not in reason
 
 
 # ---------------------------------------------------------------- workloads and load models
-# Each runs one round through PointRun against the module's server (as an endpoint
-# target, so no new server starts) and checks what the server saw and what came out.
+# Each runs one round against the module's server as an endpoint target, so no new
+# server starts, and checks what the server saw and what came out.
 
 def _round(server, tmp_path, workload: dict):
-    import gzip
-    import json
+    from transformers import AutoTokenizer
 
     from vllm_study.workload import make_workload
-    srv, _, model = server
-    study = study_from_dict({"name": "wl", "model": {"card": "tiny-qwen2"}, "rounds": 1,
-                             "targets": [{"name": "srv", "base_url": srv.url, "model": "tiny"}],
-                             "workload": {"warmup_requests": 0, **workload}})
-    run = PointRun(study, expand(study, "cpu")[0], tmp_path, "cpu")
-    run.launch()
-    run.run_rounds()
-    s = run.finish()
-    assert s["status"] == "ok", s["reason"]
-    with gzip.open(tmp_path / "requests.jsonl.gz", "rt") as f:
-        results = [json.loads(line) for line in f]
-    from transformers import AutoTokenizer
-    return run.rounds[0], results, make_workload(AutoTokenizer.from_pretrained(model), study.workload)
+    srv, model = server
+    plan = plan_of(_target_study(srv.url, workload))
+    run, summary = measure(plan, tmp_path)
+    assert summary.status == "ok", summary.reasons
+    groups = {f"{g.key}={g.value}": g.metrics for g in run.rounds[0].groups}
+    return run.rounds[0], groups, _requests(tmp_path), make_workload(AutoTokenizer.from_pretrained(model),
+                                                                     plan.study.workload)
 
 
 def test_mixed_long_documents_and_short_chats(server, tmp_path):
-    row, results, w = _round(server, tmp_path, {
+    row, groups, results, w = _round(server, tmp_path, {
         "kind": "mixed", "long_fraction": 0.25, "long_prompt_tokens": {"uniform": [1200, 1600]},
         "system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
         "requests_per_round": 16, "concurrency": 4})
     sent = w.requests(16)
     assert [r["prompt_tokens"] for r in results] == [q.prompt_tokens for q in sent]  # as the server counted
     n_long = sum(q.tags["class"] == "long" for q in sent)
-    assert n_long > 0 and row["requests[class=long]"] == n_long and row["requests[class=short]"] == 16 - n_long
+    assert n_long > 0 and groups["class=long"]["requests"] == n_long and groups["class=short"]["requests"] == 16 - n_long
     for cls in ("long", "short"):
-        assert row[f"ttft_p90_ms[class={cls}]"] > 0 and row[f"itl_p90_ms[class={cls}]"] > 0
+        assert groups[f"class={cls}"]["ttft_p90_ms"] > 0 and groups[f"class={cls}"]["itl_p90_ms"] > 0
     # a long document has to be prefilled; a short chat reuses the cached system prompt
-    assert row["ttft_p50_ms[class=long]"] > row["ttft_p50_ms[class=short]"]
+    assert groups["class=long"]["ttft_p50_ms"] > groups["class=short"]["ttft_p50_ms"]
 
 
 def test_random_lengths_from_distributions(server, tmp_path):
-    row, results, w = _round(server, tmp_path, {
+    row, _, results, w = _round(server, tmp_path, {
         "kind": "random", "api": "completions", "input_tokens": {"lognormal": {"mean": 200, "sd": 50}},
         "output_tokens": {"uniform": [4, 12]}, "requests_per_round": 12, "concurrency": 4})
     sent = w.requests(12)
@@ -275,37 +288,98 @@ def test_random_lengths_from_distributions(server, tmp_path):
 
 
 def test_multi_turn_reports_ttft_per_turn(server, tmp_path):
-    row, results, w = _round(server, tmp_path, {
+    row, groups, results, _ = _round(server, tmp_path, {
         "kind": "multi_turn", "turns": 3, "requests_per_round": 12, "concurrency": 2,
         "system_prompt_tokens": 300, "question_tokens": 24, "output_tokens": 12, "think_time_s": 0.05})
-    assert [row[f"requests[turn={t}]"] for t in (1, 2, 3)] == [4, 4, 4]
+    assert [groups[f"turn={t}"]["requests"] for t in (1, 2, 3)] == [4, 4, 4]
     by_conv = {}
     for r in results:
         by_conv.setdefault(r["tags"]["conversation"], []).append(r)
     for turns in by_conv.values():  # the history grows: each turn resends the earlier ones
         tokens = [r["prompt_tokens"] for r in sorted(turns, key=lambda r: r["tags"]["turn"])]
         assert tokens[0] < tokens[1] < tokens[2] and tokens[1] - tokens[0] >= 24 + 12
-    assert row["prefix_cache_hit_rate"] > 0.5  # turns 2 and 3 reuse the cached history
+    assert row.metrics["prefix_cache_hit_rate"] > 0.5  # turns 2 and 3 reuse the cached history
 
 
 def test_poisson_arrivals_are_sent_on_schedule(server, tmp_path):
     from vllm_study import loads
-    row, results, _ = _round(server, tmp_path, {
-        "system_prompt_tokens": 128, "question_tokens": 8, "output_tokens": 8, "requests_per_round": 12,
-        "load": {"kind": "poisson", "rate": 6.0}, "seed": 5})
+    row, _, results, _ = _round(server, tmp_path, {
+        "requests_per_round": 12, "load": {"kind": "poisson", "rate": 6.0}, "seed": 5})
     planned = loads.arrivals(12, 6.0, 1.0, 5)
     sent = [r["send_time"] - results[0]["send_time"] for r in results]
     assert all(abs(s - p) < 0.25 for s, p in zip(sent, planned)), (sent, planned)
-    assert row["completed"] == 12
+    assert row.metrics["completed"] == 12
 
 
 def test_rate_ladder_reports_each_step(server, tmp_path):
-    row, results, _ = _round(server, tmp_path, {
-        "system_prompt_tokens": 128, "question_tokens": 8, "output_tokens": 8, "requests_per_round": 16,
-        "load": {"kind": "ladder", "rates": [4, 8]}})
-    assert row["requests[step=4]"] == 8 and row["requests[step=8]"] == 8
+    row, groups, _, _ = _round(server, tmp_path, {"requests_per_round": 16, "load": {"kind": "ladder", "rates": [4, 8]}})
+    assert groups["step=4"]["requests"] == 8 and groups["step=8"]["requests"] == 8
     for step in (4, 8):
-        assert row[f"ttft_p50_ms[step={step}]"] > 0 and row[f"ttft_p99_ms[step={step}]"] >= row[f"ttft_p50_ms[step={step}]"]
+        assert groups[f"step={step}"]["ttft_p50_ms"] > 0
+        assert groups[f"step={step}"]["ttft_p99_ms"] >= groups[f"step={step}"]["ttft_p50_ms"]
+
+
+# ---------------------------------------------------------------- servers of their own
+
+def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
+    """One server start through the kit's steps: round 0 completes and is recorded; the
+    server is then SIGKILLed during round 1: that round is recorded as failed, round 0
+    stays, the start fails with the signal as its reason, and nothing runs on."""
+    plan = plan_of(tiny(rounds=3, workload={**tiny()["workload"], "requests_per_round": 48, "output_tokens": 64}))
+    run = PointRun(plan, tmp_path / "s1", 1)
+    run.launch()
+    assert not run.failed, run.record.reason
+    launch = run.record.launch
+    assert launch.startup_s > 0 and launch.cache_config["kv_cache_memory_bytes"] == str(kv_bytes(16384))
+    assert launch.vllm_non_default_args["max_num_batched_tokens"] == 256
+    assert run.record.gpus == [] and "no NVIDIA GPU" in run.record.no_gpu_reason  # said plainly on a CPU
+    run.warmup()
+    run.run_round(0)
+    pgid = run.server.proc.pid
+    killer = threading.Timer(1.0, lambda: os.killpg(pgid, signal.SIGKILL))
+    killer.start()
+    run.run_round(1)
+    killer.join()
+    run.run_round(2)  # a no-op once the start has failed
+    summary = run.finish()
+    assert [r.status for r in run.rounds] == ["ok", "failed"]
+    assert run.rounds[1].metrics["failed"] > 0
+    assert run.record.status == "failed" and run.record.reason.startswith("server died during round 1")
+    assert "killed by SIGKILL" in run.record.reason and "\x1b[" not in run.record.reason
+    assert summary.status == "partial" and summary.rounds_ok == 1
+    assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]
+    assert len((tmp_path / "s1" / "rounds.jsonl").read_text().splitlines()) == 2  # both rounds on disk
+    assert (tmp_path / "s1" / "server.log.gz").exists() and not (tmp_path / "s1" / "server.log").exists()
+    assert group_gone(pgid)
+
+
+def test_kv_cache_too_small_is_a_clear_start_failure(tmp_path):
+    """A KV cache of 512 tokens cannot hold one 2,048-token request: vLLM refuses to
+    start, and the kit says why in one line."""
+    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(512)}))
+    run = PointRun(plan, tmp_path / "s1", 1)
+    run.launch()
+    assert run.failed
+    assert run.record.reason.startswith("server did not start: max_model_len too large for the KV cache"), \
+        run.record.reason
+    assert group_gone(run.server.proc.pid)
+
+
+def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
+    """Another process holds the port the kit picked (a race the kit cannot rule out):
+    vLLM cannot bind it and the start records 'port in use'."""
+    from vllm_study import point as point_mod
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        monkeypatch.setattr(point_mod, "free_port", lambda: holder.getsockname()[1])
+        run = PointRun(plan_of(tiny()), tmp_path / "s1", 1)
+        run.launch()
+    finally:
+        holder.close()
+    assert run.failed and "port in use" in run.record.reason, run.record.reason
+    assert group_gone(run.server.proc.pid)
 
 
 def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
@@ -313,28 +387,19 @@ def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
     prefixes both stay cached and the measured hit rate meets the expected one; with 6,
     each is evicted before its turn comes again and the measured rate falls far below
     what a never-evicting cache would reach."""
-    study = study_from_dict({**TINY, "engine_args": {**TINY["engine_args"], "kv_cache_memory_bytes": 4 * 2**20}})
-    model, dummy = prepare_model(study)
+    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(4096)}))
+    model, dummy = models.resolve(plan.study.model)
     port = free_port()
-    srv = VllmServer(serve_command(model, port, expand(study, "cpu")[0].engine_args.cli(), "tiny", load_dummy=dummy),
+    srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),
                      port, tmp_path / "server.log", startup_timeout_s=600)
     rates = {}
     with srv:
         for prefixes in (2, 6):
-            s = study_from_dict({"name": "reuse", "model": {"card": "tiny-qwen2"}, "rounds": 1,
-                                 "targets": [{"name": "srv", "base_url": srv.url, "model": "tiny"}],
-                                 "workload": {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
-                                              "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24,
-                                              "warmup_requests": 0}})
-            run = PointRun(s, expand(s, "cpu")[0], tmp_path / f"p{prefixes}", "cpu")
-            run.launch()
-            run.run_rounds()
-            summary = run.finish()
-            assert summary["status"] == "ok", summary["reason"]
-            from transformers import AutoTokenizer
-            from vllm_study.workload import make_workload
-            expected = make_workload(AutoTokenizer.from_pretrained(model), s.workload).expected_hit_rate(24, 128)
-            rates[prefixes] = (expected, run.rounds[0]["prefix_cache_hit_rate"])
+            study = _target_study(srv.url, {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
+                                            "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24})
+            run, summary = measure(plan_of(study), tmp_path / f"p{prefixes}")
+            assert summary.status == "ok", summary.reasons
+            rates[prefixes] = (run.record.expected_prefix_hit_rate, run.rounds[0].metrics["prefix_cache_hit_rate"])
     (exp2, got2), (exp6, got6) = rates[2], rates[6]
     assert got2 == pytest.approx(exp2, abs=0.02)
     assert exp6 > 0.6 and got6 < exp6 / 2, rates

@@ -1,43 +1,49 @@
 """The sweep command end to end: real papermill, real vLLM CPU servers, a time budget
-that stops between points, --resume that finishes the run, a failed point recorded
-as data, and a report rendered from the results."""
+that stops between server starts, --resume that finishes the run, failures recorded as
+data (one point, or every point), SIGTERM that leaves nothing running, a model with a
+non-ChatML template, and an endpoint study of a plain vLLM server."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import yaml
 
+from e2e_support import kv_bytes, no_proxy_env, tiny
+from procs import group_gone
+from vllm_study import models
+from vllm_study.params import ModelSpec
+from vllm_study.results import RunFolder, StartRecord
+from vllm_study.server import VllmServer, free_port, serve_command
+
 REPO = Path(__file__).resolve().parents[1]
 
-STUDY = {
-    "name": "e2e-sweep",
-    "model": {"card": "tiny-qwen2", "served_name": "tiny"},
-    "engine_args": {"max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True,
-                    "dtype": "bfloat16"},
-    # the second point's 1 MiB KV cache cannot hold one 2,048-token request: it must fail
-    "grid": {"max_num_batched_tokens": [256], "kv_cache_memory_bytes": [33554432, 1048576]},
-    "workload": {"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 16,
-                 "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
-    "rounds": 3,
-}
+# the second point's 512-token KV cache cannot hold one 2,048-token request: it must fail
+STUDY = tiny(grid={"max_num_batched_tokens": [256], "kv_cache_memory_bytes": [kv_bytes(16384), kv_bytes(512)]},
+             rounds=2)
+STUDY["engine_args"] = {k: v for k, v in STUDY["engine_args"].items() if k != "kv_cache_memory_bytes"}
 
 
-def sweep(*args, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "vllm_study", "sweep", *map(str, args)], cwd=cwd,
-                          capture_output=True, text=True, timeout=1200)
+def sweep(*args, timeout=1500):
+    return subprocess.run([sys.executable, "-m", "vllm_study", "sweep", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write(tmp_path: Path, study: dict) -> Path:
+    f = tmp_path / "study.yaml"
+    f.write_text(yaml.safe_dump(study, sort_keys=False))
+    return f
 
 
 def test_bad_params_fail_fast_with_a_fix(tmp_path):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump({**STUDY, "workload": {**STUDY["workload"], "concurency": 4},
-                                   "engine_args": {**STUDY["engine_args"], "gpu_memory_utilization": 1.5}}))
+    bad = write(tmp_path, {**STUDY, "workload": {**STUDY["workload"], "concurency": 4},
+                           "engine_args": {**STUDY["engine_args"], "gpu_memory_utilization": 1.5}})
     r = sweep(bad, "--results", tmp_path / "results")
     assert r.returncode == 2
     assert "workload.concurency: unknown key (did you mean 'concurrency'?)" in r.stderr
@@ -45,84 +51,109 @@ def test_bad_params_fail_fast_with_a_fix(tmp_path):
     assert not (tmp_path / "results").exists()  # nothing was started or written
 
 
+def test_a_missing_model_folder_is_refused_before_anything_starts(tmp_path):
+    study = write(tmp_path, {**STUDY, "model": {"path": "/models/no-such-model", "served_name": "x"}})
+    t0 = time.monotonic()
+    r = sweep(study, "--results", tmp_path / "results")
+    assert r.returncode == 2 and time.monotonic() - t0 < 60
+    assert "model.path /models/no-such-model is not a folder on this machine" in r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "results").exists()
+    doc = subprocess.run([sys.executable, "-m", "vllm_study", "doctor", str(study)], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert doc.returncode == 1 and "[FAIL] model: model.path /models/no-such-model" in doc.stdout
+
+
 @pytest.mark.e2e
 def test_budget_resume_failure_and_report(tmp_path):
-    params = tmp_path / "study.yaml"
-    params.write_text(yaml.safe_dump(STUDY, sort_keys=False))  # the grid order names the points
     results = tmp_path / "results"
-
-    first = sweep(params, "--results", results, "--max-minutes", "0.01")
+    first = sweep(write(tmp_path, STUDY), "--results", results, "--max-minutes", "0.01")
     assert first.returncode == 0, first.stderr[-3000:]
-    (run,) = results.iterdir()
-    assert "stopped after 0.01 minutes with 1 point(s) left" in first.stdout
-    points = run / "points"
-    assert [p.name for p in points.iterdir()] == ["mbt=256__kv=32MiB"]
+    (path,) = results.iterdir()
+    run = RunFolder(path)
+    order = run.manifest().order
+    assert "stopped after" in first.stdout and "1 of 2 starts left" in first.stdout
+    assert f"{sys.executable} -m vllm_study sweep --resume {path}" in first.stdout  # the interpreter that ran
+    assert "1/2" in first.stderr  # the progress bar moves per round, not per point
+    assert run.point(order[0].point).start(1).status in ("ok", "failed")
+    assert run.point(order[1].point).start(1) is None
 
-    second = sweep("--resume", run)
+    second = sweep("--resume", path)
     assert second.returncode == 0, second.stderr[-3000:]
-    assert "1 already finished" in second.stdout
+    assert "1 of 2 starts already finished" in second.stdout
 
-    ok = json.loads((points / "mbt=256__kv=32MiB" / "summary.json").read_text())
-    bad = json.loads((points / "mbt=256__kv=1MiB" / "summary.json").read_text())
-    assert ok["status"] == "ok" and ok["rounds_ok"] == 3
-    assert bad["status"] == "failed"
-    assert "max_model_len too large for the KV cache" in bad["reason"]
-    assert (points / "mbt=256__kv=1MiB" / "point.ipynb").exists()  # kept on failure too
+    summaries = {s.point: s for s in run.summaries()}
+    (ok_id,) = [p for p, s in summaries.items() if s.status == "ok"]
+    (bad_id,) = [p for p, s in summaries.items() if s.status == "failed"]
+    assert summaries[ok_id].rounds_ok == 2
+    assert "max_model_len too large for the KV cache" in summaries[bad_id].reasons[0]
+    assert (run.point(bad_id).start_dir(1) / "point.ipynb").exists()  # kept on failure too
 
-    df = pd.read_csv(run / "summary.csv")
-    good = df[df["point"] == "mbt=256__kv=32MiB"]
-    rounds, median = good[good["round"] != "median"], good[good["round"] == "median"].iloc[0]
-    assert sorted(rounds["round"]) == ["0", "1", "2"]
+    df = pd.read_csv(run.summary_csv)
+    rounds = df[(df["point"] == ok_id) & (df["group"] == "all")]
+    assert sorted(rounds["round"]) == [0, 1]
     for metric in ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate"):
-        assert median[metric] == pytest.approx(rounds[metric].median()), metric
+        assert summaries[ok_id].estimates[metric].median == pytest.approx(rounds[metric].median()), metric
     # vLLM's own TTFT starts when the request reaches the server and ends before the
-    # token reaches the client: below the client's, for every round
+    # token reaches the client: below the client's, in every round
     assert (0 < rounds["server_ttft_mean_ms"]).all()
     assert (rounds["server_ttft_mean_ms"] < rounds["ttft_mean_ms"]).all()
-    failed_row = df[df["point"] == "mbt=256__kv=1MiB"].iloc[0]
-    assert failed_row["status"] == "failed" and "KV cache" in failed_row["reason"]
 
-    assert (run / "report.ipynb").exists()
+    assert (path / "report.ipynb").exists() and (path / "report.html").stat().st_size > 50_000
     for fig in ("heatmaps.png", "trends.png", "ttft_p90_by_round.png"):
-        assert (run / "figures" / fig).stat().st_size > 10_000, fig
-    manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["versions"]["vllm"] and manifest["git"]["sha"]
-    (resumed,) = manifest["resumes"]  # which code ran the second slice
-    assert resumed["points_left"] == ["mbt=256__kv=1MiB"] and resumed["git"]["sha"] == manifest["git"]["sha"]
-    assert resumed["host"] == manifest["host"] and "GPU" in resumed["gpu"]  # CPU machine: the reason
-    for s in (ok, bad):  # nothing left running
-        if s.get("server_pgid"):
-            with pytest.raises(ProcessLookupError):
-                os.killpg(s["server_pgid"], 0)
+        assert (path / "figures" / fig).stat().st_size > 10_000, fig
+    manifest = run.manifest()
+    assert manifest.versions.vllm and manifest.git.sha and manifest.cpu_dtype["dtype"] in ("float32", "bfloat16")
+    assert manifest.machine.cpu.capability  # the CPU features that decide vLLM's CPU speed
+    (resumed,) = manifest.resumes  # which code ran the second slice
+    assert resumed.units_left == [f"{order[1].point}#s1"] and resumed.git.sha == manifest.git.sha
+    assert resumed.machine.host == manifest.machine.host
+    for s in run.point(ok_id).starts():  # nothing left running
+        assert group_gone(s.launch.server_pgid)
+
+
+@pytest.mark.e2e
+def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
+    """Both points' servers refuse an argument: the sweep still renders a report that
+    shows the failures and says why nothing could be drawn, and exits 1 without a
+    traceback."""
+    study = write(tmp_path, {**tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1),
+                             "server": {"extra_cli_args": ["--no-such-flag"]}})
+    r = sweep(study, "--results", tmp_path / "results")
+    assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr and "the study failed: no point measured a round" in r.stdout
+    (path,) = (tmp_path / "results").iterdir()
+    run = RunFolder(path)
+    assert [s.status for s in run.summaries()] == ["failed", "failed"]
+    assert all("bad argument" in s.reasons[0] for s in run.summaries())
+    html = (path / "report.html").read_text()
+    assert "bad argument" in html and "nothing to draw" in html
 
 
 @pytest.mark.e2e
 def test_sigterm_stops_everything_and_resume_completes(tmp_path):
-    """SIGTERM while the second point's server starts: the sweep exits 130, every
+    """SIGTERM while the second server start is starting: the sweep exits 130, every
     process it started (papermill kernel, vLLM and its engine) is gone, the finished
-    point is kept, and --resume runs only the rest."""
-    import time
-
+    start is kept, and --resume runs only the rest."""
     import psutil
 
-    study = {**STUDY, "grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1,
-             "engine_args": {**STUDY["engine_args"], "kv_cache_memory_bytes": 33554432}}
-    params = tmp_path / "study.yaml"
-    params.write_text(yaml.safe_dump(study, sort_keys=False))
+    study = tiny(grid={"max_num_batched_tokens": [256, 512]}, rounds=1)
     results = tmp_path / "results"
-    proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(params), "--results", str(results)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)),
+                             "--results", str(results)], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 900
         second = None
-        while time.monotonic() < deadline:
-            runs = list(results.glob("*/points/mbt=512"))
-            if runs and (runs[0] / "server.pgid").exists():
-                second = runs[0]
-                break
+        while time.monotonic() < deadline and second is None:
+            runs = list(results.iterdir()) if results.exists() else []
+            if runs and (runs[0] / "manifest.json").exists():
+                order = RunFolder(runs[0]).manifest().order
+                s2 = RunFolder(runs[0]).point(order[1].point).start_dir(1)
+                if (s2 / "server.pgid").exists():
+                    second = s2
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.5)
-        assert second is not None, "the second point's server never started"
+        assert second is not None, "the second server start never began"
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("vllm" in " ".join(p.cmdline()) for p in started)
         proc.send_signal(signal.SIGTERM)
@@ -131,15 +162,64 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, out[-2000:]
-    assert "interrupted: finished points are kept" in out
+    assert "interrupted: finished rounds are kept" in out
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
-    run = second.parent.parent
-    first = json.loads((run / "points" / "mbt=256" / "summary.json").read_text())
-    assert first["status"] == "ok"
-    assert json.loads((second / "summary.json").read_text())["status"] == "running"
+    run = RunFolder(second.parents[2])
+    first = run.point(order[0].point).start(1)
+    assert first.status == "ok"
+    assert StartRecord.load(second / "start.json").status == "running"
 
-    again = sweep("--resume", run)
+    again = sweep("--resume", run.path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "1 already finished" in again.stdout
-    assert json.loads((second / "summary.json").read_text())["status"] == "ok"
+    assert "1 of 2 starts already finished" in again.stdout
+    assert run.point(order[1].point).start(1).status == "ok"
+
+
+@pytest.mark.e2e
+def test_a_model_with_a_mistral_template_runs_end_to_end(tmp_path):
+    """A model folder with a SentencePiece-style tokenizer and Mistral's [INST] template
+    (no system role: the system prompt goes in front of the first user turn), dummy
+    weights: the study runs, the server counts exactly the prompt tokens the kit sent,
+    and the prefix cache reuses the shared prompt."""
+    import offline_tokenizers as ot
+    folder = ot.model_folder(ot.mistral_style(), tmp_path / "mistral-style")
+    study = tiny(model={"path": str(folder), "dummy_weights": True, "served_name": "tiny"}, rounds=1)
+    r = sweep(write(tmp_path, study), "--results", tmp_path / "results")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (path,) = (tmp_path / "results").iterdir()
+    run = RunFolder(path)
+    (s,) = run.summaries()
+    assert s.status == "ok", s.reasons
+    (rnd,) = run.point(s.point).rounds()
+    assert rnd.metrics["server_prompt_tokens"] == rnd.metrics["prompt_tokens"]  # the server's own count
+    assert rnd.metrics["prefix_cache_hit_rate"] > 0.5
+    assert rnd.metrics["prefix_cache_hit_rate"] <= rnd.metrics["expected_prefix_hit_rate"] + 0.01
+
+
+@pytest.mark.e2e
+def test_an_endpoint_study_of_a_plain_vllm_server(tmp_path):
+    """A vLLM server started by hand without dev mode and without prefix caching, measured
+    as a target with a random workload on /v1/completions: /metrics is scraped, the
+    missing cache reset is said plainly, and the report renders."""
+    model, _ = models.resolve(ModelSpec(card="tiny-qwen2"))
+    port = free_port()
+    cmd = serve_command(model, port, ["--max-model-len", "2048", "--enforce-eager", "--no-enable-prefix-caching",
+                                      "--kv-cache-memory-bytes", str(kv_bytes(8192))], "tiny", load_dummy=True)
+    with VllmServer(cmd, port, tmp_path / "server.log", env={"VLLM_SERVER_DEV_MODE": "0"}, startup_timeout_s=600):
+        study = {"name": "plain", "model": {"card": "tiny-qwen2"}, "rounds": 2,
+                 "targets": [{"name": "direct", "base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny"}],
+                 "workload": {"kind": "random", "api": "completions", "input_tokens": 256, "output_tokens": 8,
+                              "requests_per_round": 8, "concurrency": 4, "warmup_requests": 1}}
+        r = subprocess.run([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)), "--results",
+                            str(tmp_path / "results")], cwd=REPO, capture_output=True, text=True, timeout=900,
+                           env=no_proxy_env())
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (path,) = (tmp_path / "results").iterdir()
+    (s,) = RunFolder(path).summaries()
+    assert s.status == "ok", s.reasons
+    assert s.launch.has_metrics and not s.launch.cache_reset
+    assert any("NOT reset between rounds" in w for w in s.warnings)
+    assert s.estimates["engine_steps"].median > 0  # server counters collected
+    assert "direct" in (path / "report.html").read_text()
+    json.loads((path / "manifest.json").read_text())  # a valid manifest

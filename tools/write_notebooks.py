@@ -116,6 +116,30 @@ told apart by this study. `partial k/n`: only k of the n planned rounds were mea
     code("ns.headline_table(r)", **CHECK),
     code("ns.failures(r)", **CHECK),
     md("""
+## How precise is this study?
+The noise floor per metric: how much a restarted server moves it (start to start) and
+how much one server moves between rounds, pooled over the run's points. A difference
+smaller than the start-to-start spread is not an effect this study can show.
+"""),
+    code("ns.noise_floor(r)", **CHECK),
+    md("""
+## Against the best, and against the baseline
+Each point against the best point of each metric: the relative difference with its 95%
+interval, and a verdict (better, worse, or not resolved: the study cannot tell them
+apart). With `baseline:` set in the study, each point against that point too.
+"""),
+    code("ns.versus_best(r)", **CHECK),
+    code("ns.versus_baseline(r)", **CHECK),
+    md("""
+## Did each knob bind?
+vLLM's own counters per point: the KV cache's peak share and preemptions (memory), the
+share of engine steps that scheduled the whole chunk budget and the prefills longer
+than the chunk (chunk size), running requests against `max_num_seqs`, and the measured
+hit rate beside the one a never-evicting cache would reach. An axis that never bound
+is named: the study cannot show its effect.
+"""),
+    code("ns.binding(r)", **CHECK),
+    md("""
 ## Endpoints side by side
 For a study of `targets` (running endpoints, e.g. a vLLM port and the same server behind
 a gateway): each target's medians and the latency it adds over the first target.

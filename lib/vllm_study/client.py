@@ -250,8 +250,9 @@ def check_endpoint(base_url: str, model: str, api_key: str | None = None,
                     body = await r.text()
                     status = r.status
             except aiohttp.ClientConnectorError as e:
-                raise EndpointError(f"cannot connect to {base_url} ({e}); is the server "
-                                    f"running, and is the URL right?{net.proxy_note(base_url)}") from e
+                where = f"{base_url} through the proxy {proxy}" if proxy else base_url
+                raise EndpointError(f"cannot connect to {where} ({e}); is the server running, and is the URL "
+                                    f"right?{'' if proxy else net.proxy_note(base_url)}") from e
             except asyncio.TimeoutError as e:
                 raise EndpointError(f"{base_url}/v1/models gave no answer within {timeout_s:.0f} s") from e
             except aiohttp.ClientError as e:

@@ -37,17 +37,23 @@ def _open(url: str, api_key: str | None, method: str = "GET", timeout: float = 5
 
 
 def parse_metrics(text: str) -> dict:
-    """{sample name: value over label sets (counters summed, gauges their max)} plus
-    the labels of info metrics."""
+    """{sample name: value over label sets (counters summed, gauges their max)}, the
+    labels of info metrics, and histograms as {name: {upper bound: cumulative count}}."""
     values: dict[str, float] = {}
     info: dict[str, dict] = {}
+    hist: dict[str, dict[float, float]] = {}
     for family in text_string_to_metric_families(text):
         combine = max if family.type == "gauge" else (lambda a, b: a + b)
         for s in family.samples:
+            if s.name.endswith("_bucket") and "le" in s.labels:
+                buckets = hist.setdefault(s.name[:-len("_bucket")], {})
+                le = float(s.labels["le"])
+                buckets[le] = buckets.get(le, 0.0) + s.value
+                continue
             values[s.name] = combine(values[s.name], s.value) if s.name in values else s.value
             if s.name.endswith("_info"):
                 info[s.name] = dict(s.labels)
-    return {"values": values, "info": info}
+    return {"values": values, "info": info, "hist": hist}
 
 
 def scrape(base_url: str, api_key: str | None = None, proxy: str | None = None) -> dict:
@@ -67,6 +73,55 @@ def round_deltas(before: dict, after: dict) -> dict:
     out["tokens_per_step"] = out["step_tokens"] / steps if steps else None
     n, total = out.pop("server_ttft_count"), out.pop("server_ttft_sum_s")
     out["server_ttft_mean_ms"] = 1000 * total / n if n else None
+    return out
+
+
+def above(before: dict, after: dict, histogram: str, limit: float) -> tuple[float | None, float | None]:
+    """How many of a round's observations of `histogram` exceeded `limit`, as exactly
+    as its buckets tell: the count above the largest bucket bound at or below `limit`,
+    returned with that bound (equal to `limit` when the buckets include it)."""
+    a, b = after.get("hist", {}).get(histogram), before.get("hist", {}).get(histogram, {})
+    bounds = sorted(le for le in (a or {}) if le <= limit)
+    if not a or not bounds or float("inf") not in a:
+        return None, None
+    edge = bounds[-1]
+    total = a[float("inf")] - b.get(float("inf"), 0.0)
+    return total - (a[edge] - b.get(edge, 0.0)), edge
+
+
+def budget_use(before: dict, after: dict, max_num_batched_tokens: int) -> dict:
+    """Did the chunk size bind in this round? The share of engine steps that scheduled
+    the whole token budget, and the prefills longer than the budget (vLLM had to split
+    them). Exact where the server has the bucket bounds budget_buckets() asks for;
+    otherwise counted above the nearest default bound below the budget, which is
+    recorded (budget_edge_tokens) so the figure says what it counts."""
+    mbt = max_num_batched_tokens
+    full, edge = above(before, after, "vllm:iteration_tokens_total", mbt - 1)
+    steps = (after["values"].get("vllm:iteration_tokens_total_count", 0.0)
+             - before["values"].get("vllm:iteration_tokens_total_count", 0.0))
+    long_prefills, _ = above(before, after, "vllm:request_prefill_kv_computed_tokens", mbt)
+    return {"budget_steps_share": full / steps if full is not None and steps else None,
+            "budget_edge_tokens": edge, "long_prefills": long_prefills}
+
+
+def budget_buckets(max_num_batched_tokens: int) -> dict[str, list[int]]:
+    """Histogram bounds (vLLM's --custom-histogram-buckets) that make budget_use exact:
+    steps that scheduled exactly the budget, and prefills longer than it."""
+    mbt = max_num_batched_tokens
+    return {"iteration_tokens": [mbt - 1, mbt] if mbt > 1 else [mbt], "request_tokens": [mbt]}
+
+
+# vLLM's own work estimates (--enable-mfu-metrics), per GPU.
+WORK = {"est_flops": "vllm:estimated_flops_per_gpu_total",
+        "est_read_bytes": "vllm:estimated_read_bytes_per_gpu_total",
+        "est_write_bytes": "vllm:estimated_write_bytes_per_gpu_total"}
+
+
+def work_deltas(before: dict, after: dict) -> dict:
+    out = {}
+    for key, name in WORK.items():
+        a, b = after["values"].get(name), before["values"].get(name)
+        out[key] = None if a is None or b is None else a - b
     return out
 
 

@@ -33,8 +33,8 @@ def check_gpu() -> Finding:
         return Finding(WARN, "GPU", nv.why + "; studies run on vLLM's CPU build",
                        "on a GPU machine install the NVIDIA driver and nvidia-ml-py")
     gpus = nv.describe()
-    names = ", ".join(f"{g['name']} ({g['memory_total_bytes'] / 2**30:.0f} GiB)" for g in gpus)
-    return Finding(OK, "GPU", f"{names}, driver {gpus[0]['driver']}")
+    names = ", ".join(f"{g.name} ({g.memory_total_bytes / 2**30:.0f} GiB)" for g in gpus)
+    return Finding(OK, "GPU", f"{names}, driver {gpus[0].driver}")
 
 
 def check_vllm(gpu: bool) -> Finding:

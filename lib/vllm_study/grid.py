@@ -34,6 +34,7 @@ AXIS_ABBREV = {
 # gpu: cards of 70 GiB and more but A100s (H100, H200); smaller cards and A100s get 256.
 # cpu: 128 per tensor-parallel rank.
 DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}
+DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "gpu": 8192}  # gpu: 70 GiB cards and up; smaller get less
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
 
 
@@ -54,6 +55,7 @@ class Effective(BaseModel):
     something the kit cannot see here, e.g. a real model's config)."""
     block_size: int
     max_num_seqs: int
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     dtype: str | None = None
     dtype_reason: str | None = None
@@ -116,8 +118,8 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
         errors.append(f"the longest request needs about {need} tokens (prompt + template + output) "
                       f"but max_model_len is {max_model_len}; shorten the workload or raise "
                       "engine_args.max_model_len")
-    effective = Effective(block_size=block, max_num_seqs=mns, max_model_len=max_model_len,
-                          dtype=args.dtype)
+    effective = Effective(block_size=block, max_num_seqs=mns, max_model_len=max_model_len, dtype=args.dtype,
+                          max_num_batched_tokens=mbt or DEFAULT_MAX_NUM_BATCHED_TOKENS[engine])
     return effective, warnings, errors
 
 
@@ -167,6 +169,9 @@ def expand(study: Study, engine: str) -> list[Point]:
         effective.dtype_reason = dtype_reason
         problems += [f"  point {pid}: {e}" for e in errs]
         points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))
+    if study.baseline and study.baseline not in {p.id for p in points}:
+        problems.append(f"  baseline {study.baseline!r} is not a point of the grid; its points are: "
+                        + ", ".join(p.id for p in points))
     if problems:
         raise StudyError("the grid has points vLLM would reject:\n" + "\n".join(problems))
     return points

@@ -150,6 +150,21 @@ def vllm_distribution() -> str | None:
     return None
 
 
+@functools.cache
+def vllm_accepts(flag: str) -> bool:
+    """Does the installed vLLM take this engine flag (e.g. --enable-mfu-metrics)? Read
+    from its argument definitions' source: importing vllm to ask would cost ~15 s."""
+    import importlib.util
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    src = Path(spec.submodule_search_locations[0]) / "engine" / "arg_utils.py"
+    try:
+        return f'"{flag}"' in src.read_text()
+    except OSError:
+        return False
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)

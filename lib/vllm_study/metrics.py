@@ -110,6 +110,29 @@ _add(
            "max of vllm:num_requests_running sampled every 0.5 s: compare with max_num_seqs"),
     Metric("waiting_peak", "waiting requests peak", "", ".0f", None, "server",
            "max of vllm:num_requests_waiting sampled every 0.5 s"),
+    # did the chunk size bind? (counters.budget_use)
+    Metric("budget_steps_share", "steps at the chunk budget", "share", ".1%", None, "server",
+           "share of engine steps that scheduled the whole max_num_batched_tokens budget (from vLLM's "
+           "iteration-token histogram; where vLLM lacks --custom-histogram-buckets, steps above "
+           "budget_edge_tokens)"),
+    Metric("budget_edge_tokens", "budget edge counted from", "tok", ".0f", None, "server",
+           "the histogram bound steps were counted above: max_num_batched_tokens - 1 when exact"),
+    Metric("long_prefills", "prefills longer than the chunk", "", ".0f", None, "server",
+           "requests whose uncached prompt exceeded max_num_batched_tokens, so vLLM split their "
+           "prefill over steps (vllm:request_prefill_kv_computed_tokens)"),
+    # how close to the hardware (hardware.py)
+    Metric("est_flops", "estimated FLOPs", "FLOP", ".3g", None, "server",
+           "delta of vllm:estimated_flops_per_gpu_total (--enable-mfu-metrics)"),
+    Metric("est_read_bytes", "estimated bytes read", "bytes", ".3g", None, "server",
+           "delta of vllm:estimated_read_bytes_per_gpu_total (--enable-mfu-metrics)"),
+    Metric("est_write_bytes", "estimated bytes written", "bytes", ".3g", None, "server",
+           "delta of vllm:estimated_write_bytes_per_gpu_total (--enable-mfu-metrics)"),
+    Metric("mfu", "MFU", "share", ".1%", "higher", "server",
+           "FLOPs per second over the round / the GPU's dense bf16 datasheet peak; FLOPs from vLLM's "
+           "estimate, else 2 x parameters x scheduled tokens (a lower bound)"),
+    Metric("hbm_bandwidth_use", "memory bandwidth use", "share", ".1%", None, "server",
+           "bytes moved per second over the round / the GPU's datasheet HBM bandwidth; bytes from "
+           "vLLM's estimate, else the weights once per engine step (a lower bound)"),
     Metric("gpu_mem_peak_bytes", "GPU memory peak", "bytes", ".3g", None, "nvml", "peak NVML memory used, sampled every 0.5 s"),
     Metric("gpu_mem_peak_frac", "GPU memory peak", "share", ".2f", None, "nvml",
            "peak NVML memory used / total; flat near gpu_memory_utilization, because vLLM reserves memory "
@@ -135,7 +158,8 @@ HEADLINE = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_
             "gpu_mem_peak_frac")
 # One figure per metric in the report's heatmap grid.
 HEATMAPS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",
-            "engine_steps", "kv_usage_peak", "preemptions", "gpu_mem_peak_frac")
+            "kv_usage_peak", "preemptions", "budget_steps_share", "long_prefills", "running_peak",
+            "mfu", "hbm_bandwidth_use", "gpu_mem_peak_frac")
 TRENDS = ("ttft_p90_ms", "itl_p90_ms", "output_throughput")
 # Shown per request class / turn / rate step.
 GROUP_METRICS = ("requests", "failed", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",

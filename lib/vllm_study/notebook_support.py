@@ -179,3 +179,26 @@ def draw_round_trend(r: report.Run) -> None:
         print(why)
     else:
         plt.show()
+
+
+def noise_floor(r: report.Run) -> pd.DataFrame:
+    return report.noise_table(r)
+
+
+def binding(r: report.Run) -> pd.DataFrame:
+    for note in report.binding_notes(r):
+        print(note)
+    return report.binding_table(r)
+
+
+def versus_best(r: report.Run) -> pd.DataFrame | None:
+    return report.comparison_table(r)
+
+
+def versus_baseline(r: report.Run) -> pd.DataFrame | None:
+    baseline = r.manifest.params.get("baseline")
+    if not baseline:
+        print("no baseline point in this study (set `baseline:` to a point id to compare every point with it)")
+        return None
+    print(f"baseline: {baseline}")
+    return report.comparison_table(r, against=baseline)

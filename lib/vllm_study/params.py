@@ -265,6 +265,8 @@ class Study(_Strict):
     order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
     slo: SLO = SLO()
+    baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
+                                 "compared with, e.g. vLLM's defaults")
 
     @model_validator(mode="after")
     def _grid_axes(self):

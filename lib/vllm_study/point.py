@@ -11,15 +11,16 @@ from __future__ import annotations
 import ast
 import atexit
 import functools
+import json
 import os
 import re
 import time
 from dataclasses import replace
 from pathlib import Path
 
-from . import client, counters, loads, models, stats
+from . import client, counters, hardware, loads, models, stats
 from .grid import PointPlan
-from .machine import NvmlProbe, describe
+from .machine import NvmlProbe, describe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       compress_log, now_utc, read_log, START)
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
@@ -131,7 +132,7 @@ class PointRun:
         s = self.study
         port = free_port()
         cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
-                            load_dummy=dummy, extra=s.server.extra_cli_args)
+                            load_dummy=dummy, extra=s.server.extra_cli_args + self._measurement_flags())
         env = dict(s.server.env)
         if self.gpu_indices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
@@ -152,6 +153,33 @@ class PointRun:
         self.url, self.model_name = self.server.url, s.model.served_name
         self.record.launch.cache_config = counters.cache_config(counters.scrape(self.server.url))
         client.check_endpoint(self.server.url, s.model.served_name)
+
+    def _measurement_flags(self) -> list[str]:
+        """Flags that make the server count what the report needs, where this vLLM takes
+        them and the study does not set them itself: histogram bounds at the chunk budget
+        (counters.budget_use) and, on a GPU, vLLM's FLOP and byte estimates (hardware.py)."""
+        given = {a.split("=", 1)[0] for a in self.study.server.extra_cli_args}
+        flags = []
+        mbt = self.point.effective.max_num_batched_tokens
+        if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
+            flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt))]
+        if (self.plan.engine == "gpu" and "--enable-mfu-metrics" not in given
+                and vllm_accepts("--enable-mfu-metrics")):
+            flags.append("--enable-mfu-metrics")
+        return flags
+
+    def _round_server_figures(self, before: dict, after: dict, duration: float) -> dict:
+        """/metrics deltas, whether the chunk budget bound, and hardware use."""
+        values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
+        if self.point.effective and self.point.effective.max_num_batched_tokens:
+            values |= counters.budget_use(before, after, self.point.effective.max_num_batched_tokens)
+        gpus = self.record.gpus
+        figures, source = hardware.use(values, duration, gpus[0].name if gpus else None,
+                                       self.point.engine_args.tensor_parallel_size or 1,
+                                       models.local_config(self.study.model))
+        if source:
+            self.record.launch.hardware_source = source
+        return values | figures
 
     def _run_closed(self, requests) -> list[dict]:
         w = self.study.workload
@@ -206,7 +234,8 @@ class PointRun:
         died = self.server is not None and not self.server.alive()
         if not died:
             if before is not None:
-                values |= counters.round_deltas(before, counters.scrape(self.url, self.api_key, self.proxy))
+                after = counters.scrape(self.url, self.api_key, self.proxy)
+                values |= self._round_server_figures(before, after, duration)
             values |= sampler.result()
         ok = not died and values["completed"] > 0
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,

@@ -58,13 +58,15 @@ def describe(r: Run) -> str:
         f"study {m.study} created {m.created_utc}  git {str(m.git.sha)[:12]}"
         + (" (uncommitted changes)" if m.git.dirty else ""),
         f"engine {m.engine}: {v.vllm_distribution} {v.vllm}, torch {v.torch}, python {v.python}, kit {v.vllm_study}",
-        f"CPU: {m.machine.cpu.model} ({m.machine.cpu.cores} cores, {m.machine.cpu.capability})"
+        f"CPU: {m.machine.cpu.model} ({m.machine.cpu.cores} cores"
+        + (f", {m.machine.cpu.capability})" if m.machine.cpu.capability else ")")
         + (f"; dtype {m.cpu_dtype['dtype']}: {m.cpu_dtype['reason']}" if m.cpu_dtype else ""),
         f"GPU: {gpus or m.machine.no_gpu_reason}",
         f"grid: {json.dumps(p['grid'])}" if p.get("grid") else f"targets: {[t['name'] for t in p['targets']]}",
         f"{p['replicates']} server start(s) per point x {p['rounds']} rounds; workload {w['kind']} via {w['api']}, "
         f"load {w['load']['kind']}, {w['requests_per_round']} requests/round",
-        "fixed engine args: " + json.dumps(p["engine_args"], sort_keys=True),
+        "fixed engine args: " + json.dumps({k: v for k, v in p["engine_args"].items() if v is not None},
+                                           sort_keys=True),
     ]
     if m.resumes:
         lines.append(f"resumed {len(m.resumes)} time(s): see manifest.json")
@@ -225,3 +227,105 @@ def export_html(folder: RunFolder) -> Path:
     out = folder.path / "report.html"
     out.write_text(body)
     return out
+
+
+# -- did each knob bind? ----------------------------------------------------------
+KV_BOUND = 0.9          # KV usage peak at or above this share: memory was in short supply
+BUDGET_BOUND = 0.05     # at least this share of steps used the whole chunk budget
+
+
+def _per_point(r: Run, metric: str, how: str) -> pd.Series:
+    """One metric aggregated over each point's measured rounds (whole rounds only)."""
+    df = analysis.ok_rounds(r.rounds)
+    if df.empty or metric not in df.columns or df[metric].isna().all():
+        return pd.Series(dtype=float)
+    return df.groupby("point")[metric].agg(how).dropna()
+
+
+# (column, metric, aggregate over rounds, format)
+BINDING = [("KV peak", "kv_usage_peak", "max", ".1%"), ("preemptions", "preemptions", "sum", ".0f"),
+           ("steps at budget", "budget_steps_share", "median", ".1%"),
+           ("prefills > chunk", "long_prefills", "median", ".0f"), ("running peak", "running_peak", "max", ".0f"),
+           ("hit rate", "prefix_cache_hit_rate", "median", ".3f"),
+           ("hit if no eviction", "expected_prefix_hit_rate", "median", ".3f")]
+
+
+def binding_table(r: Run) -> pd.DataFrame:
+    """Per point, vLLM's own evidence of which limits it ran into: KV cache peak and
+    preemptions (memory), steps at the chunk budget and prefills longer than it (chunk
+    size), running requests against max_num_seqs, measured vs never-evicting hit rate."""
+    if not r.measured:
+        return pd.DataFrame({"note": ["(nothing measured)"]})
+    t = pd.DataFrame(index=pd.Index([s.point for s in r.measured], name="point"))
+    for col, metric, how, fmt in BINDING:
+        v = _per_point(r, metric, how)
+        if not v.empty:
+            t[col] = [format(v[p], fmt) if p in v else "" for p in t.index]
+    t["max seqs"] = [s.effective.max_num_seqs if s.effective else "" for s in r.measured]
+    return t
+
+
+def binding_notes(r: Run) -> list[str]:
+    """One sentence per grid axis: did it bind anywhere, and on what evidence. An axis
+    that never bound is named: the study cannot show its effect."""
+    notes = []
+    kv, pre = _per_point(r, "kv_usage_peak", "max"), _per_point(r, "preemptions", "sum")
+    budget, longp = _per_point(r, "budget_steps_share", "median"), _per_point(r, "long_prefills", "median")
+    for axis in r.axes:
+        if axis in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+            if kv.empty:
+                notes.append(f"{axis}: no KV usage was sampled, so the study cannot say whether it bound")
+                continue
+            bound = sorted(set(kv[kv >= KV_BOUND].index) | set(pre[pre > 0].index))
+            if bound:
+                notes.append(f"{axis} bound at {len(bound)} of {len(kv)} points (KV peak >= {KV_BOUND:.0%} or "
+                             f"preemptions): {', '.join(bound)}")
+            else:
+                notes.append(f"{axis} never bound: KV peak at most {kv.max():.1%} at every point and no "
+                             "preemption; this study cannot show its effect")
+        elif axis == "max_num_batched_tokens":
+            if budget.empty:
+                notes.append(f"{axis}: the server did not report steps per budget, so the study cannot say "
+                             "whether it bound")
+                continue
+            bound = sorted(set(budget[budget >= BUDGET_BOUND].index) | set(longp[longp > 0].index))
+            if bound:
+                notes.append(f"{axis} bound at {len(bound)} of {len(budget)} points (>= {BUDGET_BOUND:.0%} of steps "
+                             f"at the budget, or prefills longer than the chunk): {', '.join(bound)}")
+            else:
+                notes.append(f"{axis} never bound: at most {budget.max():.1%} of steps used the whole budget and no "
+                             "prefill was longer than the chunk; this study cannot show its effect")
+        elif axis == "max_num_seqs":
+            running = _per_point(r, "running_peak", "max")
+            caps = {s.point: s.effective.max_num_seqs for s in r.measured if s.effective}
+            bound = sorted(p for p, v in running.items() if p in caps and v >= caps[p])
+            notes.append(f"{axis} bound (running requests reached it) at: {', '.join(bound)}" if bound else
+                         f"{axis} never bound: running requests stayed below max_num_seqs at every point")
+    return notes
+
+
+# -- comparisons ----------------------------------------------------------------------
+def comparison_table(r: Run, against: str | None = None) -> pd.DataFrame | None:
+    """Each point against the best point of each headline metric (or against a named
+    baseline point): the relative difference with its 95% interval, and a verdict."""
+    names = [n for n in ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput")
+             if n in set(r.intervals.get("metric", []))]
+    if not names:
+        print("nothing measured to compare")
+        return None
+    rows = {}
+    for n in names:
+        data = analysis.MetricData.from_rounds(r.rounds, n)
+        ref = against if against in (data.starts if data else {}) else analysis.best_point(data)
+        noise = data.noise()
+        for p in data.starts:
+            cell = "reference" if p == ref else _diff_cell(analysis.difference(data, p, ref, noise))
+            rows.setdefault(p, {})[f"{metrics.get(n).label} vs {'baseline' if against else 'best'}"] = cell
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("point")
+
+
+def _diff_cell(d: analysis.Difference) -> str:
+    if not np.isfinite(d.low):
+        return "no spread measured"
+    fmt = (lambda v: f"{v:+.1%}") if d.relative else (lambda v: f"{v:+.3g}")
+    return f"{fmt(d.estimate)} [{fmt(d.low)}, {fmt(d.high)}] {d.verdict()}"

@@ -105,6 +105,7 @@ class Launch(BaseModel):
     target: dict[str, Any] | None = None        # endpoint studies: name, base_url, model, api_key_env
     has_metrics: bool = True                    # /metrics answered
     cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
+    hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
 
 
 class StartRecord(_Record):

@@ -101,7 +101,6 @@ def _watch_rounds(rounds_file: Path, bar: tqdm, stop: threading.Event) -> None:
         n = len(read_rounds(rounds_file))
         if n > seen:
             bar.update(n - seen)
-            bar.refresh()  # redraw now: a bar fed from a thread may otherwise wait for the next update
             seen = n
 
 
@@ -218,7 +217,9 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
 
 
 def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None) -> Outcome:
-    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True) as bar:
+    # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
+    # several rounds after a fast first one, and the bar would sit still for minutes).
+    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True, miniters=1) as bar:
         longest = 0.0
         for i, u in enumerate(todo):
             elapsed = time.monotonic() - t0

@@ -45,7 +45,9 @@ def word_pieces(tokenizer) -> list[str]:
         step = len(candidates) / MAX_PIECES
         candidates = [candidates[int(k * step)] for k in range(MAX_PIECES)]
     lead = tokenizer.encode("the", add_special_tokens=False)
-    encoded = tokenizer(["the" + c * 3 for c in candidates], add_special_tokens=False)["input_ids"]
+    # (no candidates: skip the call, which fails on an empty batch in transformers 5)
+    encoded = tokenizer(["the" + c * 3 for c in candidates], add_special_tokens=False)["input_ids"] \
+        if candidates else []
     pieces = [c for c, e in zip(candidates, encoded)
               if len(e) == len(lead) + 3 and e[:len(lead)] == lead and e[-1] == e[-2] == e[-3]]
     if len(pieces) < 100:

@@ -1,0 +1,47 @@
+"""What the end-to-end tests share: the tiny study, KV sizes in tokens whatever dtype
+this CPU runs, and one server start of a point through the kit's own steps."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from vllm_study.grid import PointPlan, expand
+from vllm_study.machine import cpu_dtype
+from vllm_study.models import kv_bytes_per_token
+from vllm_study.params import study_from_dict
+from vllm_study.point import PointRun
+
+
+def kv_bytes(tokens: int) -> int:
+    """KV-cache bytes holding `tokens` of the tiny model in the dtype this CPU runs (the
+    kit picks float32 without native bf16): tests then mean the same cache everywhere."""
+    return tokens * kv_bytes_per_token("tiny-qwen2", 2 if cpu_dtype().dtype == "bfloat16" else 4)
+
+
+def tiny(**over) -> dict:
+    study = {"name": "e2e", "model": {"card": "tiny-qwen2", "served_name": "tiny"},
+             "engine_args": {"max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True,
+                             "kv_cache_memory_bytes": kv_bytes(16384)},
+             "grid": {"max_num_batched_tokens": [256]},
+             "workload": {"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 16,
+                          "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
+             "rounds": 2}
+    return {**study, **over}
+
+
+def plan_of(study: dict, index: int = 0) -> PointPlan:
+    s = study_from_dict(study)
+    return PointPlan(study=s, point=expand(s, "cpu")[index], engine="cpu")
+
+
+def measure(plan: PointPlan, start_dir: Path, start: int = 1):
+    """launch, warm up, rounds, finish: the point notebook's steps."""
+    run = PointRun(plan, start_dir, start)
+    run.launch()
+    run.warmup()
+    run.run_rounds()
+    return run, run.finish()
+
+
+def no_proxy_env() -> dict:
+    return {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
