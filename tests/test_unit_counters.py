@@ -1,10 +1,22 @@
-"""/metrics parsing, per-round counter deltas, cache config labels, NVML probe."""
+"""/metrics parsing, per-round counter deltas, cache config labels, what an endpoint
+offers beyond the OpenAI API (against a stub on loopback), the round sampler, NVML probe."""
 from __future__ import annotations
+
+import http.server
+import threading
+import time
 
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vllm_study.counters import NvmlProbe, cache_config, parse_metrics, round_deltas
+from vllm_study.counters import (
+    RoundSampler,
+    cache_config,
+    parse_metrics,
+    probe_server_api,
+    round_deltas,
+)
+from vllm_study.machine import GpuInfo, NvmlProbe
 
 _CACHE_LABELS = ('block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
                  'gpu_memory_utilization="0.9",kv_cache_max_concurrency="46.3",'
@@ -85,8 +97,9 @@ def test_round_deltas_hit_rate_and_tokens_per_step():
                                      preempt=(5.0, 1.0), steps=(140.0, 10.0),
                                      step_tokens=(9200.0, 800.0), ttft=((20.9, 10.0), (5.3, 2.0))))
     d = round_deltas(before, after)
-    assert d["server_ttft_count"] == 7.0
-    assert d["server_ttft_mean_ms"] == pytest.approx(1000 * 1.2 / 7)  # 7 requests, 1.2 s of TTFT
+    # 7 requests (count delta 6 + 1), 1.2 s of TTFT (sum delta 0.9 + 0.3): only the mean is kept
+    assert d["server_ttft_mean_ms"] == pytest.approx(1000 * 1.2 / 7)
+    assert "server_ttft_count" not in d and "server_ttft_sum_s" not in d
     assert d["prefix_cache_queries"] == 2000.0
     assert d["prefix_cache_hits"] == 1600.0
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.8)
@@ -147,10 +160,171 @@ def test_nvml_probe_says_why_when_no_gpu():
     probe = NvmlProbe()
     if not probe.available:
         assert isinstance(probe.why, str) and "GPU" in probe.why
-        assert probe.describe() is None
+        assert probe.describe() == []
     else:
         assert probe.why == ""
         gpus = probe.describe()
-        assert gpus and all(g["memory_total_bytes"] > 0 and g["uuid"].startswith("GPU-") for g in gpus)
+        assert gpus and all(isinstance(g, GpuInfo) for g in gpus)
+        assert all(g.memory_total_bytes > 0 and g.uuid.startswith("GPU-") for g in gpus)
+        assert [g.index for g in gpus] == probe.indices
         sample = probe.sample()
         assert 0 < sample["mem_used"] <= sample["mem_total"]
+
+
+# ---------------------------------------------------------------- probe_server_api, RoundSampler
+
+class _Stub(http.server.ThreadingHTTPServer):
+    """Loopback HTTP: /<mode>/metrics and /<mode>/reset_prefix_cache answer as `mode`
+    says (full: both; metrics: no reset; none: neither). /<mode>/metrics serves
+    `self.metrics_text`, which a test may change while a sampler runs."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.metrics_text = exposition()
+        self.resets = 0
+        self.thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self.thread.start()
+
+    def url(self, mode: str) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/{mode}"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    def _answer(self, status: int, body: str = ""):
+        data = body.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        mode, _, rest = self.path.lstrip("/").partition("/")
+        if rest == "metrics" and mode in ("full", "metrics"):
+            return self._answer(200, self.server.metrics_text)
+        self._answer(404, "Not Found")
+
+    def do_POST(self):
+        mode, _, rest = self.path.lstrip("/").partition("/")
+        if rest == "reset_prefix_cache" and mode == "full":
+            self.server.resets += 1
+            return self._answer(200)
+        self._answer(404, '{"detail":"Not Found"}')
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    # A proxy variable that would capture loopback for urllib's default opener: the
+    # kit's requests must go direct anyway (net.open_url), or every call here fails.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    s = _Stub()
+    yield s
+    s.shutdown()
+    s.server_close()
+
+
+def test_probe_full_endpoint_gives_snapshot_no_warnings_and_resets(stub):
+    snap, notes = probe_server_api(stub.url("full"))
+    assert notes == []
+    assert snap["values"]["vllm:prefix_cache_queries_total"] == 1500.0
+    assert stub.resets == 1
+
+
+def test_probe_metrics_without_reset_warns_that_the_cache_stays_warm(stub):
+    snap, notes = probe_server_api(stub.url("metrics"))
+    assert snap is not None and snap["values"]["vllm:num_preemptions_total"] == 3.0
+    (note,) = notes
+    assert f"{stub.url('metrics')}/reset_prefix_cache is refused (HTTP 404" in note
+    assert "VLLM_SERVER_DEV_MODE=1" in note
+    assert "NOT reset between rounds" in note
+
+
+def test_probe_without_metrics_or_reset_gives_none_and_two_warnings(stub):
+    snap, notes = probe_server_api(stub.url("none"))
+    assert snap is None
+    assert len(notes) == 2
+    metrics_note, reset_note = notes
+    assert f"{stub.url('none')}/metrics does not answer (HTTP 404)" in metrics_note
+    assert "server-side counters are absent" in metrics_note
+    assert "NOT reset between rounds" in reset_note
+
+
+def test_probe_of_nothing_listening_says_why():
+    with http.server.HTTPServer(("127.0.0.1", 0), _Handler) as closed:
+        port = closed.server_address[1]
+    snap, notes = probe_server_api(f"http://127.0.0.1:{port}")
+    assert snap is None and len(notes) == 2
+    assert all("Error" in n for n in notes)  # the exception is named (URLError, ConnectionRefusedError)
+
+
+class _NoGpu:
+    available = False
+
+
+class _FakeGpu:
+    available = True
+
+    def __init__(self):
+        self.samples = iter([{"mem_used": 10, "mem_total": 100, "util": 20.0},
+                             {"mem_used": 40, "mem_total": 100, "util": 60.0}])
+        self.last = None
+
+    def sample(self):
+        self.last = next(self.samples, self.last)
+        return self.last
+
+
+def _gauges(kv: float, running: int, waiting: int) -> str:
+    return (f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{engine=\"0\"}} {kv}\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{engine=\"0\"}} {running}\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{engine=\"0\"}} {waiting}\n")
+
+
+def _wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the sampler took no sample"
+        time.sleep(0.01)
+
+
+def test_round_sampler_keeps_peaks_and_means_of_the_gauges(stub):
+    stub.metrics_text = _gauges(0.2, 3, 0)
+    with RoundSampler(stub.url("metrics"), _NoGpu(), period_s=0.01) as s:
+        _wait_for(lambda: len(s.gauges.get("kv", [])) >= 2)
+        stub.metrics_text = _gauges(0.8, 5, 7)
+        n = len(s.gauges["kv"])
+        _wait_for(lambda: len(s.gauges["kv"]) >= n + 3)
+    r = s.result()
+    kv = s.gauges["kv"]
+    assert r["kv_usage_peak"] == 0.8 and r["kv_usage_mean"] == pytest.approx(sum(kv) / len(kv))
+    assert 0.2 < r["kv_usage_mean"] < 0.8
+    assert r["running_peak"] == 5 and r["waiting_peak"] == 7
+    # no GPU: the fields are there and None
+    assert r["gpu_mem_peak_bytes"] is None and r["gpu_mem_peak_frac"] is None and r["gpu_util_mean"] is None
+    assert s.scrape_errors == 0
+
+
+def test_round_sampler_without_metrics_counts_errors_and_samples_the_gpu(stub):
+    gpu = _FakeGpu()
+    with RoundSampler(stub.url("none"), gpu, period_s=0.01) as s:
+        _wait_for(lambda: len(s.gpu) >= 3 and s.scrape_errors >= 3)
+    r = s.result()
+    assert r["kv_usage_peak"] is None and r["kv_usage_mean"] is None
+    assert r["running_peak"] is None and r["waiting_peak"] is None
+    assert r["gpu_mem_peak_bytes"] == 40 and r["gpu_mem_peak_frac"] == pytest.approx(0.4)
+    utils = [x["util"] for x in s.gpu]
+    assert r["gpu_util_mean"] == pytest.approx(sum(utils) / len(utils))
+
+
+def test_round_sampler_with_no_url_samples_only_the_gpu():
+    with RoundSampler(None, _FakeGpu(), period_s=0.01) as s:
+        _wait_for(lambda: len(s.gpu) >= 2)
+    r = s.result()
+    assert s.scrape_errors == 0 and s.gauges == {}
+    assert r["kv_usage_peak"] is None and r["gpu_mem_peak_bytes"] == 40

@@ -1,4 +1,5 @@
-"""Study definitions: layered YAML, validation messages, grid expansion, vLLM rules."""
+"""Study definitions: layered YAML, validation messages, grid expansion (grid.py),
+vLLM rules, run order."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -6,11 +7,22 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_study.params import (
+from vllm_study import grid, machine, models
+from vllm_study.grid import (
+    AXIS_ABBREV,
+    DEFAULT_BLOCK_SIZE,
     DEFAULT_MAX_NUM_SEQS,
-    EngineArgs,
-    StudyError,
+    Effective,
+    Point,
     expand,
+    fmt_value,
+    point_id,
+    run_order,
+)
+from vllm_study.params import (
+    EngineArgs,
+    ModelSpec,
+    StudyError,
     load_study,
     study_from_dict,
 )
@@ -103,7 +115,12 @@ def test_repo_default_yaml_loads_and_expands_to_four_points():
     for p in points:
         for key, value in fixed.items():
             assert getattr(p.engine_args, key) == value
-        assert p.effective["max_model_len"] == fixed.get("max_model_len", 8192)
+        assert isinstance(p.effective, Effective)
+        assert p.effective.max_model_len == fixed.get("max_model_len", 8192)
+        # dtype is left open there: the CPU engine fills it from the CPU's capability
+        assert "dtype" not in fixed
+        assert p.effective.dtype == p.engine_args.dtype == machine.cpu_dtype().dtype
+        assert p.effective.dtype_reason == machine.cpu_dtype().reason
 
 
 # ---------------------------------------------------------------- grid expansion
@@ -127,7 +144,7 @@ def test_point_id_formats_bytes_and_bools():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [256],
                                      "kv_cache_memory_bytes": [16777216, 2 * 2**30],
                                      "enable_prefix_caching": [True, False]}))
-    ids = [p.id for p in expand(s)]
+    ids = [p.id for p in expand(s, engine="cpu")]
     assert ids[0] == "mbt=256__kv=16MiB__pc=on"
     assert ids == ["mbt=256__kv=16MiB__pc=on", "mbt=256__kv=16MiB__pc=off",
                    "mbt=256__kv=2GiB__pc=on", "mbt=256__kv=2GiB__pc=off"]
@@ -136,7 +153,7 @@ def test_point_id_formats_bytes_and_bools():
 def test_point_id_mbt_kv():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [256],
                                      "kv_cache_memory_bytes": [16777216]}))
-    (p,) = expand(s)
+    (p,) = expand(s, engine="cpu")
     assert p.id == "mbt=256__kv=16MiB"
     assert p.engine_args.kv_cache_memory_bytes == 16777216
 
@@ -276,7 +293,8 @@ def test_default_block_size_depends_on_engine():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [1040]}))
     (gpu,) = expand(s, engine="gpu")
     (cpu,) = expand(s, engine="cpu")
-    assert gpu.effective["block_size"] == 16 and cpu.effective["block_size"] == 128
+    assert gpu.effective.block_size == 16 and cpu.effective.block_size == 128
+    assert DEFAULT_BLOCK_SIZE == {"cpu": 128, "gpu": 16}
     assert not any("block size" in w for w in gpu.warnings)
     assert any("block size (128)" in w for w in cpu.warnings)
 
@@ -285,7 +303,7 @@ def test_chunked_prefill_off_with_chunk_below_max_model_len_is_error():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [512, 4096]},
                                engine_args={"enable_chunked_prefill": False, "max_model_len": 2048}))
     with pytest.raises(StudyError) as ei:
-        expand(s)
+        expand(s, engine="cpu")
     msg = str(ei.value)
     assert "point mbt=512" in msg
     assert "below max_model_len=2048" in msg
@@ -295,7 +313,7 @@ def test_chunked_prefill_off_with_chunk_below_max_model_len_is_error():
 def test_chunked_prefill_on_allows_small_chunk():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [512]},
                                engine_args={"enable_chunked_prefill": True, "max_model_len": 2048}))
-    (p,) = expand(s)
+    (p,) = expand(s, engine="cpu")
     assert p.engine_args.max_num_batched_tokens == 512
 
 
@@ -304,14 +322,14 @@ def test_chunked_prefill_off_uses_card_max_model_len():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [4096]},
                                engine_args={"enable_chunked_prefill": False}))
     with pytest.raises(StudyError, match="below max_model_len=8192"):
-        expand(s)
+        expand(s, engine="cpu")
 
 
 def test_explicit_max_num_seqs_above_chunk_is_error():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [256, 1024]},
                                engine_args={"max_num_seqs": 512}))
     with pytest.raises(StudyError) as ei:
-        expand(s)
+        expand(s, engine="cpu")
     msg = str(ei.value)
     assert "max_num_seqs=512 is above max_num_batched_tokens=256" in msg
     assert "mbt=1024" not in msg
@@ -321,7 +339,7 @@ def test_explicit_max_num_seqs_is_effective():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [1024]},
                                engine_args={"max_num_seqs": 64}))
     (p,) = expand(s, engine="gpu")
-    assert p.effective["max_num_seqs"] == 64
+    assert p.effective.max_num_seqs == 64
     assert p.warnings == []
 
 
@@ -332,8 +350,8 @@ def test_effective_max_num_seqs_is_capped_by_chunk_when_unset(engine):
     small, large = 64, 2048  # both multiples of 128 and 16: no other warning
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [small, large]}))
     p_small, p_large = expand(s, engine=engine)
-    assert p_small.effective["max_num_seqs"] == min(default, small) == 64
-    assert p_large.effective["max_num_seqs"] == min(default, large) == default
+    assert p_small.effective.max_num_seqs == min(default, small) == 64
+    assert p_large.effective.max_num_seqs == min(default, large) == default
     assert any("caps it at max_num_batched_tokens (64 instead of %d)" % default in w
                for w in p_small.warnings)
     assert not any("caps" in w for w in p_large.warnings)
@@ -344,14 +362,14 @@ def test_effective_max_num_seqs_cap_boundary_cpu_vs_gpu():
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [512]}))
     (cpu,) = expand(s, engine="cpu")
     (gpu,) = expand(s, engine="gpu")
-    assert cpu.effective["max_num_seqs"] == 128 and not any("caps" in w for w in cpu.warnings)
-    assert gpu.effective["max_num_seqs"] == 512 and any("caps" in w for w in gpu.warnings)
+    assert cpu.effective.max_num_seqs == 128 and not any("caps" in w for w in cpu.warnings)
+    assert gpu.effective.max_num_seqs == 512 and any("caps" in w for w in gpu.warnings)
 
 
 def test_no_chunk_axis_leaves_default_max_num_seqs():
     s = study_from_dict(_study(grid={"gpu_memory_utilization": [0.8]}))
     (p,) = expand(s, engine="gpu")
-    assert p.effective["max_num_seqs"] == 1024
+    assert p.effective.max_num_seqs == 1024
     assert p.id == "gmu=0.80"
 
 
@@ -360,7 +378,7 @@ def test_workload_longer_than_max_model_len_rejected():
                                workload={"system_prompt_tokens": 1000, "question_tokens": 32,
                                          "output_tokens": 64}))
     with pytest.raises(StudyError) as ei:
-        expand(s)
+        expand(s, engine="cpu")
     msg = str(ei.value)
     assert "max_model_len is 1024" in msg
     assert "1128 tokens" in msg  # 1000 + 32 + 32 (template allowance) + 64
@@ -370,16 +388,16 @@ def test_workload_that_fits_is_accepted():
     s = study_from_dict(_study(engine_args={"max_model_len": 2048},
                                workload={"system_prompt_tokens": 1000, "question_tokens": 32,
                                          "output_tokens": 64}))
-    (p,) = expand(s)
-    assert p.effective["max_model_len"] == 2048
+    (p,) = expand(s, engine="cpu")
+    assert p.effective.max_model_len == 2048
 
 
 def test_real_model_path_leaves_max_model_len_unknown():
     s = study_from_dict(_study(model={"path": "/models/x"},
                                engine_args={"enable_chunked_prefill": False},
                                workload={"system_prompt_tokens": 100000}))
-    (p,) = expand(s)  # nothing to check against: no error
-    assert p.effective["max_model_len"] is None
+    (p,) = expand(s, engine="cpu")  # nothing to check against: no error
+    assert p.effective.max_model_len is None
 
 
 # ---------------------------------------------------------------- EngineArgs.cli
@@ -426,7 +444,8 @@ def test_point_ids_never_collide(axis, values):
 
 def test_max_model_len_above_the_card_is_rejected_before_start():
     s = study_from_dict(_study(engine_args={"max_model_len": 16384}))  # tiny-qwen2: 8192 positions
-    with pytest.raises(StudyError, match=r"max_model_len=16384 is above what model card tiny-qwen2 supports \(8192"):
+    with pytest.raises(StudyError, match=r"max_model_len=16384 is above what the model supports \(8192 "
+                                         r"positions in its config.json\)"):
         expand(s, engine="cpu")
 
 
@@ -460,3 +479,158 @@ def test_lengths_accept_int_uniform_lognormal():
                                          "load": {"kind": "ladder", "rates": [1, 2.5]}}))
     assert s.workload.longest_request() == 500 + 4 * 100 + 64
     assert s.workload.load.rates == [1.0, 2.5]
+
+
+def test_local_model_folder_config_bounds_max_model_len(tmp_path):
+    """A model.path folder with a config.json is checked like a card: its
+    max_position_embeddings is what vLLM derives max_model_len from."""
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    spec = {"path": str(tmp_path)}
+    (p,) = expand(study_from_dict(_study(model=spec)), engine="gpu")
+    assert p.effective.max_model_len == 2048
+    with pytest.raises(StudyError, match=r"max_model_len=4096 is above what the model supports \(2048 "):
+        expand(study_from_dict(_study(model=spec, engine_args={"max_model_len": 4096})), engine="gpu")
+
+
+# ---------------------------------------------------------------- new keys: replicates, order, model, targets
+
+def test_missing_extends_names_the_including_file_and_its_folder(tmp_path):
+    (tmp_path / "studies").mkdir()
+    child = _write(tmp_path / "studies" / "child.yaml", {"extends": "base.yaml", "name": "c"})
+    with pytest.raises(StudyError) as ei:
+        load_study(child)
+    msg = str(ei.value)
+    assert f"params file not found: {tmp_path / 'studies' / 'base.yaml'}" in msg
+    assert f"named by `extends:` in {child}" in msg
+    assert f"resolved against that file's folder, {tmp_path / 'studies'}" in msg
+
+
+def test_missing_top_level_file_does_not_blame_extends(tmp_path):
+    with pytest.raises(StudyError) as ei:
+        load_study(tmp_path / "nope.yaml")
+    assert str(ei.value) == f"params file not found: {tmp_path / 'nope.yaml'}"
+
+
+def test_replicates_and_order_seed_defaults_and_bounds():
+    s = study_from_dict(_study())
+    assert s.replicates == 1 and s.order_seed == 0
+    s = study_from_dict(_study(replicates=3, order_seed=42))
+    assert s.replicates == 3 and s.order_seed == 42
+    with pytest.raises(StudyError, match="replicates"):
+        study_from_dict(_study(replicates=0))
+    with pytest.raises(StudyError, match="order_seed"):
+        study_from_dict(_study(order_seed="x"))
+
+
+def test_dummy_weights_default_follows_card_or_path():
+    assert ModelSpec().dummy is True                                   # a card: dummy weights
+    assert ModelSpec(path="/models/x").dummy is False                  # a path: its own weights
+    assert ModelSpec(path="/models/x", dummy_weights=True).dummy is True
+    assert ModelSpec(dummy_weights=False).dummy is False
+    assert study_from_dict(_study(model={"path": "/m", "dummy_weights": True})).model.dummy_weights is True
+
+
+def test_resolve_a_path_keeps_it_and_its_dummy_choice():
+    assert models.resolve(ModelSpec(path="/models/x")) == ("/models/x", False)
+    assert models.resolve(ModelSpec(path="/models/x", dummy_weights=True)) == ("/models/x", True)
+
+
+def test_target_proxy_is_kept_and_optional():
+    s = study_from_dict({"name": "t", "targets": [
+        {"name": "a", "base_url": "http://10.0.0.1:8000/v1", "model": "m", "proxy": "http://proxy:3128"},
+        {"name": "b", "base_url": "http://127.0.0.1:8000", "model": "m"}]})
+    a, b = expand(s, engine="gpu")
+    assert a.target.proxy == "http://proxy:3128" and b.target.proxy is None
+    assert a.target.base_url == "http://10.0.0.1:8000"
+
+
+@pytest.mark.parametrize("arg, why", [
+    ("--port", "picks a free port"), ("--port=8000", "picks a free port"),
+    ("--host", "127.0.0.1"), ("--model", "model.card or model.path"),
+    ("--served-model-name", "model.served_name"), ("--load-format=dummy", "model.dummy_weights"),
+])
+def test_extra_cli_args_refuse_flags_the_kit_sets(arg, why):
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(server={"extra_cli_args": [arg, "1"] if "=" not in arg else [arg]}))
+    msg = str(ei.value)
+    flag = arg.split("=")[0]
+    assert f"server.extra_cli_args: {flag} is set by the kit" in msg
+    assert why in msg
+    assert "remove it from extra_cli_args" in msg
+
+
+def test_extra_cli_args_pass_other_flags():
+    args = ["--seed", "1", "--swap-space=4", "--portable-thing"]  # a prefix of --port is not --port
+    s = study_from_dict(_study(server={"extra_cli_args": args}))
+    assert s.server.extra_cli_args == args
+
+
+# ---------------------------------------------------------------- dtype on the CPU engine
+
+def _choice(dtype):
+    return machine.DtypeChoice(dtype=dtype, reason=f"because {dtype}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cpu_engine_fills_an_unset_dtype_from_the_cpu(monkeypatch, dtype):
+    monkeypatch.setattr(grid, "cpu_dtype", lambda: _choice(dtype))
+    (p,) = expand(study_from_dict(_study()), engine="cpu")
+    assert p.engine_args.dtype == dtype and "--dtype" in p.engine_args.cli()
+    assert p.effective.dtype == dtype and p.effective.dtype_reason == f"because {dtype}"
+
+
+def test_a_set_dtype_and_the_gpu_engine_are_left_alone(monkeypatch):
+    monkeypatch.setattr(grid, "cpu_dtype", lambda: pytest.fail("the CPU must not be asked"))
+    (p,) = expand(study_from_dict(_study(engine_args={"dtype": "bfloat16"})), engine="cpu")
+    assert p.engine_args.dtype == "bfloat16" and p.effective.dtype_reason is None
+    (g,) = expand(study_from_dict(_study()), engine="gpu")
+    assert g.engine_args.dtype is None and g.effective.dtype is None and g.effective.dtype_reason is None
+
+
+# ---------------------------------------------------------------- ids and run order
+
+def test_fmt_value_and_point_id():
+    assert fmt_value("enable_prefix_caching", True) == "on"
+    assert fmt_value("enforce_eager", False) == "off"
+    assert fmt_value("kv_cache_memory_bytes", 2**30) == "1GiB"
+    assert fmt_value("kv_cache_memory_bytes", 1536 * 2**20) == "1536MiB"  # not a whole GiB
+    assert fmt_value("gpu_memory_utilization", 0.9) == "0.90"
+    assert fmt_value("max_num_batched_tokens", 512) == "512"
+    assert point_id({"max_num_batched_tokens": 512, "tensor_parallel_size": 2, "seed": 1}) == \
+        "mbt=512__tp=2__seed=1"  # an axis without an abbreviation keeps its name
+    assert AXIS_ABBREV["tensor_parallel_size"] == "tp"
+
+
+def _points(n: int) -> list[Point]:
+    return [Point(id=f"p{i}", values={}, engine_args=EngineArgs()) for i in range(n)]
+
+
+def test_run_order_holds_every_point_once_per_block():
+    pts = _points(6)
+    units = run_order(pts, replicates=3, seed=0)
+    assert len(units) == 18
+    for block in (1, 2, 3):
+        in_block = [u for u in units if u.block == block]
+        assert sorted(u.point for u in in_block) == sorted(p.id for p in pts)
+        assert all(u.start == block for u in in_block)  # start k of each point lies in block k
+    assert [u.block for u in units] == sorted(u.block for u in units)  # blocks run one after another
+
+
+def test_run_order_is_a_seeded_shuffle():
+    pts = _points(8)
+    order = [u.point for u in run_order(pts, 1, seed=5)]
+    assert order == [u.point for u in run_order(pts, 1, seed=5)]  # replays
+    assert sorted(order) == [p.id for p in pts]
+    others = {tuple(u.point for u in run_order(pts, 1, seed=s)) for s in range(6)}
+    assert len(others) > 1                                          # the seed matters
+    assert any(o != tuple(p.id for p in pts) for o in others)       # not just the grid order
+    b1, b2 = (run_order(pts, 2, seed=5)[i * 8:(i + 1) * 8] for i in range(2))
+    assert [u.point for u in b1] != [u.point for u in b2]           # each block its own shuffle
+
+
+def test_a_second_block_does_not_reorder_the_first():
+    pts = _points(7)
+    one = run_order(pts, 1, seed=11)
+    three = run_order(pts, 3, seed=11)
+    assert three[:7] == one
+    assert run_order(pts, 2, seed=11) == three[:14]

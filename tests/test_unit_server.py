@@ -105,21 +105,88 @@ def test_failure_reason_no_kv_memory_is_not_reported_as_plain_oom():
     assert got.startswith("no memory left for the KV cache")
 
 
-def test_failure_reason_falls_back_to_last_error_line():
+def test_failure_reason_falls_back_to_last_error_lines():
     log = _PREAMBLE + _TRACE_HEAD + "(EngineCore_DP0 pid=4242) KeyError: 'foo'\n" + _TRACE_TAIL
     got = failure_reason(log)
     assert got.startswith("server exited | ")
-    assert "RuntimeError: Engine core initialization failed" in got
+    # the last two error lines: vLLM's ERROR line, then the traceback's last line
+    assert got == ("server exited | (EngineCore_DP0 pid=4242) ERROR 11-30 01:02:20 [core.py:900] "
+                   "EngineCore failed to start. / RuntimeError: Engine core initialization failed. "
+                   "See root cause above. Failed core proc(s): {}")
+    assert "\n" not in got
 
 
-def test_failure_reason_without_errors_quotes_last_line_or_says_empty():
-    assert failure_reason("starting\nKilled\n\n") == "server exited | Killed"
+def test_failure_reason_names_the_exit_status():
+    log = _PREAMBLE + _TRACE_HEAD + "(EngineCore_DP0 pid=4242) KeyError: 'foo'\n" + _TRACE_TAIL
+    assert failure_reason(log, returncode=1).startswith("server exit code 1 | ")
+    assert failure_reason(_PREAMBLE + NO_KV_MEMORY, returncode=1).startswith(
+        "no memory left for the KV cache at this gpu_memory_utilization (weights and activations "
+        "took it all) (exit code 1) | ")
+    assert failure_reason(_PREAMBLE, returncode=-9).startswith("server killed by SIGKILL | ")
+    assert failure_reason(_PREAMBLE, returncode=-15).startswith("server killed by SIGTERM | ")
+    assert failure_reason(_PREAMBLE, returncode=None).startswith("server exited | ")
+
+
+def test_failure_reason_without_errors_says_so_or_says_empty():
+    # "Killed" (the shell's word for SIGKILL) is no error line: the exit status says it
+    assert failure_reason("starting\nKilled\n\n") == \
+        "server exited | no error in its log (stopped from outside?)"
+    assert failure_reason("starting\nKilled\n\n", returncode=-9) == \
+        "server killed by SIGKILL | no error in its log (stopped from outside?)"
     assert failure_reason("") == "server exited with an empty log"
+    assert failure_reason("# python -m vllm ...\n", returncode=1) == "server exit code 1 with an empty log"
 
 
 def test_failure_reason_truncates_long_lines():
     got = failure_reason("RuntimeError: " + "x" * 1000)
     assert len(got.partition(" | ")[2]) == 300
+
+
+# vLLM 0.32's coloured log format (ColoredFormatter), as a real CPU server log has it:
+# a cyan process prefix, the level in its colour, grey time and file.
+def _coloured(level: str, msg: str, proc: str = "APIServer pid=4813", where: str = "core.py:1510") -> str:
+    colour = {"INFO": "32", "WARNING": "33", "ERROR": "31"}[level]
+    return (f"\x1b[0;36m({proc})\x1b[0;0m \x1b[{colour}m{level}\x1b[0m \x1b[90m11-30 10:56:57\x1b[0m "
+            f"\x1b[90m[{where}]\x1b[0m {msg}\n")
+
+
+_ONEDNN_WARNING = _coloured("WARNING", "Failed to create oneDNN linear, fallback to torch linear. "
+                            "Exception: could not create a primitive", "EngineCore pid=4979", "utils.py:597")
+_FD_WARNING = _coloured("WARNING", "Found ulimit of 20000 and failed to automatically increase with error "
+                        "current limit exceeds maximum limit. This can cause fd limit errors like "
+                        "`OSError: [Errno 24] Too many open files`.", where="system_utils.py:255")
+
+
+def test_failure_reason_ignores_warnings_that_mention_errors():
+    log = (_coloured("INFO", "vLLM API server version 0.32.0") + _FD_WARNING + _ONEDNN_WARNING
+           + _coloured("INFO", "Automatically detected platform cpu.", "EngineCore pid=4979"))
+    got = failure_reason(log, returncode=-9)
+    assert got == "server killed by SIGKILL | no error in its log (stopped from outside?)"
+    assert "oneDNN" not in got and "ulimit" not in got
+
+
+def test_failure_reason_strips_colour_codes_and_quotes_the_root_cause():
+    trace = [_coloured("ERROR", m, "EngineCore pid=4979") for m in (
+        "EngineCore failed to start.", "Traceback (most recent call last):",
+        '  File "/venv/vllm/v1/engine/core.py", line 1482, in run_engine_core',
+        "KeyError: 'rope_scaling'")]
+    log = _coloured("INFO", "vLLM API server version 0.32.0") + _ONEDNN_WARNING + "".join(trace) + _TRACE_TAIL
+    got = failure_reason(log, returncode=1)
+    assert "\x1b" not in got and "[0;36m" not in got
+    assert got.startswith("server exit code 1 | ")
+    assert "(EngineCore pid=4979) ERROR 11-30 10:56:57 [core.py:1510] KeyError: 'rope_scaling'" in got
+    assert got.endswith("RuntimeError: Engine core initialization failed. See root cause above. "
+                        "Failed core proc(s): {}")
+    assert "oneDNN" not in got
+
+
+def test_failure_reason_known_cause_in_a_coloured_log():
+    log = _ONEDNN_WARNING + _coloured("ERROR", NO_KV_MEMORY.partition(") ")[2].strip(), "EngineCore pid=4979")
+    got = failure_reason(log, returncode=1)
+    assert got.startswith("no memory left for the KV cache")
+    line = got.partition(" | ")[2]
+    assert line.startswith("(EngineCore pid=4979) ERROR 11-30 10:56:57 [core.py:1510] ValueError: No available memory")
+    assert "\x1b" not in got
 
 
 # ---------------------------------------------------------------- serve_command
@@ -144,6 +211,11 @@ def test_serve_command_official_vllm_uses_serve_subcommand(monkeypatch):
     assert "--load-format" not in cmd and "dummy" not in cmd
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "0.0.0.0" not in cmd
+
+
+def test_vllm_distribution_lives_in_machine():
+    from vllm_study import machine
+    assert server_mod.vllm_distribution is machine.vllm_distribution
 
 
 def test_serve_command_module_exists_for_installed_distribution():
@@ -213,7 +285,7 @@ def test_start_failure_becomes_server_start_error(tmp_path, started):
     started.append(s)
     with pytest.raises(ServerStartError) as ei:
         s.start()
-    assert ei.value.reason == "server exited | ValueError: bad"
+    assert ei.value.reason == "server exit code 1 | ValueError: bad"
     assert ei.value.log_path == log
     text = log.read_text()
     assert text.startswith("# " + sys.executable)  # the command heads the log
@@ -270,6 +342,21 @@ def test_healthy_server_starts_and_stop_leaves_nothing_in_its_group(tmp_path, st
         os.kill(int(child_pid), 0)
     assert not s.alive()
     assert s.proc.returncode == -signal.SIGTERM
+
+
+def test_health_check_ignores_proxy_variables(tmp_path, started, monkeypatch):
+    """A stale HTTP_PROXY would send /health to the proxy and every start would time out;
+    the readiness check goes direct (net.open_url)."""
+    for var in ("HTTP_PROXY", "http_proxy"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    for var in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    cmd, port, _ = _health_server(tmp_path)
+    s = VllmServer(cmd, port=port, log_path=tmp_path / "server.log", startup_timeout_s=60)
+    started.append(s)
+    s.start()
+    assert s.alive() and s.startup_s < 30
+    s.stop()
 
 
 def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path, started):

@@ -1,5 +1,6 @@
 """The shared-prefix workload with the real Qwen tokenizer the kit builds: exact token
-lengths, shared system prompt, distinct questions, determinism."""
+lengths, shared system prompt, distinct questions, determinism; word pieces found by
+round trips on any tokenizer; whether a chat template can render the workload."""
 from __future__ import annotations
 
 import json
@@ -10,8 +11,16 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from vllm_study import models
 from vllm_study.models import build_model_dir
-from vllm_study.workload import SharedPrefixWorkload, word_pieces
+from vllm_study.params import ModelSpec
+from vllm_study.workload import (
+    MAX_PIECES,
+    SharedPrefixWorkload,
+    TemplateError,
+    check_template,
+    word_pieces,
+)
 
 SYS, QUESTION, OUT = 1600, 32, 64
 
@@ -81,14 +90,19 @@ def test_chat_template_is_chatml(tok):
 
 
 def test_word_pieces_are_single_tokens(tok, pieces):
-    assert len(pieces) > 10000
+    # an even sample of at most MAX_PIECES candidates, most of which pass the round trip
+    assert 4000 < len(pieces) <= MAX_PIECES
+    assert len(set(pieces)) == len(pieces)
     assert pieces == sorted(pieces)
     sample = pieces[:: len(pieces) // 200]
     for p in sample:
-        assert p.startswith(" ") and p[1:].isalpha() and p[1:].islower()
+        assert p.startswith(" ") and p[1:].isalpha() and p[1:].islower() and 3 <= len(p) - 1 <= 12
         assert len(tok.encode(p, add_special_tokens=False)) == 1
     # and stay one token each inside a run of them
     assert len(tok.encode("".join(sample), add_special_tokens=False)) == len(sample)
+    # the whole vocabulary is searched, not only the low ids
+    ids = [tok.encode(p, add_special_tokens=False)[0] for p in sample]
+    assert max(ids) > 100000
 
 
 # ---------------------------------------------------------------- exact lengths
@@ -126,8 +140,54 @@ def test_other_lengths_exact(tok, sys_tokens, q_tokens):
 
 
 def test_workload_fits_the_params_template_allowance(tok):
-    # params._check_point budgets 32 tokens for the template; the real one needs 13
+    # grid._check_point budgets 32 tokens for the template; the real one needs 13
     assert _template_overhead(tok) <= 32
+
+
+class _WithBos:
+    """The Qwen tokenizer as one that adds a BOS token (as Llama's does) when asked to
+    add special tokens."""
+    BOS = 151643
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return [self.BOS] + ids if add_special_tokens else ids
+
+
+def test_completions_count_the_bos_token_and_chat_does_not(tok):
+    """vLLM's /v1/completions tokenizes the prompt with special tokens (a BOS where the
+    tokenizer has one); a chat prompt is rendered by the template and not given another."""
+    bos = _WithBos(tok)
+    comp = _workload(bos, "completions").request(0)
+    assert comp.prompt_tokens == SYS + QUESTION + 1
+    chat = _workload(bos, "chat").request(0)
+    assert chat.prompt_tokens == SYS + QUESTION + _template_overhead(tok)
+    # the same prompts without the BOS wrapper
+    assert _workload(tok, "completions").request(0).prompt_tokens == SYS + QUESTION
+
+
+def test_shared_prefix_tokens_is_the_common_prefix_of_rendered_prompts(tok):
+    comp = _workload(tok, "completions")
+    assert comp.shared_prefix_tokens(comp.system_prompt) == SYS
+    chat = _workload(tok, "chat")
+    # "<|im_start|>system\n" + the prompt + "<|im_end|>\n" + "<|im_start|>user\n"
+    assert chat.shared_prefix_tokens(chat.system_prompt) == 3 + SYS + 2 + 3
+    a, b = (tok.encode(tok.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True),
+                       add_special_tokens=False) for r in chat.requests(2))
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert chat.shared_prefix_tokens(chat.system_prompt) <= common
+    # a BOS is shared too
+    bos = _workload(_WithBos(tok), "completions")
+    assert bos.shared_prefix_tokens(bos.system_prompt) == SYS + 1
 
 
 # ---------------------------------------------------------------- sharing, distinctness
@@ -233,3 +293,166 @@ def test_multi_turn_resends_the_history(tok):
     assert (t1.tags["turn"], t2.tags["turn"], t3.tags["turn"]) == (1, 2, 3)
     assert t3.prompt_tokens > t2.prompt_tokens > t1.prompt_tokens
     assert w.turn(1, 0, []).messages[1] != t1.messages[1]  # another conversation, other questions
+
+
+# ---------------------------------------------------------------- word pieces on any tokenizer
+
+class _Greedy:
+    """A tokenizer with a made-up vocabulary, longest match first: enough of the
+    transformers interface for word_pieces."""
+
+    def __init__(self, vocab: list[str], special: list[int]):
+        self.vocab, self.all_special_ids = vocab, special
+        self.ids = {t: i for i, t in enumerate(vocab)}
+
+    def __len__(self):
+        return len(self.vocab)
+
+    def batch_decode(self, seqs):
+        return ["".join(self.vocab[i] for i in seq) for seq in seqs]
+
+    def encode(self, text, add_special_tokens=False):
+        out, i = [], 0
+        while i < len(text):
+            piece = max((t for t in self.vocab if text.startswith(t, i)), key=len)
+            out.append(self.ids[piece])
+            i += len(piece)
+        return out
+
+    def __call__(self, texts, add_special_tokens=False):
+        return {"input_ids": [self.encode(t) for t in texts]}
+
+
+def _words(n: int) -> list[str]:
+    return ["wor" + chr(97 + i // 26) + chr(97 + i % 26) for i in range(n)]
+
+
+def _greedy(n_words: int, merging: int = 0) -> _Greedy:
+    words = _words(n_words)
+    vocab = ["<s>", " ", "t", "h", "e", "the", "Hello", " ab", " x1y", " <s>"] + [" " + w for w in words]
+    vocab += [f" {w} {w}" for w in words[:merging]]  # these merge when repeated
+    return _Greedy(vocab, special=[0])
+
+
+def test_word_pieces_by_round_trip_on_another_tokenizer():
+    tok = _greedy(150, merging=10)
+    pieces = word_pieces(tok)
+    # words of 3-12 lowercase letters only; a piece that merges with itself is left out
+    assert pieces == sorted(" " + w for w in _words(150)[10:])
+
+
+def test_word_pieces_sample_large_vocabularies_evenly(monkeypatch):
+    import vllm_study.workload as workload
+    monkeypatch.setattr(workload, "MAX_PIECES", 120)
+    pieces = word_pieces(_greedy(300))
+    # 120 of the 301 candidates are checked: " the" (decoded from "the"; there is no
+    # " the" token) is one of them and fails the round trip
+    assert len(pieces) == 119 and pieces == sorted(pieces)
+    assert pieces[0] == " worab" and pieces[-1] == " worll"  # spread over the whole range
+    assert pieces == word_pieces(_greedy(300))  # deterministic
+
+
+@pytest.mark.parametrize("n_words", [0, 99])
+def test_too_few_word_pieces_is_a_template_error(n_words):
+    with pytest.raises(TemplateError, match=f"only {n_words} single-token ' word' pieces"):
+        word_pieces(_greedy(n_words))
+
+
+# ---------------------------------------------------------------- check_template
+
+SYSTEM_LAST = ("{% for m in messages %}{% if m['role'] != 'system' %}<|im_start|>{{ m['role'] }}\n"
+               "{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+               "{% for m in messages %}{% if m['role'] == 'system' %}<|im_start|>system\n{{ m['content'] }}"
+               "<|im_end|>\n{% endif %}{% endfor %}<|im_start|>assistant\n")
+NO_SYSTEM_ROLE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                  "{{ raise_exception('System role not supported') }}{% endif %}"
+                  "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                  "<|im_start|>assistant\n")
+
+
+def test_check_template_accepts_chatml(tok):
+    assert check_template(tok, _spec()) == ([], [])
+    assert check_template(tok, _spec(kind="multi_turn", turns=2, requests_per_round=4)) == ([], [])
+
+
+def test_check_template_without_a_template(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", None)
+    problems, warnings = check_template(tok, _spec())
+    assert len(problems) == 1 and warnings == []
+    assert "has no chat template" in problems[0] and "workload.api: completions" in problems[0]
+    # completions need no template
+    assert check_template(tok, _spec(api="completions")) == ([], [])
+
+
+def test_check_template_that_refuses_a_system_message(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", NO_SYSTEM_ROLE)
+    (problem,), warnings = check_template(tok, _spec())
+    assert warnings == []
+    assert problem.startswith("the chat template fails on a system + user conversation (")
+    assert "System role not supported" in problem
+    assert problem.endswith("use workload.api: completions, or system_prompt_tokens: 0")
+    # without a system prompt it renders
+    assert check_template(tok, _spec(system_prompt_tokens=0)) == ([], [])
+
+
+def test_check_template_that_puts_the_question_before_the_system_prompt(tok, monkeypatch):
+    monkeypatch.setattr(tok, "chat_template", SYSTEM_LAST)
+    problems, (warning,) = check_template(tok, _spec())
+    assert problems == []
+    assert "puts per-request text before the system prompt" in warning
+    assert "prefix caching cannot reuse it" in warning
+    assert "the 64-token system prompt alone is 64" in warning
+    # random prompts share nothing anyway: no warning
+    assert check_template(tok, _spec(kind="random")) == ([], [])
+
+
+def test_check_template_reports_too_few_word_pieces(monkeypatch):
+    import vllm_study.workload as workload
+    monkeypatch.setattr(workload, "word_pieces", word_pieces)  # the real one, on this tokenizer
+    (problem,), warnings = check_template(_greedy(20), _spec(api="completions"))
+    assert "only 20 single-token ' word' pieces" in problem and warnings == []
+
+
+# ---------------------------------------------------------------- models: folders, configs
+
+def test_card_resolves_to_a_built_folder_in_the_cache(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_STUDY_CACHE", str(tmp_path))
+    assert models.cache_dir() == tmp_path / "models"
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-qwen2").symlink_to(model_dir)  # built already: reused, not rebuilt
+    mtime = (model_dir / "tokenizer.json").stat().st_mtime
+    assert models.resolve(ModelSpec()) == (str(tmp_path / "models" / "tiny-qwen2"), True)
+    assert (model_dir / "tokenizer.json").stat().st_mtime == mtime
+    assert models.resolve(ModelSpec(path="org/name")) == ("org/name", False)
+
+
+def test_cache_dir_default(monkeypatch):
+    monkeypatch.delenv("VLLM_STUDY_CACHE", raising=False)
+    assert models.cache_dir() == Path.home() / ".cache" / "vllm_study" / "models"
+
+
+def test_local_config_and_max_positions(tmp_path):
+    assert models.max_positions(ModelSpec()) == 8192                  # the tiny-qwen2 card
+    assert models.local_config(ModelSpec(card="qwen2.5-7b"))["hidden_size"] == 3584
+    assert models.max_positions(ModelSpec(card="qwen2.5-7b")) == 32768
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 4096}')
+    assert models.max_positions(ModelSpec(path=str(tmp_path))) == 4096
+    assert models.local_config(ModelSpec(path=str(tmp_path / "nope"))) is None
+    assert models.max_positions(ModelSpec(path="org/name")) is None    # a hub id: not readable here
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    assert models.local_config(ModelSpec(path=str(tmp_path / "bad"))) is None
+
+
+def test_check_path(tmp_path, monkeypatch):
+    assert models.check_path(ModelSpec()) is None                      # a card
+    (tmp_path / "config.json").write_text("{}")
+    assert models.check_path(ModelSpec(path=str(tmp_path))) is None
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert models.check_path(ModelSpec(path=str(empty))) == f"model.path {empty} has no config.json"
+    why = models.check_path(ModelSpec(path=str(tmp_path / "missing")))
+    assert "is not a folder on this machine" in why
+    assert "is not a folder" in models.check_path(ModelSpec(path="./models/x"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    assert models.check_path(ModelSpec(path="Qwen/Qwen2.5-7B-Instruct")) is None  # a hub id: vLLM fetches it
