@@ -559,6 +559,14 @@ def test_extra_cli_args_refuse_flags_the_kit_sets(arg, why):
     assert "remove it from extra_cli_args" in msg
 
 
+@pytest.mark.parametrize("arg, owned", [("--served_model_name", "--served-model-name"),
+                                        ("--served-model", "--served-model-name"), ("--load_format", "--load-format")])
+def test_extra_cli_args_refuse_the_kits_flags_spelled_otherwise(arg, owned):
+    """vLLM's parser takes underscores and unique abbreviations: they would win too."""
+    with pytest.raises(StudyError, match=f"{arg} is set by the kit \\(as {owned}\\)"):
+        study_from_dict(_study(server={"extra_cli_args": [arg, "x"]}))
+
+
 def test_extra_cli_args_pass_other_flags():
     args = ["--seed", "1", "--swap-space=4", "--portable-thing"]  # a prefix of --port is not --port
     s = study_from_dict(_study(server={"extra_cli_args": args}))

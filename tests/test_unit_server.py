@@ -109,10 +109,10 @@ def test_failure_reason_falls_back_to_last_error_lines():
     log = _PREAMBLE + _TRACE_HEAD + "(EngineCore_DP0 pid=4242) KeyError: 'foo'\n" + _TRACE_TAIL
     got = failure_reason(log)
     assert got.startswith("server exited | ")
-    # the last two error lines: vLLM's ERROR line, then the traceback's last line
-    assert got == ("server exited | (EngineCore_DP0 pid=4242) ERROR 11-30 01:02:20 [core.py:900] "
-                   "EngineCore failed to start. / RuntimeError: Engine core initialization failed. "
-                   "See root cause above. Failed core proc(s): {}")
+    # the last two error lines: the root cause (a traceback's last line behind the engine
+    # process's prefix), then the front end's own traceback line
+    assert got == ("server exited | (EngineCore_DP0 pid=4242) KeyError: 'foo' / RuntimeError: Engine core "
+                   "initialization failed. See root cause above. Failed core proc(s): {}")
     assert "\n" not in got
 
 

@@ -151,6 +151,16 @@ def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | N
     return pd.DataFrame(rows)
 
 
+def relative_width(row) -> float:
+    """How wide a point_intervals row's interval is, relative to its value (log scale:
+    high/low - 1); infinite where no interval could be computed."""
+    if not (np.isfinite(row.ci_low) and np.isfinite(row.ci_high)) or not row.value:
+        return float("inf")
+    if row.scale == "log":
+        return row.ci_high / row.ci_low - 1
+    return (row.ci_high - row.ci_low) / abs(row.value)
+
+
 def noise_floor(rounds: pd.DataFrame, names=None) -> pd.DataFrame:
     rows = []
     for m in names or metrics.REGISTRY:

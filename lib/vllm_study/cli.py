@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--max-minutes", type=float, help="stop cleanly between points after this long")
     sw.add_argument("--resume", type=Path, help="a run folder to complete (finished points are skipped)")
     sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
+    sw.add_argument("--no-report", action="store_true",
+                    help="skip the report (render it later with `report`, e.g. where nbconvert is missing)")
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
     rep.add_argument("run", type=Path)
     doc = sub.add_parser("doctor", help="check GPU, vLLM, port, proxies, model, disk; print fixes")
@@ -52,12 +54,15 @@ def main(argv: list[str] | None = None) -> int:
             sw_mod.dry_run(args.params, args.engine)
             return 0
         outcome = sw_mod.sweep(args.params, Path(args.results), args.engine, args.resume,
-                               args.max_minutes, args.retry_failed)
+                               args.max_minutes, args.retry_failed, report=not args.no_report)
     except (StudyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    if args.no_report:
+        print(f"\nrun folder: {outcome.run.path} (no report: render it with `report {outcome.run.path}`)")
+        return 0
     return _conclude(outcome.run)
 
 

@@ -213,9 +213,13 @@ class Server(_Strict):
     @model_validator(mode="after")
     def _no_kit_flags(self):
         for arg in self.extra_cli_args:
-            flag = arg.split("=", 1)[0]
-            if flag in KIT_FLAGS:
-                raise ValueError(f"server.extra_cli_args: {flag} is set by the kit ({KIT_FLAGS[flag]}); "
+            # vLLM's parser takes --served_model_name and unique abbreviations too
+            flag = arg.split("=", 1)[0].replace("_", "-")
+            owned = next((k for k in KIT_FLAGS if flag.startswith("--") and len(flag) > 3 and k.startswith(flag)), None)
+            if owned:
+                given = arg.split("=", 1)[0]
+                alias = f" (as {owned})" if given != owned else ""
+                raise ValueError(f"server.extra_cli_args: {given} is set by the kit{alias} ({KIT_FLAGS[owned]}); "
                                  "remove it from extra_cli_args")
         return self
 
@@ -252,6 +256,24 @@ class SLO(_Strict):
     tpot_ms: float | None = Field(None, gt=0)
 
 
+class Precision(_Strict):
+    """Keep adding server starts (one more block of the points that need it) until
+    `metric`'s 95% interval is at most `relative_width` wide at every point (high/low
+    ratio - 1, e.g. 0.2 = the high end within 20% of the low end), or `max_starts` is
+    reached."""
+    metric: str = "ttft_p90_ms"
+    relative_width: float = Field(0.2, gt=0)
+    max_starts: int = Field(4, ge=2)
+
+    @model_validator(mode="after")
+    def _known(self):
+        from .metrics import REGISTRY
+        if self.metric not in REGISTRY:
+            raise ValueError(f"precision.metric {self.metric!r} is not a metric the kit reports"
+                             f"{_did_you_mean(self.metric, REGISTRY)}")
+        return self
+
+
 class Study(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
@@ -262,6 +284,7 @@ class Study(_Strict):
     workload: Workload = Workload()
     rounds: int = Field(3, ge=1)                # measured rounds per server start
     replicates: int = Field(1, ge=1)            # server starts per point, in randomized blocks
+    precision: Precision | None = None          # optional: more starts until an interval is narrow enough
     order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
     slo: SLO = SLO()

@@ -67,8 +67,9 @@ _FAILURES = [
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-# A vLLM log line at ERROR level, or the last line of a Python traceback.
-_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|^\s*[\w.]*(Error|Exception|Interrupt): ")
+# A vLLM log line at ERROR level, or the last line of a Python traceback (also behind a
+# process prefix such as "(EngineCore pid=12) ").
+_ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|(^|\) )\s*[\w.]*(Error|Exception|Interrupt): ")
 
 
 def exit_status(returncode: int | None) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import random
 import signal
 import sys
 import threading
@@ -170,7 +171,7 @@ def resume_hint(run: RunFolder) -> str:
 
 
 def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
-          max_minutes: float | None = None, retry_failed: bool = False) -> Outcome:
+          max_minutes: float | None = None, retry_failed: bool = False, report: bool = True) -> Outcome:
     t0 = time.monotonic()
     if resume:
         run = RunFolder(resume)
@@ -196,9 +197,15 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         outcome = _run_units(run, todo, study, t0, max_minutes)
+        while study.precision and not outcome.stop_note:
+            extra = more_starts(run, study)
+            if not extra:
+                break
+            print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
+            outcome = _run_units(run, extra, study, t0, max_minutes)
     except KeyboardInterrupt:
         _stop_children()
-        for u in todo:
+        for u in run.manifest().order:
             _stop_leftover_server(run.point(u.point).start_dir(u.start))
         for p in points:
             folder = run.point(p.id)
@@ -212,7 +219,10 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         signal.signal(signal.SIGTERM, previous)
     if outcome.stop_note:
         print(f"{outcome.stop_note}; continue with:\n  {resume_hint(run)}")
-    render_report(run)
+    if report:
+        render_report(run)
+    else:
+        run.write_summary_csv()
     return outcome
 
 
@@ -223,7 +233,7 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
         longest = 0.0
         for i, u in enumerate(todo):
             elapsed = time.monotonic() - t0
-            if max_minutes and i > 0 and elapsed + longest > max_minutes * 60:
+            if max_minutes and (elapsed > max_minutes * 60 or i > 0 and elapsed + longest > max_minutes * 60):
                 note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would "
                         f"not fit (the longest so far took {longest / 60:.1f} min); {len(todo) - i} of "
                         f"{len(todo)} starts left")
@@ -242,6 +252,30 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
     return Outcome(run, 0)
 
 
+def more_starts(run: RunFolder, study: Study) -> list[Unit]:
+    """One more block for the points whose interval of `precision.metric` is wider than
+    asked and that have fewer than `precision.max_starts` starts; appended to the
+    manifest's order (so --resume runs it too). Empty when every point is precise
+    enough or at its cap."""
+    from .analysis import point_intervals, relative_width
+    prec = study.precision
+    manifest = run.manifest()
+    iv = point_intervals(run.rounds_table(), [prec.metric])
+    starts = {}
+    for u in manifest.order:
+        starts[u.point] = max(starts.get(u.point, 0), u.start)
+    wide = [row.point for row in iv.itertuples()
+            if relative_width(row) > prec.relative_width and starts.get(row.point, 0) < prec.max_starts]
+    if not wide:
+        return []
+    block = max(u.block for u in manifest.order) + 1
+    random.Random(f"{study.order_seed}/{block}").shuffle(wide)
+    extra = [Unit(point=p, start=starts[p] + 1, block=block) for p in wide]
+    manifest.order += extra
+    manifest.save(run.manifest_path)
+    return extra
+
+
 def render_report(run: RunFolder) -> Path:
     run.write_summary_csv()
     out = run.path / "report.ipynb"
@@ -256,8 +290,11 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
     points = expand(study, engine)
+    from .timing import estimate_minutes
+    gpus = describe().gpus
+    minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
     print(f"study {study.name}: {len(points)} points x {study.replicates} start(s) x {study.rounds} rounds, "
-          f"engine {engine}")
+          f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/timing.py)")
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
         if p.effective:

@@ -1,0 +1,72 @@
+"""A study's wall time, estimated before it runs (shown by --dry-run), from the model's
+size, the workload and the load. It is a rough model, meant to tell 20 minutes from 3
+hours, not to plan to the minute:
+
+- a server start: 75 s on the CPU engine; on a GPU 90 s plus 1 s per GB of weights
+  (dummy-weight init, torch.compile with a cold cache, CUDA graph capture);
+- a decode step: the weights read once from memory at 60% of the GPU's datasheet
+  bandwidth (or at 10 GB/s on a CPU), plus 3 ms; a request's prefill at 40% of the
+  GPU's peak FLOP/s (prefix-cached tokens skipped);
+- a round: open loop, its arrival span plus one request's latency; closed loop, one
+  request's latency per wave of `concurrency` requests;
+- per start, 15 s of the kit's own work (notebook kernel, tokenizer, workload).
+"""
+from __future__ import annotations
+
+import math
+
+from . import hardware, models
+from .params import Study
+
+CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
+KIT_S_PER_START, REPORT_S = 15.0, 40.0
+
+
+def _step_s(weight_bytes: float, peak_bw: float | None) -> float:
+    bw = 0.6 * peak_bw if peak_bw else 10e9
+    return weight_bytes / bw + 0.003
+
+
+def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) -> float:
+    """One request's TTFT + decode time under the rough model above."""
+    cfg = models.local_config(study.model) or {}
+    params = hardware.param_count(cfg)[0] if cfg else 7e9
+    peaks = hardware.peaks(gpu_name) if gpu_name and engine == "gpu" else None
+    flops = 0.4 * peaks[0] if peaks else 0.2e12
+    w = study.workload
+    out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
+    uncached = w.question_tokens if isinstance(w.question_tokens, int) else 64
+    if w.kind == "mixed":
+        long = w.long_prompt_tokens if isinstance(w.long_prompt_tokens, int) else w.long_prompt_tokens.longest()
+        uncached += w.long_fraction * long
+    elif w.kind == "random":
+        uncached = w.input_tokens if isinstance(w.input_tokens, int) else w.input_tokens.longest() / 2
+    return 2 * params * uncached / flops + out * _step_s(2 * params, peaks[1] if peaks else None)
+
+
+def round_s(study: Study, latency_s: float) -> float:
+    w, load = study.workload, study.workload.load
+    n = w.requests_per_round
+    if load.kind == "poisson":
+        return n / load.rate + latency_s
+    if load.kind == "ladder":
+        per = n / len(load.rates)
+        return sum(per / r for r in load.rates) + latency_s
+    if w.kind == "multi_turn":
+        return math.ceil(n / w.turns / w.concurrency) * w.turns * (latency_s + w.think_time_s)
+    return math.ceil(n / w.concurrency) * latency_s
+
+
+def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | None = None) -> float:
+    latency = request_latency_s(study, engine, gpu_name)
+    if engine == "gpu":
+        cfg = models.local_config(study.model) or {}
+        gb = 2 * hardware.param_count(cfg)[0] / 1e9 if cfg else 15
+        start = GPU_START_S + GPU_START_S_PER_GB * gb
+    else:
+        start = CPU_START_S
+    if study.targets:
+        start = 0.0
+    per_start = start + KIT_S_PER_START + study.rounds * round_s(study, latency) + \
+        math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
+    return (n_points * study.replicates * per_start + REPORT_S) / 60

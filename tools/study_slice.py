@@ -1,0 +1,105 @@
+"""Run a long study in slices on a machine that gives a job a fixed wall-clock limit.
+
+The first slice (no run of the study yet under --runs) optionally runs a knee ladder
+study first and starts the main study at the rate it finds; every later slice resumes
+the run. Each slice stops between server starts before --minutes is up (the sweep's
+--max-minutes) and packs the runs folder into --pack, so what was measured leaves the
+machine even if the next slice never comes.
+
+    python tools/study_slice.py params/h200-qwen2.5-32b.yaml --knee params/h200-qwen2.5-32b-knee.yaml \\
+        --runs /tmp/runs --minutes 9 --pack $OUT/runs.tar.gz
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+from vllm_study.params import load_study
+from vllm_study.results import RunFolder
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def find_run(runs: Path, study_name: str) -> Path | None:
+    found = sorted(d for d in runs.glob("*/manifest.json") if RunFolder(d.parent).manifest().study == study_name)
+    return found[-1].parent if found else None
+
+
+CURRENT: list[subprocess.Popen] = []
+MIN_START_MINUTES = 3.0   # below this, leave the next server start to the next slice
+
+
+def sweep(*args) -> int:
+    cmd = [sys.executable, "-m", "vllm_study", "sweep", *map(str, args), "--no-report"]
+    print("+", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    CURRENT.append(proc)
+    try:
+        return proc.wait()
+    finally:
+        CURRENT.remove(proc)
+
+
+def _forward_sigterm(signum, frame):
+    """A slice killed from outside (a job limit): the sweep stops its server and keeps
+    what it measured, then the runs are still packed."""
+    for proc in CURRENT:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("study", type=Path)
+    ap.add_argument("--knee", type=Path, help="a ladder study to run first; its knee rate overrides the study's")
+    ap.add_argument("--runs", type=Path, default=Path("/tmp/runs"))
+    ap.add_argument("--minutes", type=float, required=True, help="this slice's wall-clock budget")
+    ap.add_argument("--pack", type=Path, help="tar.gz the runs folder here when the slice ends")
+    ap.add_argument("--carried", type=Path, default=ROOT / "results",
+                    help="where an earlier slice's run may have been brought along (copied into --runs)")
+    a = ap.parse_args()
+    t0 = time.monotonic()
+    a.runs.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _forward_sigterm)
+    rc = 0
+    left = lambda: a.minutes - (time.monotonic() - t0) / 60  # noqa: E731
+    name = load_study(a.study).name
+    try:
+        run = find_run(a.runs, name)
+        carried = find_run(a.carried, name) if a.carried.exists() else None
+        if run is None and carried is not None:  # a fresh machine: continue the run brought along
+            run = Path(shutil.copytree(carried, a.runs / carried.name))
+            print(f"continuing {carried} in {run}", flush=True)
+        knee_file = a.runs / "knee.yaml"
+        if run is None and a.knee and not knee_file.exists():
+            rc = sweep(a.knee, "--results", a.runs, "--max-minutes", f"{left():.2f}")
+            knee_run = find_run(a.runs, load_study(a.knee).name)
+            if rc == 0 and knee_run:
+                subprocess.run([sys.executable, str(ROOT / "benchmarks" / "knee.py"), str(knee_run),
+                                "--out", str(knee_file)], cwd=ROOT)
+        if left() < MIN_START_MINUTES:
+            print(f"{left():.1f} min left: the next server start waits for the next slice", flush=True)
+        elif run:
+            rc = sweep("--resume", run, "--max-minutes", f"{left():.2f}")
+        else:
+            override = [knee_file] if knee_file.exists() else []
+            rc = sweep(a.study, *override, "--results", a.runs, "--max-minutes", f"{left():.2f}")
+    except KeyboardInterrupt:
+        rc = 130
+    finally:
+        if a.pack:
+            with tarfile.open(a.pack, "w:gz") as tar:
+                tar.add(a.runs, arcname="runs")
+            print(f"packed {a.runs} into {a.pack}", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
