@@ -27,8 +27,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def find_run(runs: Path, study_name: str) -> Path | None:
-    found = sorted(d for d in runs.glob("*/manifest.json") if RunFolder(d.parent).manifest().study == study_name)
-    return found[-1].parent if found else None
+    found = []
+    for m in sorted(runs.glob("*/manifest.json")):
+        try:
+            if RunFolder(m.parent).manifest().study == study_name:
+                found.append(m.parent)
+        except ValueError:  # a run of another layout: not ours
+            continue
+    return found[-1] if found else None
 
 
 CURRENT: list[subprocess.Popen] = []

@@ -204,15 +204,15 @@ def _git(*args: str, cwd: Path) -> str | None:
 
 
 def git_state(repo: Path) -> GitState:
-    """The commit the kit's code is at. A copy of the checkout without .git (e.g. a
-    working tree shipped to another machine) names it in VLLM_STUDY_GIT_SHA, and
-    VLLM_STUDY_GIT_DIRTY=1 if that tree had uncommitted changes."""
+    """The commit the kit's code is at. A copy of the checkout shipped to another machine
+    names it in VLLM_STUDY_GIT_SHA (and VLLM_STUDY_GIT_DIRTY=1 if that tree had
+    uncommitted changes); otherwise git answers."""
+    env = os.environ.get("VLLM_STUDY_GIT_SHA")
+    if env:  # named by whoever shipped the tree: it wins over a .git that may have come along stale
+        dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
+        return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
     sha = _git("rev-parse", "HEAD", cwd=repo)
     if sha is None:
-        env = os.environ.get("VLLM_STUDY_GIT_SHA")
-        if env:
-            dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
-            return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
         return GitState(sha=None, dirty=None, source="none")
     status = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
     return GitState(sha=sha, dirty=bool(status) if status is not None else None)
