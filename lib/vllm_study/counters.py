@@ -99,9 +99,9 @@ def budget_use(before: dict, after: dict, max_num_batched_tokens: int) -> dict:
     full, edge = above(before, after, "vllm:iteration_tokens_total", mbt - 1)
     steps = (after["values"].get("vllm:iteration_tokens_total_count", 0.0)
              - before["values"].get("vllm:iteration_tokens_total_count", 0.0))
-    long_prefills, _ = above(before, after, "vllm:request_prefill_kv_computed_tokens", mbt)
+    long_prefills, prefill_edge = above(before, after, "vllm:request_prefill_kv_computed_tokens", mbt)
     return {"budget_steps_share": full / steps if full is not None and steps else None,
-            "budget_edge_tokens": edge, "long_prefills": long_prefills}
+            "budget_edge_tokens": edge, "long_prefills": long_prefills, "long_prefill_edge_tokens": prefill_edge}
 
 
 def budget_buckets(max_num_batched_tokens: int) -> dict[str, list[int]]:

@@ -119,7 +119,10 @@ _add(
            "the histogram bound steps were counted above: max_num_batched_tokens - 1 when exact"),
     Metric("long_prefills", "prefills longer than the chunk", "", ".0f", None, "server",
            "requests whose uncached prompt exceeded max_num_batched_tokens, so vLLM split their "
-           "prefill over steps (vllm:request_prefill_kv_computed_tokens)"),
+           "prefill over steps (vllm:request_prefill_kv_computed_tokens; where vLLM lacks "
+           "--custom-histogram-buckets, those above long_prefill_edge_tokens)"),
+    Metric("long_prefill_edge_tokens", "prefill edge counted from", "tok", ".0f", None, "server",
+           "the histogram bound prefills were counted above: max_num_batched_tokens when exact"),
     # how close to the hardware (hardware.py)
     Metric("est_flops", "estimated FLOPs", "FLOP", ".3g", None, "server",
            "delta of vllm:estimated_flops_per_gpu_total (--enable-mfu-metrics)"),

@@ -232,6 +232,7 @@ def export_html(folder: RunFolder) -> Path:
 # -- did each knob bind? ----------------------------------------------------------
 KV_BOUND = 0.9          # KV usage peak at or above this share: memory was in short supply
 BUDGET_BOUND = 0.05     # at least this share of steps used the whole chunk budget
+EVICTION_GAP = 0.05     # a hit rate this far below the study's best: prefixes were evicted
 
 
 def _per_point(r: Run, metric: str, how: str) -> pd.Series:
@@ -276,25 +277,20 @@ def binding_notes(r: Run) -> list[str]:
             if kv.empty:
                 notes.append(f"{axis}: no KV usage was sampled, so the study cannot say whether it bound")
                 continue
-            bound = sorted(set(kv[kv >= KV_BOUND].index) | set(pre[pre > 0].index))
+            # every point runs the same requests: a hit rate well below the best one's means
+            # cached prefixes were evicted for lack of room
+            hits = _per_point(r, "prefix_cache_hit_rate", "median")
+            evicted = set(hits[hits < hits.max() - EVICTION_GAP].index) if not hits.empty else set()
+            bound = sorted(set(kv[kv >= KV_BOUND].index) | set(pre[pre > 0].index) | evicted)
             if bound:
-                notes.append(f"{axis} bound at {len(bound)} of {len(kv)} points (KV peak >= {KV_BOUND:.0%} or "
-                             f"preemptions): {', '.join(bound)}")
+                notes.append(f"{axis} bound at {len(bound)} of {len(kv)} points (KV peak >= {KV_BOUND:.0%}, "
+                             f"preemptions, or a prefix-cache hit rate {EVICTION_GAP:.2f} or more below the "
+                             f"study's best: evictions): {', '.join(bound)}")
             else:
                 notes.append(f"{axis} never bound: KV peak at most {kv.max():.1%} at every point and no "
                              "preemption; this study cannot show its effect")
         elif axis == "max_num_batched_tokens":
-            if budget.empty:
-                notes.append(f"{axis}: the server did not report steps per budget, so the study cannot say "
-                             "whether it bound")
-                continue
-            bound = sorted(set(budget[budget >= BUDGET_BOUND].index) | set(longp[longp > 0].index))
-            if bound:
-                notes.append(f"{axis} bound at {len(bound)} of {len(budget)} points (>= {BUDGET_BOUND:.0%} of steps "
-                             f"at the budget, or prefills longer than the chunk): {', '.join(bound)}")
-            else:
-                notes.append(f"{axis} never bound: at most {budget.max():.1%} of steps used the whole budget and no "
-                             "prefill was longer than the chunk; this study cannot show its effect")
+            notes.append(_chunk_binding(r, axis, budget, longp))
         elif axis == "max_num_seqs":
             running = _per_point(r, "running_peak", "max")
             caps = {s.point: s.effective.max_num_seqs for s in r.measured if s.effective}
@@ -302,6 +298,28 @@ def binding_notes(r: Run) -> list[str]:
             notes.append(f"{axis} bound (running requests reached it) at: {', '.join(bound)}" if bound else
                          f"{axis} never bound: running requests stayed below max_num_seqs at every point")
     return notes
+
+
+def _chunk_binding(r: Run, axis: str, budget: pd.Series, longp: pd.Series) -> str:
+    """Exact where the server took the kit's histogram bounds (the counted edge is the
+    budget itself); otherwise vLLM's default buckets only bound it from below, and the
+    note says what was counted instead of claiming more."""
+    if budget.empty:
+        return f"{axis}: the server did not report steps per budget, so the study cannot say whether it bound"
+    edge = _per_point(r, "budget_edge_tokens", "max")
+    mbt = {s.point: (s.effective.max_num_batched_tokens if s.effective else None) for s in r.measured}
+    exact = [p for p in budget.index if p in edge and mbt.get(p) and edge[p] >= mbt[p] - 1]
+    if len(exact) < len(budget):
+        top = budget.idxmax()
+        return (f"{axis}: this vLLM counts steps only in coarse buckets (no --custom-histogram-buckets), so "
+                f"whether steps used the whole budget is not known; the most was {budget.max():.1%} of steps above "
+                f"{edge.get(top, float('nan')):.0f} tokens ({top})")
+    bound = sorted(set(budget[budget >= BUDGET_BOUND].index) | set(longp[longp > 0].index))
+    if bound:
+        return (f"{axis} bound at {len(bound)} of {len(budget)} points (>= {BUDGET_BOUND:.0%} of steps at the "
+                f"budget, or prefills longer than the chunk): {', '.join(bound)}")
+    return (f"{axis} never bound: at most {budget.max():.1%} of steps used the whole budget and no prefill was "
+            "longer than the chunk; this study cannot show its effect")
 
 
 # -- comparisons ----------------------------------------------------------------------
