@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from vllm_study.client import RequestResult
-from vllm_study.params import SLO
 from vllm_study.results import Estimate, GroupRecord, RoundRecord
 from vllm_study.stats import errors, estimate, group_records, point_estimates, round_metrics
 
@@ -57,7 +56,7 @@ def test_counts_and_errors_by_kind(results):
 def test_round_metrics_are_all_registered_metrics(results):
     """RoundRecord refuses names outside the metric registry: every figure a round
     produces must be storable as is."""
-    s = round_metrics(results, duration_s=2.0, slo=SLO(ttft_ms=150, tpot_ms=100))
+    s = round_metrics(results, duration_s=2.0, slo={"ttft_p99_ms": 150, "tpot_p50_ms": 100})
     rec = RoundRecord(point="p", start=1, round=0, status="ok", utc="t", metrics=s)
     assert rec.metrics == s
     with pytest.raises(ValueError, match="not in the metric registry"):
@@ -106,12 +105,12 @@ def test_e2e_and_throughputs(results):
     assert s["total_token_throughput"] == pytest.approx((420 + 13) / 2.0)
     assert "goodput" not in s  # no SLO, no goodput
     # an SLO with no bound set is no SLO either
-    s = round_metrics(results, duration_s=2.0, slo=SLO())
+    s = round_metrics(results, duration_s=2.0, slo={})
     assert "goodput" not in s and "slo_attainment" not in s
 
 
 def test_goodput_with_ttft_slo(results):
-    s = round_metrics(results, duration_s=2.0, slo=SLO(ttft_ms=150))
+    s = round_metrics(results, duration_s=2.0, slo={"ttft_p99_ms": 150})
     # TTFTs 100, 200, 50, 300 ms: two meet 150 ms
     assert s["goodput"] == pytest.approx(2 / 2.0)
     assert s["slo_attainment"] == pytest.approx(2 / 7)  # failed requests count against it
@@ -119,19 +118,27 @@ def test_goodput_with_ttft_slo(results):
 
 def test_goodput_with_ttft_and_tpot_slo(results):
     # TPOTs: 100, 150, 100 ms; request 3 has one token (TPOT undefined: TTFT alone decides)
-    s = round_metrics(results, duration_s=4.0, slo=SLO(ttft_ms=250, tpot_ms=120))
+    s = round_metrics(results, duration_s=4.0, slo={"ttft_p99_ms": 250, "tpot_p99_ms": 120})
     # req0: ttft 100 ok, tpot 100 ok -> good; req1: tpot 150 > 120 -> bad
     # req2: ttft 50, tpot 100 -> good; req3: ttft 300 > 250 -> bad
     assert s["goodput"] == pytest.approx(2 / 4.0)
     assert s["slo_attainment"] == pytest.approx(2 / 7)
-    s = round_metrics(results, duration_s=4.0, slo=SLO(tpot_ms=120))
+    s = round_metrics(results, duration_s=4.0, slo={"tpot_p50_ms": 120})
     # TPOT only: req0, req2, and req3 (no TPOT to miss) are good
     assert s["goodput"] == pytest.approx(3 / 4.0)
 
 
+def test_goodput_with_an_itl_bound_uses_each_requests_own_gaps(results):
+    """itl_p99_ms: 40 -> a request meets it when the P99 of its own gaps is within 40 ms."""
+    own = [np.percentile(r["itl_s"], 99) * 1000 if r["itl_s"] else None for r in results if r["error"] is None]
+    want = sum(1 for v in own if v is None or v <= 40)
+    s = round_metrics(results, duration_s=2.0, slo={"itl_p99_ms": 40})
+    assert s["goodput"] == pytest.approx(want / 2.0)
+
+
 def test_all_failed_round_has_none_latencies():
     failed = [_failed(0, "connection"), _failed(1, "connection")]
-    s = round_metrics(failed, duration_s=1.0, slo=SLO(ttft_ms=100))
+    s = round_metrics(failed, duration_s=1.0, slo={"ttft_p90_ms": 100})
     assert s["completed"] == 0 and s["failed"] == 2
     assert errors(failed) == {"connection": 2}
     for name in ("ttft", "itl", "tpot", "e2e"):

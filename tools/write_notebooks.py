@@ -106,6 +106,22 @@ r = ns.load_run(ns.resolve_run(run_dir))
 ns.describe_run(r)
 ''', **CHECK),
     md("""
+## The answer
+The point to run: the highest goodput among the points whose 95% intervals meet every
+bound of the study's `slo:` (without an SLO, the highest output throughput), the points
+this study cannot tell apart from it, and what the runner-up trades. Freeze it with
+`python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
+evidence beside it.
+"""),
+    code("ns.recommendation(r)", **CHECK),
+    md("""
+## Pareto fronts
+Output tokens/s per GPU against the speed one request sees (1000 / TPOT P50), and against
+TTFT P90. A point is on a front when no other point is at least as good on both axes
+and better on one; equal points are ties and all stay.
+"""),
+    code("ns.pareto(r)", **CHECK),
+    md("""
 ## Medians per point, with 95% intervals
 Each cell: the median over the point's measured rounds, and in brackets its 95%
 interval from a hierarchical bootstrap (server starts resampled, then rounds within

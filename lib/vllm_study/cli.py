@@ -24,6 +24,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the report (render it later with `report`, e.g. where nbconvert is missing)")
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
     rep.add_argument("run", type=Path)
+    ex = sub.add_parser("export", help="write a `vllm serve --config` file for a point, with its evidence")
+    ex.add_argument("run", type=Path)
+    which = ex.add_mutually_exclusive_group()
+    which.add_argument("--point", help="a point id (default: the report's recommendation)")
+    which.add_argument("--best", action="store_true", help="the report's recommendation (the default)")
+    ex.add_argument("--out", type=Path, default=Path("."), help="folder for the config and its notes")
+    cmp = sub.add_parser("compare", help="two runs side by side: per point and metric, the change with its interval")
+    cmp.add_argument("run_a", type=Path)
+    cmp.add_argument("run_b", type=Path)
+    cmp.add_argument("--out", type=Path, help="also write compare.csv and compare.png here")
     doc = sub.add_parser("doctor", help="check GPU, vLLM, port, proxies, model, disk; print fixes")
     doc.add_argument("params", nargs="*", help="a study file, to check its model and tokenizer too")
     doc.add_argument("--port", type=int, default=8000)
@@ -40,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         for f in findings:
             print(f)
         return 1 if any(f.status == doctor.FAIL for f in findings) else 0
+
+    if args.cmd in ("export", "compare"):
+        return _decide(args)
 
     from . import sweep as sw_mod  # papermill import is slow; keep --help fast
     from .results import RunFolder
@@ -78,3 +91,21 @@ def _conclude(run) -> int:
         return 1
     print(report.short_table(run).to_string())
     return 0
+
+
+def _decide(args) -> int:
+    import pandas as pd
+    try:
+        if args.cmd == "export":
+            from .export import export
+            cfg, note = export(args.run, args.point, args.out)
+            print(f"{cfg}\n{note}\n")
+            print(note.read_text())
+            return 0
+        from .compare import run
+        with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
+            print(run(args.run_a, args.run_b, args.out).to_string())
+        return 0
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -202,3 +202,28 @@ def versus_baseline(r: report.Run) -> pd.DataFrame | None:
         return None
     print(f"baseline: {baseline}")
     return report.comparison_table(r, against=baseline)
+
+
+def recommendation(r: report.Run) -> pd.DataFrame | None:
+    """The report's answer: the point to run under the study's SLO, what it cannot be
+    told apart from, what the runner-up trades; and each point against each SLO bound."""
+    from . import decision
+    slo = r.slo
+    print(decision.recommend(r.rounds, r.intervals, slo).text())
+    if not slo:
+        print("\n(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
+              "the points that meet it)")
+        return None
+    return decision.slo_table(r.intervals, slo)
+
+
+def pareto(r: report.Run) -> pd.DataFrame | None:
+    from . import decision
+    tp = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
+    t = decision.pareto_table(r.intervals, tp)
+    why = plots.pareto_plot(t, out=r.folder.figures / "pareto.png")
+    if why:
+        print(why)
+        return None
+    plt.show()
+    return t.round(1)

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 
 class StudyError(ValueError):
@@ -251,9 +251,28 @@ class Target(_Strict):
         return self
 
 
-class SLO(_Strict):
-    ttft_ms: float | None = Field(None, gt=0)
-    tpot_ms: float | None = Field(None, gt=0)
+SLO_STATS = ("mean", "p50", "p90", "p99")
+
+
+def _check_slo(bounds: dict[str, float]) -> dict[str, float]:
+    """An SLO is a bound per latency metric at a statistic: ttft_p99_ms: 500 means the
+    point's TTFT P99 must stay at or under 500 ms, and a request meets it when its own
+    TTFT does (its own P99 gap, for ITL)."""
+    from .metrics import LATENCIES
+    allowed = [f"{lat}_{stat}_ms" for lat in LATENCIES for stat in SLO_STATS]
+    for key in bounds:
+        if key not in allowed:
+            raise ValueError(f"slo.{key}: not a latency bound the kit knows{_did_you_mean(key, allowed)}; "
+                             f"use <ttft|itl|tpot|e2e>_<{'|'.join(SLO_STATS)}>_ms, e.g. ttft_p99_ms: 500")
+    return bounds
+
+
+def _drop_unset(bounds):
+    """Unset bounds (None) are no bounds: the kit's first layout wrote {ttft_ms: null, ...}."""
+    return {k: v for k, v in bounds.items() if v is not None} if isinstance(bounds, dict) else bounds
+
+
+SLO = Annotated[dict[str, Annotated[float, Field(gt=0)]], BeforeValidator(_drop_unset), AfterValidator(_check_slo)]
 
 
 class Precision(_Strict):
@@ -287,7 +306,7 @@ class Study(_Strict):
     precision: Precision | None = None          # optional: more starts until an interval is narrow enough
     order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
-    slo: SLO = SLO()
+    slo: SLO = {}   # e.g. {ttft_p99_ms: 500, itl_p99_ms: 50}: goodput, attainment, the recommendation
     baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
                                  "compared with, e.g. vLLM's defaults")
 
@@ -366,7 +385,7 @@ def _explain(err: ValidationError, source: str) -> str:
         elif not e["loc"]:  # a check across keys: its message says it all
             lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
+            lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
     return f"{source}: {len(lines)} problem(s) in the study definition:\n" + "\n".join(lines)
 
 

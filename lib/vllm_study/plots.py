@@ -160,3 +160,27 @@ def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) ->
     if out:
         fig.savefig(out, dpi=110)
     return None
+
+
+def pareto_plot(table: pd.DataFrame, out: Path | None = None) -> str | None:
+    """Throughput per GPU against per-user speed, and against TTFT P90; the front of each
+    (points no other point beats on both) drawn as a line, ties kept."""
+    if table.empty:
+        return "no point has throughput, TPOT and TTFT measured: no Pareto front"
+    fig, axs = plt.subplots(1, 2, figsize=(11, 4.2))
+    y = "output tok/s per GPU"
+    for ax, x, front in ((axs[0], "per-user tok/s", "front: speed"), (axs[1], "TTFT P90 (ms)", "front: TTFT")):
+        on = table[table[front]].sort_values(x)
+        ax.scatter(table[x], table[y], color="#9e9e9e", zorder=2)
+        ax.plot(on[x], on[y], marker="o", color="#d62728", zorder=3, label="front")
+        for name, row in table.iterrows():
+            ax.annotate(name, (row[x], row[y]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.legend(fontsize=8)
+    axs[0].set_title("throughput vs per-user speed (both: higher is better)")
+    axs[1].set_title("throughput vs TTFT P90 (lower TTFT is better)")
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=100)
+    return None

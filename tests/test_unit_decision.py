@@ -1,0 +1,94 @@
+"""From study to decision, on synthetic runs whose answers are known: SLO verdicts on
+intervals, the recommendation and its ties, Pareto fronts with ties, the exported serve
+config, and the comparison of two runs."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import yaml
+
+from synthetic_run import make_run
+from vllm_study import compare, decision, export, report
+
+A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
+
+
+def _values(goodput: dict[str, float], ttft: dict[str, float]) -> dict:
+    return {p: {"goodput": goodput[p], "output_throughput": 100 * goodput[p], "ttft_p90_ms": ttft[p],
+                "tpot_p50_ms": 20.0, "itl_p90_ms": 25.0} for p in goodput}
+
+
+@pytest.fixture
+def run(tmp_path):
+    """D has the most goodput but misses the TTFT bound; B meets it with the most
+    goodput; C is B's equal within noise; A is clearly worse."""
+    vals = _values({A: 5.0, B: 8.0, C: 8.1, D: 12.0}, {A: 300.0, B: 350.0, C: 340.0, D: 900.0})
+    return make_run(tmp_path, vals, {"slo": {"ttft_p90_ms": 500}})
+
+
+def test_slo_verdicts_are_taken_on_intervals(run):
+    r = report.Run.load(run.path)
+    t = decision.slo_table(r.intervals, {"ttft_p90_ms": 500})
+    assert t.loc[[A, B, C], "SLO"].tolist() == ["meets"] * 3 and t.loc[D, "SLO"] == "misses"
+    # a bound inside a point's interval is not resolved either way
+    near = decision.slo_table(r.intervals, {"ttft_p90_ms": r.interval(B, "ttft_p90_ms")["value"]})
+    assert near.loc[B, "SLO"] == "not resolved"
+
+
+def test_the_recommendation_meets_the_slo_and_names_its_ties(run):
+    r = report.Run.load(run.path)
+    rec = decision.recommend(r.rounds, r.intervals, {"ttft_p90_ms": 500})
+    assert rec.point in (B, C) and set([rec.point] + rec.tied) == {B, C}
+    assert rec.metric == "goodput" and rec.low < rec.value < rec.high
+    assert "meet every SLO bound" in rec.reason and D not in rec.tied
+    assert rec.runner_up in (B, C)
+    text = rec.text()
+    assert rec.point in text and "Not told apart" in text
+
+
+def test_no_point_meeting_the_slo_is_said_plainly(run):
+    r = report.Run.load(run.path)
+    rec = decision.recommend(r.rounds, r.intervals, {"ttft_p90_ms": 50})
+    assert rec.point is None and "no point meets the SLO" in rec.text()
+
+
+def test_pareto_keeps_ties_and_drops_dominated_points():
+    pts = pd.DataFrame({"x": [1.0, 1.0, 1.0, 2.0, 0.5], "y": [1.0, 1.0, 0.5, 0.5, 0.9]}, index=list("abcde"))
+    on = decision.pareto(pts, "x", "y")
+    assert on.to_dict() == {"a": True, "b": True, "c": False, "d": True, "e": False}
+    # lower is better on x: (0.5, 0.9) now beats (1, 0.5) and (2, 0.5)
+    on_low = decision.pareto(pts, "x", "y", x_better="lower")
+    assert on_low.to_dict() == {"a": True, "b": True, "c": False, "d": False, "e": True}
+
+
+def test_export_writes_a_serve_config_and_its_evidence(run, tmp_path):
+    cfg_path, note = export.export(run.path, out=tmp_path / "out")
+    cfg = yaml.safe_load(cfg_path.read_text())
+    rec_point = note.read_text().splitlines()[0].split(": ", 1)[1]
+    assert rec_point in (B, C)
+    assert cfg["max-num-batched-tokens"] in (256, 512) and cfg["served-model-name"] == "tiny"
+    assert cfg["enable-prefix-caching"] is True and cfg["dtype"] == "float32"
+    assert "custom-histogram-buckets" not in cfg
+    text = note.read_text()
+    assert "vllm serve" in cfg_path.read_text().splitlines()[1] and "ttft_p90_ms <= 500" in text
+    assert "| TTFT P90 (ms) |" in text and "[" in text
+    with pytest.raises(ValueError, match="is not a point"):
+        export.export(run.path, point="mbt=1__kv=1MiB", out=tmp_path / "out")
+
+
+def test_parse_flags():
+    assert export.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
+
+
+def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):
+    base = _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0})
+    changed = _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 600.0, B: 300.0, C: 150.0, D: 300.0})
+    ra = make_run(tmp_path / "a", base, seed=1)
+    rb = make_run(tmp_path / "b", changed, seed=2)
+    df = compare.compare(ra.path, rb.path)
+    ttft = df[df["metric"] == "ttft_p90_ms"].set_index("point")
+    assert ttft.at[A, "verdict"] == "worse" and ttft.at[A, "change"] == pytest.approx(1.0, abs=0.2)
+    assert ttft.at[C, "verdict"] == "better"
+    assert ttft.at[B, "verdict"] == "not resolved" and ttft.at[D, "verdict"] == "not resolved"
+    t = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
+    assert "worse" in t.loc[A, "TTFT P90"] and (tmp_path / "cmp" / "compare.png").stat().st_size > 5000
