@@ -34,11 +34,11 @@ dry-run: env
 	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
 
 test: env
-	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp $(NBVAL) tests $(REF_REPORTS)
+	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests $(REF_REPORTS)
 
 # Unit tests only: no vLLM server is started.
 test-fast: env
-	$(BIN)/python -m pytest -v --basetemp=.pytest-tmp -m "not e2e"
+	$(BIN)/python -m pytest -v --basetemp=.pytest-tmp -n 2 -m "not e2e"
 
 clean-env:
 	rm -rf $(VENV)

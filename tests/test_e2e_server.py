@@ -7,21 +7,17 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
-import os
-import signal
-import socket
 import threading
 
 import pytest
 
-from e2e_support import kv_bytes, measure, plan_of, tiny
+from e2e_support import measure, plan_of, tiny
 from procs import group_gone
 from vllm_study import client, counters, models
 from vllm_study.grid import PointPlan, expand
 from vllm_study.params import study_from_dict
-from vllm_study.point import PointRun
 from vllm_study.results import REQUESTS
-from vllm_study.server import ServerStartError, VllmServer, _health, free_port, serve_command
+from vllm_study.server import VllmServer, _health, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -168,7 +164,8 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
             "rounds": 1})
         summaries = {}
         for p in expand(study, "cpu"):
-            _, summaries[p.target.name] = measure(PointPlan(study=study, point=p, engine="cpu"), tmp_path / p.id)
+            _, summaries[p.target.name] = measure(PointPlan(study=study, point=p, engine="cpu"),
+                                                  tmp_path / p.id / "s1")
     finally:
         close()
     direct, gateway, nokey = summaries["direct"], summaries["gateway"], summaries["nokey"]
@@ -205,13 +202,13 @@ def test_a_target_that_needs_the_proxy_names_it(tmp_path, monkeypatch):
     monkeypatch.delenv("NO_PROXY", raising=False)
     monkeypatch.delenv("no_proxy", raising=False)
     closed = f"http://127.0.0.1:{free_port()}"
-    _, summary = measure(plan_of(_target_study(closed)), tmp_path / "a")
+    _, summary = measure(plan_of(_target_study(closed)), tmp_path / "a" / "s1")
     assert summary.status == "failed"
     assert f"HTTP_PROXY={DEAD_PROXY} is set and would capture" in summary.reasons[0]
     assert "target's `proxy`" in summary.reasons[0]
     study = _target_study(closed)
     study["targets"][0]["proxy"] = DEAD_PROXY
-    _, summary = measure(plan_of(study), tmp_path / "b")
+    _, summary = measure(plan_of(study), tmp_path / "b" / "s1")
     assert f"through the proxy {DEAD_PROXY}" in summary.reasons[0]
 
 
@@ -255,11 +252,11 @@ def _round(server, tmp_path, workload: dict):
     from vllm_study.workload import make_workload
     srv, model = server
     plan = plan_of(_target_study(srv.url, workload))
-    run, summary = measure(plan, tmp_path)
+    run, summary = measure(plan, tmp_path / "s1")
     assert summary.status == "ok", summary.reasons
     groups = {f"{g.key}={g.value}": g.metrics for g in run.rounds[0].groups}
-    return run.rounds[0], groups, _requests(tmp_path), make_workload(AutoTokenizer.from_pretrained(model),
-                                                                     plan.study.workload)
+    return run.rounds[0], groups, _requests(tmp_path / "s1"), make_workload(AutoTokenizer.from_pretrained(model),
+                                                                            plan.study.workload)
 
 
 def test_mixed_long_documents_and_short_chats(server, tmp_path):
@@ -317,89 +314,3 @@ def test_rate_ladder_reports_each_step(server, tmp_path):
     for step in (4, 8):
         assert groups[f"step={step}"]["ttft_p50_ms"] > 0
         assert groups[f"step={step}"]["ttft_p99_ms"] >= groups[f"step={step}"]["ttft_p50_ms"]
-
-
-# ---------------------------------------------------------------- servers of their own
-
-def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
-    """One server start through the kit's steps: round 0 completes and is recorded; the
-    server is then SIGKILLed during round 1: that round is recorded as failed, round 0
-    stays, the start fails with the signal as its reason, and nothing runs on."""
-    plan = plan_of(tiny(rounds=3, workload={**tiny()["workload"], "requests_per_round": 48, "output_tokens": 64}))
-    run = PointRun(plan, tmp_path / "s1", 1)
-    run.launch()
-    assert not run.failed, run.record.reason
-    launch = run.record.launch
-    assert launch.startup_s > 0 and launch.cache_config["kv_cache_memory_bytes"] == str(kv_bytes(16384))
-    assert launch.vllm_non_default_args["max_num_batched_tokens"] == 256
-    assert run.record.gpus == [] and "no NVIDIA GPU" in run.record.no_gpu_reason  # said plainly on a CPU
-    run.warmup()
-    run.run_round(0)
-    pgid = run.server.proc.pid
-    killer = threading.Timer(1.0, lambda: os.killpg(pgid, signal.SIGKILL))
-    killer.start()
-    run.run_round(1)
-    killer.join()
-    run.run_round(2)  # a no-op once the start has failed
-    summary = run.finish()
-    assert [r.status for r in run.rounds] == ["ok", "failed"]
-    assert run.rounds[1].metrics["failed"] > 0
-    assert run.record.status == "failed" and run.record.reason.startswith("server died during round 1")
-    assert "killed by SIGKILL" in run.record.reason and "\x1b[" not in run.record.reason
-    assert summary.status == "partial" and summary.rounds_ok == 1
-    assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]
-    assert len((tmp_path / "s1" / "rounds.jsonl").read_text().splitlines()) == 2  # both rounds on disk
-    assert (tmp_path / "s1" / "server.log.gz").exists() and not (tmp_path / "s1" / "server.log").exists()
-    assert group_gone(pgid)
-
-
-def test_kv_cache_too_small_is_a_clear_start_failure(tmp_path):
-    """A KV cache of 512 tokens cannot hold one 2,048-token request: vLLM refuses to
-    start, and the kit says why in one line."""
-    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(512)}))
-    run = PointRun(plan, tmp_path / "s1", 1)
-    run.launch()
-    assert run.failed
-    assert run.record.reason.startswith("server did not start: max_model_len too large for the KV cache"), \
-        run.record.reason
-    assert group_gone(run.server.proc.pid)
-
-
-def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
-    """Another process holds the port the kit picked (a race the kit cannot rule out):
-    vLLM cannot bind it and the start records 'port in use'."""
-    from vllm_study import point as point_mod
-    holder = socket.socket()
-    holder.bind(("127.0.0.1", 0))
-    holder.listen()
-    try:
-        monkeypatch.setattr(point_mod, "free_port", lambda: holder.getsockname()[1])
-        run = PointRun(plan_of(tiny()), tmp_path / "s1", 1)
-        run.launch()
-    finally:
-        holder.close()
-    assert run.failed and "port in use" in run.record.reason, run.record.reason
-    assert group_gone(run.server.proc.pid)
-
-
-def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
-    """A KV cache of 4,096 tokens and 1,024-token prefixes sent one after another: with 2
-    prefixes both stay cached and the measured hit rate meets the expected one; with 6,
-    each is evicted before its turn comes again and the measured rate falls far below
-    what a never-evicting cache would reach."""
-    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(4096)}))
-    model, dummy = models.resolve(plan.study.model)
-    port = free_port()
-    srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),
-                     port, tmp_path / "server.log", startup_timeout_s=600)
-    rates = {}
-    with srv:
-        for prefixes in (2, 6):
-            study = _target_study(srv.url, {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
-                                            "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24})
-            run, summary = measure(plan_of(study), tmp_path / f"p{prefixes}")
-            assert summary.status == "ok", summary.reasons
-            rates[prefixes] = (run.record.expected_prefix_hit_rate, run.rounds[0].metrics["prefix_cache_hit_rate"])
-    (exp2, got2), (exp6, got6) = rates[2], rates[6]
-    assert got2 == pytest.approx(exp2, abs=0.02)
-    assert exp6 > 0.6 and got6 < exp6 / 2, rates

@@ -93,7 +93,7 @@ def migrate(run_path: Path) -> Path:
     study = load_study(run_path / "study.yaml")
     engine = old["engine"]
     points = {p.id: p for p in expand(study, engine)}
-    notes = [f"converted from the kit's first results layout by tools/migrate_run.py: round durations and "
+    notes = ["converted from the kit's first results layout by tools/migrate_run.py: round durations and "
              "throughputs re-derived from requests.jsonl.gz (first send to last finish); start and round "
              "times were not recorded in that layout"]
     git = _git(old["git"], notes, "git")

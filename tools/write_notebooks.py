@@ -98,11 +98,14 @@ The sweep executes this notebook into the run folder with `run_dir="."` and expo
 as `report.html`; re-executing that copy (nbval does, in the tests) must reproduce its
 tables.
 """),
-    code('run_dir: str = ""  # a run folder; empty: the newest under ../results', tags=["parameters"]),
+    code('''
+run_dir: str = ""  # a run folder; empty: the newest under ../results
+slo: str = ""  # an SLO for this report, as metric and bound pairs like ttft_p90_ms:2500 (empty: the study's own)
+''', tags=["parameters"]),
     code('''
 from vllm_study import notebook_support as ns
 
-r = ns.load_run(ns.resolve_run(run_dir))
+r = ns.load_run(ns.resolve_run(run_dir), slo)
 ns.describe_run(r)
 ''', **CHECK),
     md("""
@@ -195,6 +198,38 @@ medians sit on.
 ]
 
 
+EXPLORE = [
+    md("""
+# Explore a run
+
+Pick a run (and, to compare, a second one), a metric and the axes to slice by. Each
+point's value is drawn with its 95% interval and every measured round behind it; a
+second run is dashed beside the first, with the change per point and its verdict.
+Metric names are those of the report's definitions table (e.g. `ttft_p99_ms`,
+`itl_p50_ms`, `output_throughput`, `prefix_cache_hit_rate`, `kv_usage_peak`).
+"""),
+    code('''
+run_dir: str = ""  # a run folder; empty: the newest under ../results
+other_run: str = ""  # a second run folder to compare with; empty: none
+metric: str = "ttft_p90_ms"  # any metric of the report's definitions table
+x_axis: str = ""  # the grid axis along x; empty: the study's first
+hue_axis: str = ""  # the axis drawn as separate lines; empty: the study's other one
+''', tags=["parameters"]),
+    code('''
+from vllm_study import notebook_support as ns
+
+r = ns.load_run(ns.resolve_run(run_dir))
+other = ns.load_run(ns.resolve_run(other_run)) if other_run else None
+ns.describe_run(r)
+'''),
+    code("ns.explore(r, metric, x_axis, hue_axis, other)"),
+    md("""
+Change `metric` (or the axes) and run the cell again; `ns.definitions(r)` lists every
+metric this run measured.
+"""),
+]
+
+
 def write(cells, name):
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
@@ -207,3 +242,4 @@ def write(cells, name):
 if __name__ == "__main__":
     write(POINT, "point.ipynb")
     write(REPORT, "report.ipynb")
+    write(EXPLORE, "explore.ipynb")

@@ -24,12 +24,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the report (render it later with `report`, e.g. where nbconvert is missing)")
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
     rep.add_argument("run", type=Path)
+    rep.add_argument("--slo", default="", help="an SLO for this report, e.g. ttft_p90_ms=2500,itl_p90_ms=100")
     ex = sub.add_parser("export", help="write a `vllm serve --config` file for a point, with its evidence")
     ex.add_argument("run", type=Path)
     which = ex.add_mutually_exclusive_group()
     which.add_argument("--point", help="a point id (default: the report's recommendation)")
     which.add_argument("--best", action="store_true", help="the report's recommendation (the default)")
     ex.add_argument("--out", type=Path, default=Path("."), help="folder for the config and its notes")
+    ex.add_argument("--slo", default="", help="judge the points under this SLO instead of the study's")
     cmp = sub.add_parser("compare", help="two runs side by side: per point and metric, the change with its interval")
     cmp.add_argument("run_a", type=Path)
     cmp.add_argument("run_b", type=Path)
@@ -59,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "report":
             run = RunFolder(args.run)
-            sw_mod.render_report(run)
+            from .report import parse_slo
+            parse_slo(args.slo)  # a bad SLO is refused before the notebook runs
+            sw_mod.render_report(run, args.slo)
             return _conclude(run)
         if not args.params and not args.resume:
             ap.error("give a params file (e.g. params/default.yaml) or --resume RUN_FOLDER")
@@ -98,7 +102,8 @@ def _decide(args) -> int:
     try:
         if args.cmd == "export":
             from .export import export
-            cfg, note = export(args.run, args.point, args.out)
+            from .report import parse_slo
+            cfg, note = export(args.run, args.point, args.out, parse_slo(args.slo))
             print(f"{cfg}\n{note}\n")
             print(note.read_text())
             return 0

@@ -72,15 +72,18 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
     if data is None:
         return Recommendation(None, judge, None, None, None, [], None, "", "nothing was measured")
     candidates = list(data.starts)
-    reason = "the highest output throughput; the study has no SLO"
+    what = "goodput" if judge == "goodput" else "output throughput"
+    reason = f"the highest {what}; no SLO is set"
     if slo:
         verdicts = slo_table(intervals, slo)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
+        if judge != "goodput":
+            what += " (goodput was not measured under this SLO)"
         if meets:
-            candidates, reason = meets, "the highest goodput among the points whose intervals meet every SLO bound"
+            candidates, reason = meets, f"the highest {what} among the points whose intervals meet every SLO bound"
         elif maybe:
-            candidates, reason = maybe, ("the highest goodput among the points that may meet the SLO: none meets "
+            candidates, reason = maybe, (f"the highest {what} among the points that may meet the SLO: none meets "
                                          "it with certainty")
         else:
             return Recommendation(None, judge, None, None, None, [], None, "",

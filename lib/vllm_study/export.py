@@ -72,8 +72,9 @@ def model_name(r: report.Run) -> tuple[str, str]:
     return real, f"measured with dummy weights of the {m['card']} architecture: serve the real checkpoint"
 
 
-def export(run: str | Path, point: str | None = None, out: Path = Path(".")) -> tuple[Path, Path]:
-    r = report.Run.load(RunFolder(run))
+def export(run: str | Path, point: str | None = None, out: Path = Path("."),
+           slo: dict[str, float] | None = None) -> tuple[Path, Path]:
+    r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
     rec = decision.recommend(r.rounds, r.intervals, slo)
     point = point or rec.point
@@ -98,7 +99,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     lines = [f"# {m.study}: {point}", "", f"    vllm serve {model} --config {cfg_name}", "",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
-             f"- workload: {m.params['workload']['kind']}, load {m.params['workload']['load']}",
+             f"- workload: {m.params['workload']['kind']}, load {_load(m.params['workload']['load'])}",
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     if point == rec.point:
         lines += ["Why this point:", "", rec.text(), ""]
@@ -110,3 +111,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
         if iv is not None:
             lines.append(f"| {metrics.get(name).title} | {report._cell(iv, metrics.get(name))} |")
     return "\n".join(lines) + "\n"
+
+
+def _load(load: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in load.items() if v not in (None, [], 1.0) or k == "kind")

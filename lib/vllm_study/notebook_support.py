@@ -127,8 +127,13 @@ def resolve_run(run_dir: str) -> RunFolder:
     return RunFolder(max(runs, key=lambda p: p.parent.name).parent)
 
 
-def load_run(run: RunFolder) -> report.Run:
-    return report.Run.load(run)
+def load_run(run: RunFolder, slo: str = "") -> report.Run:
+    """The run's records; `slo` ('ttft_p90_ms=2500,itl_p90_ms=100') replaces the study's SLO
+    for this report (goodput stays what the study measured under its own SLO)."""
+    r = report.Run.load(run, report.parse_slo(slo))
+    if slo:
+        print(f"SLO for this report: {r.slo} (given at report time)")
+    return r
 
 
 def describe_run(r: report.Run) -> None:
@@ -227,3 +232,23 @@ def pareto(r: report.Run) -> pd.DataFrame | None:
         return None
     plt.show()
     return t.round(1)
+
+
+# -- explore notebook --------------------------------------------------------
+def explore(r: report.Run, metric: str, x: str = "", hue: str = "", other: report.Run | None = None) -> pd.DataFrame:
+    """One metric sliced by an axis (and another as hue), rounds overlaid; with a second
+    run, its values beside and the change per point."""
+    metrics.get(metric)  # an unknown name fails here, with the list of known ones
+    why = plots.slice_plot(r, metric, x or None, hue or None, other)
+    if why:
+        print(why)
+    else:
+        plt.show()
+    iv = r.intervals[r.intervals["metric"] == metric]
+    t = iv.set_index("point")[["value", "ci_low", "ci_high", "starts", "rounds"]]
+    if other is not None:
+        from . import compare
+        d = compare.compare(r.folder.path, other.folder.path, [metric])
+        if not d.empty:
+            t = t.join(d.set_index("point")[["B", "change", "low", "high", "verdict"]].add_prefix("other "))
+    return t.round(3)

@@ -10,7 +10,6 @@ costly (chunk not a multiple of the block size or of 128) are warnings.
 from __future__ import annotations
 
 import difflib
-import itertools
 import math
 import random
 from pathlib import Path

@@ -103,6 +103,13 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
     return None
 
 
+def _log2_ticks(ax, ticks) -> None:
+    """A log2 axis for chunk sizes, labelled 128, not 2^7."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(int(t)) for t in ticks])
+    ax.minorticks_off()
+
+
 def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str | None:
     """Each metric against the first axis (log2 for chunk sizes), one line per value of
     the second, with the 95% interval as a band."""
@@ -124,10 +131,7 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
         if x == "max_num_batched_tokens":
-            ax.set_xscale("log", base=2)
-            ticks = sorted(sub[x].unique())
-            ax.set_xticks(ticks, [str(int(t)) for t in ticks])  # 128, not 2^7
-            ax.minorticks_off()
+            _log2_ticks(ax, sorted(sub[x].unique()))
         ax.set_title(m.title)
         ax.set_xlabel(_label(x))
         ax.set_ylabel(m.title)
@@ -180,6 +184,45 @@ def pareto_plot(table: pd.DataFrame, out: Path | None = None) -> str | None:
         ax.legend(fontsize=8)
     axs[0].set_title("throughput vs per-user speed (both: higher is better)")
     axs[1].set_title("throughput vs TTFT P90 (lower TTFT is better)")
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=100)
+    return None
+
+
+def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None, other: Run | None = None,
+               out: Path | None = None) -> str | None:
+    """One metric against one grid axis: each point's value with its 95% interval, every
+    round as a dot behind it (starts in different shades), a line per value of `hue`;
+    with `other`, that run's values dashed beside."""
+    axes = r.axes
+    if not axes:
+        return "an endpoint study has no grid axis: see the target comparison"
+    x = x or axes[0]
+    hue = hue if hue is not None else next((a for a in axes if a != x), None)
+    m = metrics.get(metric)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for run, style, tag in ((r, "-", ""), (other, "--", " (other run)")):
+        if run is None:
+            continue
+        est = long_estimates(run)
+        est = est[est["metric"] == metric] if not est.empty else est
+        if est.empty:
+            continue
+        rounds = run.rounds[(run.rounds["group"] == "all") & (run.rounds["round_status"] == "ok")]
+        for key, part in (est.groupby(hue) if hue else [(None, est)]):
+            part = part.sort_values(x)
+            label = (f"{AXIS_ABBREV.get(hue, hue)}={fmt_value(hue, key)}" if hue else metric) + tag
+            line, = ax.plot(part[x], part["value"], style, marker="o", label=label)
+            ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.15)
+            dots = rounds[rounds["point"].isin(part["point"])]
+            ax.scatter(dots[x], dots[metric], s=12, color=line.get_color(), alpha=0.5)
+    if x == "max_num_batched_tokens":
+        _log2_ticks(ax, sorted({v for run in (r, other) if run for v in long_estimates(run)[x]}))
+    ax.set_xlabel(_label(x))
+    ax.set_ylabel(m.title)
+    ax.set_title(f"{m.title}: value, 95% interval and every round")
+    ax.legend(fontsize=8)
     fig.tight_layout()
     if out:
         fig.savefig(out, dpi=100)

@@ -3,6 +3,7 @@ both use these), and export the executed report as a static page."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,12 +22,14 @@ class Run:
     rounds: pd.DataFrame            # summary.csv: one row per point x start x round x group
     intervals: pd.DataFrame         # analysis.point_intervals: point x metric
 
+    slo_override: dict[str, float] | None = None   # an SLO given at report time (parse_slo)
+
     @classmethod
-    def load(cls, folder: RunFolder | str | Path) -> "Run":
+    def load(cls, folder: RunFolder | str | Path, slo: dict[str, float] | None = None) -> "Run":
         folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         manifest = folder.manifest()
         rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
-        return cls(folder, manifest, folder.summaries(), rounds, analysis.point_intervals(rounds))
+        return cls(folder, manifest, folder.summaries(), rounds, analysis.point_intervals(rounds), slo or None)
 
     def interval(self, point: str, metric: str) -> dict | None:
         return _lookup(self.intervals, point, metric)
@@ -37,13 +40,28 @@ class Run:
 
     @property
     def slo(self) -> dict[str, float]:
-        """The study's SLO bounds (unset ones dropped: the first layout recorded them as null)."""
+        """The SLO given at report time, else the study's (unset bounds dropped: the first
+        layout recorded them as null)."""
+        if self.slo_override:
+            return self.slo_override
         return {k: v for k, v in (self.manifest.params.get("slo") or {}).items() if v is not None}
 
     @property
     def measured(self) -> list[PointSummary]:
         """Points with at least one measured round (ok or partial)."""
         return [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is."""
+    from .params import _check_slo
+    if not text.strip():
+        return {}
+    try:
+        bounds = {k.strip(): float(v) for k, v in (re.split("[=:]", part, maxsplit=1) for part in text.split(","))}
+    except ValueError:
+        raise ValueError(f"SLO {text!r}: write it as metric=bound pairs, e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
+    return _check_slo(bounds)
 
 
 def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:

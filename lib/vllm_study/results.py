@@ -329,18 +329,20 @@ class PointFolder:
     def summary(self) -> PointSummary | None:
         return PointSummary.load_if(self.summary_path)
 
+    def _start_dirs(self) -> list[tuple[StartRecord, Path]]:
+        """Every subfolder holding a start record (s<k>/ as the sweep names them, or a
+        folder a notebook run by hand was given), in start order."""
+        found = [(StartRecord.load_if(f), f.parent) for f in self.path.glob(f"*/{START}")]
+        return sorted(((r, d) for r, d in found if r), key=lambda rd: rd[0].start)
+
     def starts(self) -> list[StartRecord]:
-        recs = [StartRecord.load_if(d / START) for d in self.path.glob("s[0-9]*") if d.is_dir()]
-        return sorted((r for r in recs if r), key=lambda r: r.start)
+        return [r for r, _ in self._start_dirs()]
 
     def start(self, k: int) -> StartRecord | None:
         return StartRecord.load_if(self.start_dir(k) / START)
 
     def rounds(self) -> list[RoundRecord]:
-        out = []
-        for d in sorted(self.path.glob("s[0-9]*"), key=lambda d: int(d.name[1:])):
-            out += read_rounds(d / ROUNDS)
-        return out
+        return [rec for _, d in self._start_dirs() for rec in read_rounds(d / ROUNDS)]
 
 
 def read_rounds(path: Path) -> list[RoundRecord]:

@@ -40,7 +40,7 @@ def notebook(name: str) -> Path:
 
 
 POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus"}
-REPORT_PARAMS = {"run_dir"}
+REPORT_PARAMS = {"run_dir", "slo"}
 
 
 def check_parameters(nb: Path, names) -> None:
@@ -276,11 +276,13 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     return extra
 
 
-def render_report(run: RunFolder) -> Path:
+def render_report(run: RunFolder, slo: str = "") -> Path:
+    """summary.csv, report.ipynb and report.html; `slo` replaces the study's SLO for
+    the report (e.g. to ask a finished study a new question)."""
     run.write_summary_csv()
     out = run.path / "report.ipynb"
-    pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": "."}, cwd=str(run.path),
-                        progress_bar=False, kernel_name="python3")
+    pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},
+                        cwd=str(run.path), progress_bar=False, kernel_name="python3")
     from .report import export_html
     export_html(run)
     return out

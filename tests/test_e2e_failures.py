@@ -1,0 +1,92 @@
+"""End to end with servers of their own (real vLLM CPU builds on loopback): a start's
+record and a server killed mid-round, a port another process holds, and the prefix
+cache evicting under a small KV cache against what a never-evicting cache would hit.
+(A KV cache too small to start is in test_e2e_sweep, as a failed point of a sweep.)"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+
+import pytest
+
+from e2e_support import kv_bytes, measure, plan_of, tiny
+from procs import group_gone
+from test_e2e_server import _target_study
+from vllm_study import models
+from vllm_study.point import PointRun
+from vllm_study.server import VllmServer, free_port, serve_command
+
+pytestmark = pytest.mark.e2e
+
+def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
+    """One server start through the kit's steps: round 0 completes and is recorded; the
+    server is then SIGKILLed during round 1: that round is recorded as failed, round 0
+    stays, the start fails with the signal as its reason, and nothing runs on."""
+    plan = plan_of(tiny(rounds=3, workload={**tiny()["workload"], "requests_per_round": 16, "output_tokens": 32}))
+    run = PointRun(plan, tmp_path / "s1", 1)
+    run.launch()
+    assert not run.failed, run.record.reason
+    launch = run.record.launch
+    assert launch.startup_s > 0 and launch.cache_config["kv_cache_memory_bytes"] == str(kv_bytes(16384))
+    assert launch.vllm_non_default_args["max_num_batched_tokens"] == 256
+    assert run.record.gpus == [] and "no NVIDIA GPU" in run.record.no_gpu_reason  # said plainly on a CPU
+    run.warmup()
+    run.run_round(0)
+    pgid = run.server.proc.pid
+    killer = threading.Timer(1.0, lambda: os.killpg(pgid, signal.SIGKILL))
+    killer.start()
+    run.run_round(1)
+    killer.join()
+    run.run_round(2)  # a no-op once the start has failed
+    summary = run.finish()
+    assert [r.status for r in run.rounds] == ["ok", "failed"]
+    assert run.rounds[1].metrics["failed"] > 0
+    assert run.record.status == "failed" and run.record.reason.startswith("server died during round 1")
+    assert "killed by SIGKILL" in run.record.reason and "\x1b[" not in run.record.reason
+    assert summary.status == "partial" and summary.rounds_ok == 1
+    assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]
+    assert len((tmp_path / "s1" / "rounds.jsonl").read_text().splitlines()) == 2  # both rounds on disk
+    assert (tmp_path / "s1" / "server.log.gz").exists() and not (tmp_path / "s1" / "server.log").exists()
+    assert group_gone(pgid)
+
+
+def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
+    """Another process holds the port the kit picked (a race the kit cannot rule out):
+    vLLM cannot bind it and the start records 'port in use'."""
+    from vllm_study import point as point_mod
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    try:
+        monkeypatch.setattr(point_mod, "free_port", lambda: holder.getsockname()[1])
+        run = PointRun(plan_of(tiny()), tmp_path / "s1", 1)
+        run.launch()
+    finally:
+        holder.close()
+    assert run.failed and "port in use" in run.record.reason, run.record.reason
+    assert group_gone(run.server.proc.pid)
+
+
+def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
+    """A KV cache of 4,096 tokens and 1,024-token prefixes sent one after another: with 2
+    prefixes both stay cached and the measured hit rate meets the expected one; with 6,
+    each is evicted before its turn comes again and the measured rate falls far below
+    what a never-evicting cache would reach."""
+    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(4096)}))
+    model, dummy = models.resolve(plan.study.model)
+    port = free_port()
+    srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),
+                     port, tmp_path / "server.log", startup_timeout_s=600)
+    rates = {}
+    with srv:
+        for prefixes in (2, 6):
+            study = _target_study(srv.url, {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
+                                            "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24})
+            run, summary = measure(plan_of(study), tmp_path / f"p{prefixes}" / "s1")
+            assert summary.status == "ok", summary.reasons
+            rates[prefixes] = (run.record.expected_prefix_hit_rate, run.rounds[0].metrics["prefix_cache_hit_rate"])
+    (exp2, got2), (exp6, got6) = rates[2], rates[6]
+    assert got2 == pytest.approx(exp2, abs=0.02)
+    assert exp6 > 0.6 and got6 < exp6 / 2, rates

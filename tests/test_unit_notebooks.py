@@ -1,0 +1,30 @@
+"""The shipped notebooks: parameters papermill can read (a comment it cannot parse makes
+the parameter invisible, and the sweep would refuse to run), what the sweep passes is
+declared, and no stored outputs (executed copies live under results/ only)."""
+from __future__ import annotations
+
+import json
+
+import papermill as pm
+import pytest
+
+from vllm_study.sweep import POINT_PARAMS, REPORT_PARAMS, notebook
+
+
+@pytest.mark.parametrize("name, needed", [("point.ipynb", POINT_PARAMS), ("report.ipynb", REPORT_PARAMS),
+                                          ("explore.ipynb", {"run_dir", "other_run", "metric"})])
+def test_parameters_are_declared_and_readable(name, needed):
+    declared = set(pm.inspect_notebook(str(notebook(name))))
+    assert needed <= declared, needed - declared
+    cell = next(c for c in json.loads(notebook(name).read_text())["cells"]
+                if "parameters" in c.get("metadata", {}).get("tags", []))
+    # every assignment line of the parameters cell is one papermill sees
+    assigned = {line.split(":")[0].split("=")[0].strip() for line in "".join(cell["source"]).splitlines()
+                if line.strip() and not line.startswith("#")}
+    assert assigned == declared
+
+
+@pytest.mark.parametrize("name", ["point.ipynb", "report.ipynb", "explore.ipynb"])
+def test_no_stored_outputs(name):
+    cells = json.loads(notebook(name).read_text())["cells"]
+    assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")
