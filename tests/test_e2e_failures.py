@@ -73,8 +73,14 @@ def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
     """A KV cache of 4,096 tokens and 1,024-token prefixes sent one after another: with 2
     prefixes both stay cached and the measured hit rate meets the expected one; with 6,
     each is evicted before its turn comes again and the measured rate falls far below
-    what a never-evicting cache would reach."""
-    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(4096)}))
+    what a never-evicting cache would reach. The chunk (200 tokens) is not a multiple of
+    the 128-token block: prefill chunks end inside blocks, and the hit rate still meets
+    what full-block reuse predicts (vLLM caches a block once a later chunk completes it)."""
+    plan = plan_of(tiny(engine_args={**tiny()["engine_args"], "kv_cache_memory_bytes": kv_bytes(4096)},
+                        grid={"max_num_batched_tokens": [200]}))
+    assert any("fall inside a block" in w for w in plan_of(tiny(
+        grid={"max_num_batched_tokens": [200]}, workload={**tiny()["workload"], "system_prompt_tokens": 1024})
+    ).point.warnings)
     model, dummy = models.resolve(plan.study.model)
     port = free_port()
     srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),

@@ -2,6 +2,7 @@
 vLLM rules, run order."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -271,11 +272,16 @@ def test_unknown_model_card_rejected_but_path_allowed():
 
 def test_warning_chunk_not_multiple_of_block_size():
     # 520 = 65 * 8: multiple of neither 16 nor 128
-    s = study_from_dict(_study(grid={"max_num_batched_tokens": [520]},
-                               engine_args={"block_size": 16}))
+    long = {"system_prompt_tokens": 2000, "question_tokens": 8, "output_tokens": 8}
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [520]}, engine_args={"block_size": 16},
+                               workload=long))
     (p,) = expand(s, engine="gpu")
     assert any("not a multiple of the block size (16)" in w for w in p.warnings)
     assert any("not a multiple of 128" in w for w in p.warnings)
+    # prompts no longer than one chunk are never split: nothing to warn about blocks
+    (short,) = expand(study_from_dict(_study(grid={"max_num_batched_tokens": [520]},
+                                             engine_args={"block_size": 16})), engine="gpu")
+    assert not any("block size" in w for w in short.warnings)
 
 
 def test_warning_only_for_128_when_block_divides():
@@ -290,7 +296,8 @@ def test_warning_only_for_128_when_block_divides():
 
 def test_default_block_size_depends_on_engine():
     # 1040 = 65 * 16: fine for the GPU default block (16), not for the CPU one (128)
-    s = study_from_dict(_study(grid={"max_num_batched_tokens": [1040]}))
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [1040]},
+                               workload={"system_prompt_tokens": 3000, "question_tokens": 8, "output_tokens": 8}))
     (gpu,) = expand(s, engine="gpu")
     (cpu,) = expand(s, engine="cpu")
     assert gpu.effective.block_size == 16 and cpu.effective.block_size == 128
@@ -642,3 +649,57 @@ def test_a_second_block_does_not_reorder_the_first():
     three = run_order(pts, 3, seed=11)
     assert three[:7] == one
     assert run_order(pts, 2, seed=11) == three[:14]
+
+
+# ---------------------------------------------------------------- the Prefix Reuse Budget in a study
+
+def test_scheduler_ratios_are_an_axis_beside_the_grid():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [128, 256]},
+                               scheduler={"min_reuse_ratio": ["off", 0.8], "max_defer_ms": 300}))
+    pts = expand(s, "cpu")
+    assert [p.id for p in pts] == ["mbt=128__mrr=off", "mbt=128__mrr=0.80", "mbt=256__mrr=off", "mbt=256__mrr=0.80"]
+    assert pts[0].prefix_budget is None
+    assert pts[1].prefix_budget.min_reuse_ratio == 0.8 and pts[1].prefix_budget.max_defer_ms == 300
+    assert "min_reuse_ratio" not in pts[1].engine_args.model_dump()
+
+
+def test_a_single_ratio_is_fixed_for_every_point():
+    pts = expand(study_from_dict(_study(scheduler={"min_reuse_ratio": 0.5})), "cpu")
+    assert all(p.prefix_budget.min_reuse_ratio == 0.5 and "mrr" not in p.id for p in pts)
+
+
+@pytest.mark.parametrize("scheduler, match", [
+    ({"min_reuse_ratio": [0.5, 1.5]}, "less than or equal to 1"),
+    ({"min_reuse_ratio": ["off", "off"]}, "repeats a value"),
+    ({"min_reuse_ratio": 0.8, "max_defer_ms": -1}, "greater than or equal to 0"),
+])
+def test_bad_scheduler_settings_are_explained(scheduler, match):
+    with pytest.raises(StudyError, match=match):
+        study_from_dict(_study(scheduler=scheduler))
+
+
+def test_the_scheduler_needs_prefix_caching_and_a_launched_server():
+    with pytest.raises(StudyError, match="needs prefix caching"):
+        study_from_dict(_study(engine_args={"enable_prefix_caching": False}, scheduler={"min_reuse_ratio": 0.8}))
+
+
+def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
+    from vllm_study.grid import PointPlan
+    from vllm_study.point import PointRun
+    s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8], "max_defer_ms": 250}))
+    off, on = expand(s, "cpu")[:2]
+    flags_on = PointRun(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a")._measurement_flags()
+    flags_off = PointRun(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b")._measurement_flags()
+    i = flags_on.index("--scheduler-cls")
+    assert flags_on[i + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
+    cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])
+    assert cfg == {"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 250}}  # no path: it would key the compile cache
+    assert "--scheduler-cls" not in flags_off
+
+
+def test_chunk_not_a_multiple_of_the_block_says_where_it_splits_the_prompts():
+    s = study_from_dict(_study(grid={"max_num_batched_tokens": [200]}, workload={"system_prompt_tokens": 1000}))
+    (p,) = expand(s, "cpu")
+    (w,) = [w for w in p.warnings if "block size" in w]
+    assert "chunks that end at 200, 400, 600, 800" in w
+    assert "4 of those 4 ends fall inside a block (at offsets 72, 16, 88, 32)" in w

@@ -456,3 +456,21 @@ def test_check_path(tmp_path, monkeypatch):
     assert "is not a folder" in models.check_path(ModelSpec(path="./models/x"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     assert models.check_path(ModelSpec(path="Qwen/Qwen2.5-7B-Instruct")) is None  # a hub id: vLLM fetches it
+
+
+def test_eviction_workload_tags_shared_and_cold_and_expects_hits_only_from_shared(tok):
+    """kind eviction: chats sharing a system prompt (class shared) among long distinct
+    prompts (class cold); a never-evicting cache would hit the shared prefix of every
+    shared request after the first, and nothing of a cold one."""
+    from vllm_study.params import Workload
+    from vllm_study.workload import make_workload
+    w = make_workload(tok, Workload(kind="eviction", system_prompt_tokens=512, question_tokens=8, output_tokens=4,
+                                    long_fraction=0.5, long_prompt_tokens={"uniform": [600, 800]}))
+    reqs = w.requests(20)
+    classes = [r.tags["class"] for r in reqs]
+    assert set(classes) == {"shared", "cold"}
+    shared = [r for r in reqs if r.tags["class"] == "shared"]
+    prefix = w.shared_prefix_tokens(w.system_prompt) // 16 * 16
+    want = (len(shared) - 1) * prefix / sum(r.prompt_tokens for r in reqs)
+    assert w.expected_hit_rate(20, 16) == pytest.approx(want)
+    assert [w.prefix_of(r) is None for r in reqs] == [c == "cold" for c in classes]

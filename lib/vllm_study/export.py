@@ -101,6 +101,10 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
              f"- workload: {m.params['workload']['kind']}, load {_load(m.params['workload']['load'])}",
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
+    s = next(x for x in r.summaries if x.point == point)
+    method = r.intervals[r.intervals["point"] == point]["method"]
+    lines[-1:-1] = [f"- status: {report.status_label(s)}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
+                    f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
     if point == rec.point:
         lines += ["Why this point:", "", rec.text(), ""]
     else:

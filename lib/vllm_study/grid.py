@@ -27,7 +27,9 @@ AXIS_ABBREV = {
     "kv_cache_memory_bytes": "kv", "max_num_seqs": "mns", "block_size": "bs",
     "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
     "max_model_len": "len", "enforce_eager": "eager", "tensor_parallel_size": "tp",
+    "min_reuse_ratio": "mrr",
 }
+SCHEDULER_AXIS = "min_reuse_ratio"
 
 # vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
 # and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
@@ -61,10 +63,17 @@ class Effective(BaseModel):
     dtype_reason: str | None = None
 
 
+class PrefixBudget(BaseModel):
+    """The Prefix Reuse Budget scheduler's settings at one point (None there: vLLM's own)."""
+    min_reuse_ratio: float
+    max_defer_ms: float
+
+
 class Point(BaseModel):
     id: str
     values: dict[str, Any]         # the grid coordinates (or {"target": name})
     engine_args: EngineArgs        # fixed args merged with the coordinates
+    prefix_budget: PrefixBudget | None = None   # the scheduler plugin, where a point uses it
     target: Target | None = None   # an endpoint to measure instead of a server to launch
     effective: Effective | None = None
     warnings: list[str] = []
@@ -92,9 +101,6 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
     mbt, mns = args.max_num_batched_tokens, args.max_num_seqs
     block = args.block_size or DEFAULT_BLOCK_SIZE[engine]
     if mbt is not None:
-        if mbt % block:
-            warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of the block size "
-                            f"({block}): prefix-cache blocks are reused per full block")
         if mbt % 128:
             warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of 128: GEMM tiles pad it")
         if args.enable_chunked_prefill is False and max_model_len and mbt < max_model_len:
@@ -123,6 +129,27 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
     return effective, warnings, errors
 
 
+def _alignment(study: Study, args: EngineArgs, effective: Effective) -> list[str]:
+    """Where a chunk that is not a multiple of the block size splits the study's own
+    prompts inside a block (vLLM hashes and reuses full blocks only)."""
+    mbt, block = args.max_num_batched_tokens, effective.block_size
+    if not mbt or mbt % block == 0:
+        return []
+    w = study.workload
+    length = w.input_tokens if w.kind == "random" else w.system_prompt_tokens
+    length = length if isinstance(length, int) else int(length.longest())
+    cuts = list(range(mbt, length, mbt))
+    if not cuts:
+        return []
+    inside = [c % block for c in cuts if c % block]
+    shown = ", ".join(map(str, inside[:6])) + (", ..." if len(inside) > 6 else "")
+    return [f"max_num_batched_tokens={mbt} is not a multiple of the block size ({block}): a "
+            f"{length}-token prompt is prefilled in chunks that end at {', '.join(map(str, cuts[:4]))}"
+            f"{', ...' if len(cuts) > 4 else ''}; {len(inside)} of those {len(cuts)} ends fall inside a block (at "
+            f"offsets {shown}). vLLM caches a block once a later chunk completes it; on the CPU engine a "
+            "200-token chunk gave the hit rate a never-evicting cache would (tests/test_e2e_failures.py)"]
+
+
 def _with_cpu_dtype(args: EngineArgs, engine: str) -> tuple[EngineArgs, str | None]:
     """On the CPU engine an unset dtype becomes the CPU's native one (bf16 only where
     the CPU has it); a study that sets dtype keeps it."""
@@ -143,13 +170,20 @@ def expand(study: Study, engine: str) -> list[Point]:
     if study.targets:
         return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
                       target=t) for t in study.targets]
-    axes = list(study.grid)
+    # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
+    ratios = study.scheduler.ratios
+    columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}
+    axes = list(columns)
     supported = max_positions(study.model)
     points, problems = [], []
-    for combo in itertools.product(*(study.grid[a] for a in axes)):
+    for combo in itertools.product(*(columns[a] for a in axes)):
         values = dict(zip(axes, combo))
+        ratio = values.get(SCHEDULER_AXIS, ratios[0])
+        budget = None if ratio == "off" else PrefixBudget(min_reuse_ratio=ratio,
+                                                            max_defer_ms=study.scheduler.max_defer_ms)
+        grid_values = {a: v for a, v in values.items() if a != SCHEDULER_AXIS}
         try:
-            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **values})
+            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **grid_values})
         except ValidationError as e:
             problems.append(_explain(e, f"grid point {values}"))
             continue
@@ -168,7 +202,8 @@ def expand(study: Study, engine: str) -> list[Point]:
         effective, warns, errs = _check_point(study, args, engine, mml)
         effective.dtype_reason = dtype_reason
         problems += [f"  point {pid}: {e}" for e in errs]
-        points.append(Point(id=pid, values=values, engine_args=args, effective=effective, warnings=warns))
+        points.append(Point(id=pid, values=values, engine_args=args, prefix_budget=budget, effective=effective,
+                            warnings=warns + _alignment(study, args, effective)))
     if study.baseline and study.baseline not in {p.id for p in points}:
         problems.append(f"  baseline {study.baseline!r} is not a point of the grid; its points are: "
                         + ", ".join(p.id for p in points))

@@ -123,6 +123,16 @@ _add(
            "--custom-histogram-buckets, those above long_prefill_edge_tokens)"),
     Metric("long_prefill_edge_tokens", "prefill edge counted from", "tok", ".0f", None, "server",
            "the histogram bound prefills were counted above: max_num_batched_tokens when exact"),
+    # the Prefix Reuse Budget scheduler (vllm_study.prefix_budget), where a point uses it
+    Metric("pb_deferred", "requests deferred", "", ".0f", None, "server",
+           "requests the Prefix Reuse Budget held back at least once (cached share below min_reuse_ratio)"),
+    Metric("pb_admitted_by_age", "admitted by the age bound", "", ".0f", None, "server",
+           "deferred requests let in because they had waited max_defer_ms"),
+    Metric("pb_admitted_idle", "admitted while idle", "", ".0f", None, "server",
+           "deferred requests let in because nothing else waiting could use the budget"),
+    Metric("pb_defer_ms_p50", "defer P50", "ms", ".0f", None, "server", "median hold time of deferred requests"),
+    Metric("pb_defer_ms_p99", "defer P99", "ms", ".0f", None, "server", "P99 hold time of deferred requests"),
+    Metric("pb_defer_ms_max", "defer max", "ms", ".0f", None, "server", "longest hold time of a deferred request"),
     # how close to the hardware (hardware.py)
     Metric("est_flops", "estimated FLOPs", "FLOP", ".3g", None, "server",
            "delta of vllm:estimated_flops_per_gpu_total (--enable-mfu-metrics)"),

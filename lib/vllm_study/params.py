@@ -150,7 +150,9 @@ class Load(_Strict):
 
 
 class Workload(_Strict):
-    kind: Literal["shared_prefix", "multi_turn", "mixed", "random"] = "shared_prefix"
+    # eviction: mixed traffic named for the Prefix Reuse Budget: shared-prefix chats (class
+    # shared) among long distinct prompts (class cold, long_fraction of them) that evict them
+    kind: Literal["shared_prefix", "multi_turn", "mixed", "eviction", "random"] = "shared_prefix"
     api: Literal["chat", "completions"] = "chat"
     system_prompt_tokens: int = Field(1600, ge=0)   # shared_prefix, mixed, multi_turn
     prefixes: int = Field(1, ge=1)                  # distinct shared prompts, round-robin
@@ -189,7 +191,7 @@ class Workload(_Strict):
         if self.kind == "random":
             return length_max(self.input_tokens) + out
         short = self.system_prompt_tokens + length_max(self.question_tokens) + out
-        if self.kind == "mixed":
+        if self.kind in ("mixed", "eviction"):
             return max(short, length_max(self.long_prompt_tokens) + out)
         if self.kind == "multi_turn":
             return self.system_prompt_tokens + self.turns * (length_max(self.question_tokens) + out)
@@ -274,6 +276,21 @@ def _drop_unset(bounds):
 SLO = Annotated[dict[str, Annotated[float, Field(gt=0)]], BeforeValidator(_drop_unset), AfterValidator(_check_slo)]
 
 
+class Scheduler(_Strict):
+    """The Prefix Reuse Budget scheduler (vllm_study.prefix_budget, loaded through vLLM's
+    --scheduler-cls): a waiting request whose cached share of the prompt is below
+    `min_reuse_ratio` waits, up to `max_defer_ms`, while requests that reuse the cache go
+    first. A list of ratios is a grid axis ("off" = vLLM's own scheduler)."""
+    min_reuse_ratio: list[Annotated[float, Field(ge=0, le=1)] | Literal["off"]] | \
+        Annotated[float, Field(ge=0, le=1)] | Literal["off"] = "off"
+    max_defer_ms: float = Field(500, ge=0)
+
+    @property
+    def ratios(self) -> list:
+        r = self.min_reuse_ratio
+        return list(r) if isinstance(r, list) else [r]
+
+
 class Precision(_Strict):
     """Keep adding server starts (one more block of the points that need it) until
     `metric`'s 95% interval is at most `relative_width` wide at every point (high/low
@@ -303,6 +320,7 @@ class Study(_Strict):
     rounds: int = Field(3, ge=1)                # measured rounds per server start
     replicates: int = Field(1, ge=1)            # server starts per point, in randomized blocks
     precision: Precision | None = None          # optional: more starts until an interval is narrow enough
+    scheduler: Scheduler = Scheduler()          # the Prefix Reuse Budget plugin; off by default
     order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
     slo: SLO = {}   # e.g. {ttft_p99_ms: 500, itl_p99_ms: 50}: goodput, attainment, the recommendation
@@ -314,6 +332,15 @@ class Study(_Strict):
         if bool(self.grid) == bool(self.targets):
             raise ValueError("give either `grid` (the kit launches vLLM per point) or `targets` "
                              "(endpoints that already run), not both and not neither")
+        ratios = self.scheduler.ratios
+        if len(set(map(repr, ratios))) != len(ratios):
+            raise ValueError(f"scheduler.min_reuse_ratio repeats a value: {ratios}")
+        if ratios != ["off"] and self.targets:
+            raise ValueError("scheduler: the kit sets the scheduler of the servers it launches; a targets "
+                             "study measures servers it does not launch")
+        if ratios != ["off"] and self.engine_args.enable_prefix_caching is False:
+            raise ValueError("scheduler.min_reuse_ratio needs prefix caching (the rule reads the cached share "
+                             "of each prompt): remove enable_prefix_caching: false")
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise ValueError(f"target names repeat: {names}")

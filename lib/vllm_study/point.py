@@ -23,6 +23,8 @@ from .grid import PointPlan
 from .machine import NvmlProbe, describe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       compress_log, now_utc, read_log, START)
+from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
+from .prefix_budget.stats import read_stats as read_pb_stats, stats_delta
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
 from .workload import make_workload
 
@@ -99,7 +101,7 @@ class PointRun:
             self._start_server(model, dummy)
         block = self.record.launch.cache_config.get("block_size") or (
             self.point.effective.block_size if self.point.effective else None)
-        if not self.failed and self.study.workload.kind == "shared_prefix" and block:
+        if not self.failed and self.study.workload.kind in ("shared_prefix", "mixed", "eviction") and block:
             # what a cache that never evicts would hit: the report puts it beside the measured rate
             self.record.expected_prefix_hit_rate = self.workload.expected_hit_rate(
                 self.study.workload.requests_per_round, int(block))
@@ -136,6 +138,9 @@ class PointRun:
         env = dict(s.server.env)
         if self.gpu_indices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
+        if self.point.prefix_budget:
+            # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
+            env[PB_STATS_ENV] = str(self.pb_stats_path)
         self.record.launch = Launch(command=cmd)
         self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
@@ -160,6 +165,11 @@ class PointRun:
         (counters.budget_use) and, on a GPU, vLLM's FLOP and byte estimates (hardware.py)."""
         given = {a.split("=", 1)[0] for a in self.study.server.extra_cli_args}
         flags = []
+        pb = self.point.prefix_budget
+        if pb:
+            flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
+                      json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
+                                                    "max_defer_ms": pb.max_defer_ms}})]
         mbt = self.point.effective.max_num_batched_tokens
         if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
             flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt))]
@@ -167,6 +177,18 @@ class PointRun:
                 and vllm_accepts("--enable-mfu-metrics")):
             flags.append("--enable-mfu-metrics")
         return flags
+
+    @property
+    def pb_stats_path(self) -> Path:
+        return self.dir / "prefix_budget.json"
+
+    def _pb_snapshot(self) -> dict | None:
+        if not self.point.prefix_budget:
+            return None
+        try:
+            return read_pb_stats(self.pb_stats_path)
+        except (OSError, ValueError):  # not written yet: the engine has not scheduled
+            return None
 
     def _round_server_figures(self, before: dict, after: dict, duration: float) -> dict:
         """/metrics deltas, whether the chunk budget bound, and hardware use."""
@@ -222,6 +244,7 @@ class PointRun:
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
         before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
+        pb_before = self._pb_snapshot()
         sending = self._prepare_round()
         sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
                                         api_key=self.api_key, proxy=self.proxy)
@@ -237,6 +260,7 @@ class PointRun:
                 after = counters.scrape(self.url, self.api_key, self.proxy)
                 values |= self._round_server_figures(before, after, duration)
             values |= sampler.result()
+            values |= _budget_figures(pb_before, self._pb_snapshot())
         ok = not died and values["completed"] > 0
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
@@ -273,6 +297,19 @@ class PointRun:
         self.record.finished_utc = now_utc()
         self._save()
         return summarize(PointFolder(self.dir.parent), self.plan)
+
+
+def _budget_figures(before: dict | None, after: dict | None) -> dict:
+    """The Prefix Reuse Budget's counters over one round (prefix_budget.stats_delta)."""
+    if after is None:
+        return {}
+    if before is None:  # the engine wrote its first counters during the round
+        before = {**after, "counters": {k: 0 for k in after["counters"]}, "defer_ms": [], "release_step_ms": [],
+                  "admit_wait_ms": [], "updated_at": after["updated_at"]}
+    d = stats_delta(before, after)
+    return {"pb_deferred": d["deferred"], "pb_admitted_by_age": d["admitted_by_age"],
+            "pb_admitted_idle": d["admitted_idle"], "pb_defer_ms_p50": d["defer_ms_p50"],
+            "pb_defer_ms_p99": d["defer_ms_p99"], "pb_defer_ms_max": d["defer_ms_max"]}
 
 
 def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:

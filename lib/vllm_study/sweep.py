@@ -299,6 +299,9 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/timing.py)")
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
+        if p.prefix_budget:
+            print(f"  scheduler: Prefix Reuse Budget, min_reuse_ratio {p.prefix_budget.min_reuse_ratio:g}, "
+                  f"max_defer_ms {p.prefix_budget.max_defer_ms:g}")
         if p.effective:
             print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:

@@ -36,7 +36,7 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
     w = study.workload
     out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
     uncached = w.question_tokens if isinstance(w.question_tokens, int) else 64
-    if w.kind == "mixed":
+    if w.kind in ("mixed", "eviction"):
         long = w.long_prompt_tokens if isinstance(w.long_prompt_tokens, int) else w.long_prompt_tokens.longest()
         uncached += w.long_fraction * long
     elif w.kind == "random":

@@ -146,28 +146,40 @@ class SharedPrefixWorkload(_Base):
         shared = [self.shared_prefix_tokens(s) // block_size * block_size for s in self.system_prompts]
         seen, hits = set(), 0
         for r in reqs:
-            p = r.index % len(self.system_prompts)
+            p = self.prefix_of(r)
+            if p is None:  # a request that shares nothing
+                continue
             hits += shared[p] if p in seen else 0
             seen.add(p)
         return hits / sum(r.prompt_tokens for r in reqs)
+
+    def prefix_of(self, r: Request) -> int | None:
+        """Which shared system prompt a request carries (None: none)."""
+        return r.index % len(self.system_prompts)
 
 
 class MixedWorkload(SharedPrefixWorkload):
     """Long documents beside short chats: a `long_fraction` of requests carry a
     document of `long_prompt_tokens` (its own text, no shared prefix); the rest are
-    shared-prefix chats. Tagged class=long / class=short."""
+    shared-prefix chats. Tagged class=long / class=short (or, as the eviction workload,
+    cold / shared)."""
 
-    def __init__(self, tokenizer, *, long_fraction: float, long_prompt_tokens, **kw):
+    def __init__(self, tokenizer, *, long_fraction: float, long_prompt_tokens,
+                 classes: tuple[str, str] = ("short", "long"), **kw):
         super().__init__(tokenizer, **kw)
         self.long_fraction, self.long_prompt_tokens = long_fraction, long_prompt_tokens
+        self.shared_class, self.long_class = classes
 
     def request(self, index: int, stream: str = "measure") -> Request:
         rng = self._rng(stream, "class", index)
         if rng.random() >= self.long_fraction:
             r = super().request(index, stream)
-            return replace(r, tags={**r.tags, "class": "short"})
+            return replace(r, tags={**r.tags, "class": self.shared_class})
         doc = _text(self._pieces, sample_length(self.long_prompt_tokens, rng), rng)
-        return self._request(index, None, doc, sample_length(self.output_tokens, rng), {"class": "long"})
+        return self._request(index, None, doc, sample_length(self.output_tokens, rng), {"class": self.long_class})
+
+    def prefix_of(self, r: Request) -> int | None:
+        return None if r.tags.get("class") == self.long_class else super().prefix_of(r)
 
 
 class RandomWorkload(_Base):
@@ -220,9 +232,10 @@ def make_workload(tokenizer, w):
                   output_tokens=w.output_tokens, prefixes=w.prefixes, **common)
     if w.kind == "shared_prefix":
         return SharedPrefixWorkload(tokenizer, **shared)
-    if w.kind == "mixed":
-        return MixedWorkload(tokenizer, long_fraction=w.long_fraction,
-                             long_prompt_tokens=w.long_prompt_tokens, **shared)
+    if w.kind in ("mixed", "eviction"):
+        classes = ("shared", "cold") if w.kind == "eviction" else ("short", "long")
+        return MixedWorkload(tokenizer, long_fraction=w.long_fraction, long_prompt_tokens=w.long_prompt_tokens,
+                             classes=classes, **shared)
     if w.kind == "multi_turn":
         return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
     return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)

@@ -70,6 +70,7 @@ Notes for whoever measures with it:
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -98,8 +99,13 @@ class _Step:
     order: list = field(default_factory=list)   # self.waiting before the hold, in order
 
 
+STATS_ENV = "VLLM_STUDY_PB_STATS"
+
+
 def _stats_path_for(params: Params, vllm_config) -> str | None:
-    path = params.stats_path
+    # The environment variable serves a launcher that changes the path per server start:
+    # additional_config is part of vLLM's compile-cache hash, the environment is not.
+    path = params.stats_path or os.environ.get(STATS_ENV) or None
     pc = getattr(vllm_config, "parallel_config", None)
     if path and pc is not None and getattr(pc, "data_parallel_size", 1) > 1:
         # one EngineCore per data-parallel rank: one file each, not one clobbered file
