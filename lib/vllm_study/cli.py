@@ -20,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--max-minutes", type=float, help="stop cleanly between points after this long")
     sw.add_argument("--resume", type=Path, help="a run folder to complete (finished points are skipped)")
     sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
+    sw.add_argument("--executor", choices=["local", "gpus", "ray"], default="local",
+                    help="local: one start at a time; gpus: one per free GPU set of this host; ray: Ray tasks")
+    sw.add_argument("--ray-address", help="with --executor ray: the cluster (default: a local Ray)")
+    sw.add_argument("--parallel", type=int, help="at most this many server starts at once")
     sw.add_argument("--no-report", action="store_true",
                     help="skip the report (render it later with `report`, e.g. where nbconvert is missing)")
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
@@ -71,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
             sw_mod.dry_run(args.params, args.engine)
             return 0
         outcome = sw_mod.sweep(args.params, Path(args.results), args.engine, args.resume,
-                               args.max_minutes, args.retry_failed, report=not args.no_report)
+                               args.max_minutes, args.retry_failed, report=not args.no_report,
+                               executor=args.executor, ray_address=args.ray_address, parallel=args.parallel)
     except (StudyError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import client, counters, hardware, loads, models, stats
+from .executors import compile_cache_env
 from .grid import PointPlan
 from .machine import NvmlProbe, describe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
@@ -138,6 +139,7 @@ class PointRun:
         env = dict(s.server.env)
         if self.gpu_indices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
+            env.update(compile_cache_env(self.gpu_indices))
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)

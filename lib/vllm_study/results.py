@@ -192,6 +192,8 @@ class Manifest(_Record):
     warnings: dict[str, list[str]] = {}
     params: dict[str, Any]
     resumes: list[Resume] = []
+    executor: str = "local"                  # who ran the starts (executors.py)
+    overlaps: list[dict[str, Any]] = []      # starts that ran at the same time, with hosts and GPUs
     notes: list[str] = []   # provenance the fields above cannot hold (e.g. a converted run)
 
 

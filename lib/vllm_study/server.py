@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,10 +28,22 @@ class ServerStartError(RuntimeError):
         self.log_path = log_path
 
 
+_HANDED_OUT: set[int] = set()
+_PORT_LOCK = threading.Lock()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on, never the same one twice in this process:
+    servers started side by side (executor gpus) each get their own, even though a
+    port is only taken once its server binds it, seconds later."""
+    with _PORT_LOCK:
+        while True:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.add(port)
+                return port
 
 
 def serve_command(model: str, port: int, engine_cli: list[str], served_name: str,

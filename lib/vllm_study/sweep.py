@@ -5,6 +5,7 @@ budget stops cleanly between units; `resume` runs what is not finished.
 """
 from __future__ import annotations
 
+import datetime as dt
 import importlib.resources
 import os
 import random
@@ -171,7 +172,8 @@ def resume_hint(run: RunFolder) -> str:
 
 
 def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
-          max_minutes: float | None = None, retry_failed: bool = False, report: bool = True) -> Outcome:
+          max_minutes: float | None = None, retry_failed: bool = False, report: bool = True,
+          executor: str = "local", ray_address: str | None = None, parallel: int | None = None) -> Outcome:
     t0 = time.monotonic()
     if resume:
         run = RunFolder(resume)
@@ -194,15 +196,17 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             print(f"  warning {p.id}: {w}")
     # SIGTERM (a scheduler, `kill`) ends the sweep the way Ctrl-C does: the current
     # unit's server is stopped, finished units stay, --resume completes the rest.
+    runner = Runner(run, study, engine, points, executor, ray_address, parallel)
+    print(f"executor {executor}: {len(runner.slots)} server start(s) at a time")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        outcome = _run_units(run, todo, study, t0, max_minutes)
+        outcome = _run_units(run, todo, study, t0, max_minutes, runner)
         while study.precision and not outcome.stop_note:
             extra = more_starts(run, study)
             if not extra:
                 break
             print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
-            outcome = _run_units(run, extra, study, t0, max_minutes)
+            outcome = _run_units(run, extra, study, t0, max_minutes, runner)
     except KeyboardInterrupt:
         _stop_children()
         for u in run.manifest().order:
@@ -217,6 +221,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+    record_overlaps(run, executor)
     if outcome.stop_note:
         print(f"{outcome.stop_note}; continue with:\n  {resume_hint(run)}")
     if report:
@@ -226,30 +231,96 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     return outcome
 
 
-def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None) -> Outcome:
+class Runner:
+    """Runs one unit on one slot of the chosen executor (executors.py): a notebook here,
+    on this host's GPUs, or a Ray task whose start folder comes back to the run."""
+
+    def __init__(self, run: RunFolder, study: Study, engine: str, points: list[Point], executor: str,
+                 ray_address: str | None = None, parallel: int | None = None):
+        from . import executors
+        self.run, self.study, self.engine, self.kind = run, study, engine, executor
+        tp = max((p.engine_args.tensor_parallel_size or 1) for p in points) if points else 1
+        if executor == "local":
+            self.slots = [None]
+        elif executor == "gpus":
+            n = len(describe().gpus)
+            if engine != "gpu" or n == 0:
+                raise StudyError("executor gpus runs points on this host's GPUs, and NVML sees none here; "
+                                 "use --executor local (or ray for a cluster)")
+            self.slots = executors.gpu_slots(n, tp)[:parallel] if parallel else executors.gpu_slots(n, tp)
+        elif executor == "ray":
+            import ray
+            ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
+            have = ray.cluster_resources()
+            # a GPU point takes tp GPUs; a CPU server wants two cores of its own
+            width = max(1, int(have.get("GPU", 0)) // tp) if engine == "gpu" else max(1, int(have.get("CPU", 1)) // 2)
+            self.slots = [None] * (parallel or width)
+            self.task = ray.remote(num_gpus=tp if engine == "gpu" else 0, num_cpus=1)(executors.ray_start)
+        else:
+            raise StudyError(f"unknown executor {executor!r}: local, gpus or ray")
+
+    def __call__(self, unit: Unit, slot, bar: tqdm | None):
+        if self.kind != "ray":
+            return run_unit(self.run, unit, gpus=slot, bar=bar)
+        import ray
+        from .executors import unpack_start
+        folder = self.run.point(unit.point)
+        packed = ray.get(self.task.remote(folder.plan_path.read_text(), unit.model_dump(), unit.point))
+        unpack_start(self.run, unit, packed)
+        return summarize(folder, folder.plan())
+
+
+def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None,
+               runner: Runner) -> Outcome:
+    from .executors import Dispatcher
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
     with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True, miniters=1) as bar:
-        longest = 0.0
-        for i, u in enumerate(todo):
-            elapsed = time.monotonic() - t0
-            if max_minutes and (elapsed > max_minutes * 60 or i > 0 and elapsed + longest > max_minutes * 60):
-                note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would "
-                        f"not fit (the longest so far took {longest / 60:.1f} min); {len(todo) - i} of "
-                        f"{len(todo)} starts left")
-                return Outcome(run, len(todo) - i, note)
-            bar.set_description(f"start {i + 1}/{len(todo)} {u.point} #{u.start}")
-            ts = time.monotonic()
-            done_before = bar.n
-            s = run_unit(run, u, bar=bar)
-            longest = max(longest, time.monotonic() - ts)
-            bar.update(done_before + study.rounds - bar.n)  # a failed start's rounds count as done
+        lock = threading.Lock()
+
+        def work(u: Unit, slot):
+            with lock:
+                bar.set_description(f"{u.point} #{u.start}" + (f" on GPUs {slot}" if slot else ""))
+            s = runner(u, slot, bar)
             rec = run.point(u.point).start(u.start)
-            if rec is not None and rec.status == "failed":
-                tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
-            elif s.status == "failed":
-                tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
+            with lock:
+                # the watcher counted the rounds that landed here; a Ray task's arrive at once;
+                # a failed start's missing rounds count as done
+                on_disk = len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS))
+                bar.update(study.rounds if runner.kind == "ray" else max(0, study.rounds - on_disk))
+                if rec is not None and rec.status == "failed":
+                    tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
+                elif s.status == "failed":
+                    tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
+
+        left, longest = Dispatcher(runner.slots, work, t0, max_minutes).run(todo)
+    if left:
+        elapsed = time.monotonic() - t0
+        note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "
+                f"(the longest so far took {longest / 60:.1f} min); {left} of {len(todo)} starts left")
+        return Outcome(run, left, note)
     return Outcome(run, 0)
+
+
+def record_overlaps(run: RunFolder, executor: str) -> None:
+    """Which server starts ran at the same time, where (host, GPUs): the manifest keeps it,
+    so a neighbour's effect on a point can be looked for in the data."""
+    spans = []
+    for pid in run.point_ids():
+        for s in run.point(pid).starts():
+            if s.started_utc and s.finished_utc and s.started_utc[0].isdigit():
+                spans.append((s, dt.datetime.fromisoformat(s.started_utc), dt.datetime.fromisoformat(s.finished_utc)))
+    overlaps = []
+    for i, (a, a0, a1) in enumerate(spans):
+        for b, b0, b1 in spans[i + 1:]:
+            seconds = (min(a1, b1) - max(a0, b0)).total_seconds()
+            if seconds > 0:
+                overlaps.append({"a": f"{a.point}#s{a.start}", "b": f"{b.point}#s{b.start}", "seconds": seconds,
+                                 "hosts": sorted({a.host, b.host}),
+                                 "gpus": [[g.index for g in a.gpus], [g.index for g in b.gpus]]})
+    m = run.manifest()
+    m.executor, m.overlaps = executor, overlaps
+    m.save(run.manifest_path)
 
 
 def more_starts(run: RunFolder, study: Study) -> list[Unit]:
