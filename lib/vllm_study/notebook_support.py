@@ -162,28 +162,24 @@ def definitions(r: report.Run) -> pd.DataFrame:
     return metrics.definitions(report.reported_metrics(r))
 
 
-def draw_heatmaps(r: report.Run) -> None:
-    why = plots.heatmap_grid(r, out=r.folder.figures / "heatmaps.png")
+def _show(why: str | None) -> None:
+    """A drawing function's outcome: the figure, or the sentence saying why there is none."""
     if why:
         print(why)
     else:
         plt.show()
+
+
+def draw_heatmaps(r: report.Run) -> None:
+    _show(plots.heatmap_grid(r, out=r.folder.figures / "heatmaps.png"))
 
 
 def draw_trends(r: report.Run) -> None:
-    why = plots.trend_vs_axis(r, out=r.folder.figures / "trends.png")
-    if why:
-        print(why)
-    else:
-        plt.show()
+    _show(plots.trend_vs_axis(r, out=r.folder.figures / "trends.png"))
 
 
 def draw_round_trend(r: report.Run) -> None:
-    why = plots.round_trend(r, out=r.folder.figures / "ttft_p90_by_round.png")
-    if why:
-        print(why)
-    else:
-        plt.show()
+    _show(plots.round_trend(r, out=r.folder.figures / "ttft_p90_by_round.png"))
 
 
 def noise_floor(r: report.Run) -> pd.DataFrame:
@@ -227,11 +223,8 @@ def pareto(r: report.Run) -> pd.DataFrame | None:
     tp = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
     t = decision.pareto_table(r.intervals, tp)
     why = plots.pareto_plot(t, out=r.folder.figures / "pareto.png")
-    if why:
-        print(why)
-        return None
-    plt.show()
-    return t.round(1)
+    _show(why)
+    return None if why else t.round(1)
 
 
 # -- explore notebook --------------------------------------------------------
@@ -239,11 +232,7 @@ def explore(r: report.Run, metric: str, x: str = "", hue: str = "", other: repor
     """One metric sliced by an axis (and another as hue), rounds overlaid; with a second
     run, its values beside and the change per point."""
     metrics.get(metric)  # an unknown name fails here, with the list of known ones
-    why = plots.slice_plot(r, metric, x or None, hue or None, other)
-    if why:
-        print(why)
-    else:
-        plt.show()
+    _show(plots.slice_plot(r, metric, x or None, hue or None, other))
     iv = r.intervals[r.intervals["metric"] == metric]
     t = iv.set_index("point")[["value", "ci_low", "ci_high", "starts", "rounds"]]
     if other is not None:
