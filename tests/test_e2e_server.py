@@ -100,7 +100,9 @@ def test_round_clock_is_first_send_to_last_finish(server, tmp_path, load):
     res = _requests(tmp_path / "s1")
     span = max(r["end_time"] for r in res) - min(r["send_time"] for r in res)
     duration = run.rounds[0].metrics["duration_s"]
-    assert abs(duration - span) < 0.005, (duration, span)
+    # building and tokenizing the requests (1,500-token prompts) happens before the clock;
+    # what is left is starting the sender (an event loop, a connection pool)
+    assert abs(duration - span) < 0.025, (duration, span)
     assert run.rounds[0].metrics["output_throughput"] == pytest.approx(
         sum(r["output_tokens"] for r in res) / span, rel=0.01)
 
@@ -172,8 +174,12 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     assert direct.status == "ok" and direct.launch.target["base_url"] == srv.url  # /v1/ normalized away
     assert gateway.status == "ok", gateway.reasons
     assert nokey.status == "failed" and "401" in nokey.reasons[0]
-    added = gateway.estimates["ttft_p50_ms"].median - direct.estimates["ttft_p50_ms"].median
-    assert 150 < added < 400, added  # the gateway's 200 ms shows up in TTFT, and no more than noise on top
+    # The gateway's 200 ms shows in what the path adds on top of vLLM's own TTFT (client
+    # mean minus vLLM's mean): robust to the server being slower in one target's round.
+    def path_ms(s):
+        return s.estimates["ttft_mean_ms"].median - s.estimates["server_ttft_mean_ms"].median
+    added = path_ms(gateway) - path_ms(direct)
+    assert 150 < added < 400, added
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f

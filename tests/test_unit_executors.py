@@ -66,6 +66,9 @@ def test_dispatcher_stops_starting_units_when_the_budget_would_be_overrun():
     left, longest = Dispatcher([None], work, t0, max_minutes=0.5 / 60).run(_units(5))
     # one at a time, 0.3 s each, 0.5 s budget: after the first, the second would end past it
     assert left == 4 and 0.3 <= longest < 1.0
+    # a spent budget still lets the first unit go: every invocation makes progress
+    left, _ = Dispatcher([None], work, t0 - 60, max_minutes=0.5 / 60).run(_units(3))
+    assert left == 2
 
 
 def test_an_error_in_a_unit_reaches_the_sweep():

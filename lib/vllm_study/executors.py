@@ -55,11 +55,11 @@ class Dispatcher:
         self.lock = threading.Lock()
 
     def _fits(self, started: int) -> bool:
-        if not self.max_minutes:
+        """The first unit always goes (each invocation makes progress); a later one only
+        if the longest so far would still end inside the budget."""
+        if not self.max_minutes or started == 0:
             return True
-        elapsed = time.monotonic() - self.t0
-        budget = self.max_minutes * 60
-        return not (elapsed > budget or (started > 0 and elapsed + self.longest > budget))
+        return time.monotonic() - self.t0 + self.longest <= self.max_minutes * 60
 
     def _timed(self, unit: Unit, slot):
         ts = time.monotonic()

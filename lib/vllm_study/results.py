@@ -36,6 +36,8 @@ MANIFEST, STUDY, SUMMARY_CSV, POINTS = "manifest.json", "study.yaml", "summary.c
 POINT_PLAN, POINT_SUMMARY = "point.json", "summary.json"
 START, ROUNDS, REQUESTS, NOTEBOOK = "start.json", "rounds.jsonl", "requests.jsonl.gz", "point.ipynb"
 LOG, LOG_GZ = "server.log", "server.log.gz"
+# summary.csv's leading columns (the point's axis values and the metrics follow)
+ROUND_COLUMNS = ["point", "point_status", "start", "block", "round", "round_status", "group", "group_value"]
 
 
 def now_utc() -> str:
@@ -289,7 +291,8 @@ class RunFolder:
 
     def rounds_table(self) -> pd.DataFrame:
         """Tidy: one row per point x start x round x group (group 'all' is the whole
-        round), with the point's axis values and its status beside each row."""
+        round), with the point's axis values and its status beside each row. A run with
+        no round has the columns and no row."""
         rows = []
         for s in self.summaries():
             base = {"point": s.point, **s.values, "point_status": s.status}
@@ -297,7 +300,7 @@ class RunFolder:
                 head = {**base, "start": r.start, "block": r.block, "round": r.round, "round_status": r.status}
                 rows.append({**head, "group": "all", "group_value": "", **r.metrics})
                 rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
-        return pd.DataFrame(rows)
+        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_COLUMNS)
 
     def write_summary_csv(self) -> pd.DataFrame:
         df = self.rounds_table()
