@@ -125,6 +125,10 @@ def _t(df: int) -> float:
     return float(sps.t.ppf(Z_LEVEL, df)) if df else float("nan")
 
 
+INTERVAL_COLUMNS = ["point", "metric", "value", "ci_low", "ci_high", "next_start_low", "next_start_high", "starts",
+                    "rounds", "scale", "df", "method"]
+
+
 def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | None = None) -> pd.DataFrame:
     """One row per point x metric: value, 95% interval, a 95% prediction interval for one
     more server start, starts, rounds, method."""
@@ -148,7 +152,7 @@ def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | N
                          "next_start_high": float(data.back(c + pred)) if np.isfinite(pred) else np.nan,
                          "starts": n, "rounds": sum(len(v) for (p, _), v in data.rounds.items() if p == point),
                          "scale": "log" if data.log else "linear", "df": df, "method": method})
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=INTERVAL_COLUMNS)
 
 
 def relative_width(row) -> float:
