@@ -120,7 +120,7 @@ def main() -> int:
     cmd = serve_command(model, port, point.engine_args.cli(), served, dummy, study.server.extra_cli_args)
     runs = {"kit": [], "vllm_bench": []}
     # Each finished run goes to runs.jsonl at once and the summary covers what finished:
-    # a benchmark cut short (a device call's time limit, Ctrl-C) keeps its measurements.
+    # a benchmark cut short (a job's time limit, Ctrl-C) keeps its measurements.
     log = a.out / "runs.jsonl"
     try:
         with VllmServer(cmd, port, a.out / "server.log", env=study.server.env,

@@ -230,14 +230,17 @@ def stub(monkeypatch):
 
 
 def test_probe_full_endpoint_gives_snapshot_no_warnings_and_resets(stub):
-    snap, notes = probe_server_api(stub.url("full"))
-    assert notes == []
+    api = probe_server_api(stub.url("full"))
+    snap, notes = api.snapshot, api.notes
+    assert notes == [] and api.cache_reset
     assert snap["values"]["vllm:prefix_cache_queries_total"] == 1500.0
     assert stub.resets == 1
 
 
 def test_probe_metrics_without_reset_warns_that_the_cache_stays_warm(stub):
-    snap, notes = probe_server_api(stub.url("metrics"))
+    api = probe_server_api(stub.url("metrics"))
+    snap, notes = api.snapshot, api.notes
+    assert not api.cache_reset
     assert snap is not None and snap["values"]["vllm:num_preemptions_total"] == 3.0
     (note,) = notes
     assert f"{stub.url('metrics')}/reset_prefix_cache is refused (HTTP 404" in note
@@ -246,8 +249,9 @@ def test_probe_metrics_without_reset_warns_that_the_cache_stays_warm(stub):
 
 
 def test_probe_without_metrics_or_reset_gives_none_and_two_warnings(stub):
-    snap, notes = probe_server_api(stub.url("none"))
-    assert snap is None
+    api = probe_server_api(stub.url("none"))
+    snap, notes = api.snapshot, api.notes
+    assert snap is None and not api.cache_reset
     assert len(notes) == 2
     metrics_note, reset_note = notes
     assert f"{stub.url('none')}/metrics does not answer (HTTP 404)" in metrics_note
@@ -258,7 +262,8 @@ def test_probe_without_metrics_or_reset_gives_none_and_two_warnings(stub):
 def test_probe_of_nothing_listening_says_why():
     with http.server.HTTPServer(("127.0.0.1", 0), _Handler) as closed:
         port = closed.server_address[1]
-    snap, notes = probe_server_api(f"http://127.0.0.1:{port}")
+    api = probe_server_api(f"http://127.0.0.1:{port}")
+    snap, notes = api.snapshot, api.notes
     assert snap is None and len(notes) == 2
     assert all("Error" in n for n in notes)  # the exception is named (URLError, ConnectionRefusedError)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import urllib.error
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -140,22 +141,28 @@ def reset_prefix_cache(base_url: str, api_key: str | None = None, proxy: str | N
             raise RuntimeError(f"/reset_prefix_cache answered {r.status}")
 
 
-def probe_server_api(base_url: str, api_key: str | None = None, proxy: str | None = None) -> tuple[dict | None, list[str]]:
-    """What a running endpoint offers beyond the OpenAI API, each part on its own: a
-    /metrics snapshot (None if it does not answer) and the cache reset (vLLM's dev
-    mode). Returns (snapshot, warnings that say plainly what is missing)."""
-    notes, snap = [], None
+@dataclass
+class ServerApi:
+    """What a running endpoint offers beyond the OpenAI API, each part on its own."""
+    snapshot: dict | None          # a /metrics snapshot, or None where it does not answer
+    cache_reset: bool              # /reset_prefix_cache answered (vLLM's dev mode)
+    notes: list[str]               # what is missing, said plainly
+
+
+def probe_server_api(base_url: str, api_key: str | None = None, proxy: str | None = None) -> ServerApi:
+    api = ServerApi(None, True, [])
     try:
-        snap = scrape(base_url, api_key, proxy)
+        api.snapshot = scrape(base_url, api_key, proxy)
     except (OSError, ValueError) as e:
-        notes.append(f"{base_url}/metrics does not answer ({_why(e)}): server-side counters are absent")
+        api.notes.append(f"{base_url}/metrics does not answer ({_why(e)}): server-side counters are absent")
     try:
         reset_prefix_cache(base_url, api_key, proxy)
     except (OSError, RuntimeError) as e:
-        notes.append(f"{base_url}/reset_prefix_cache is refused ({_why(e)}; vLLM offers it only with "
-                     "VLLM_SERVER_DEV_MODE=1): the prefix cache is NOT reset between rounds, so later "
-                     "rounds may start warm")
-    return snap, notes
+        api.cache_reset = False
+        api.notes.append(f"{base_url}/reset_prefix_cache is refused ({_why(e)}; vLLM offers it only with "
+                         "VLLM_SERVER_DEV_MODE=1): the prefix cache is NOT reset between rounds, so later "
+                         "rounds may start warm")
+    return api
 
 
 def _why(e: Exception) -> str:

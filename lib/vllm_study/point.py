@@ -124,12 +124,12 @@ class PointRun:
         except client.EndpointError as e:
             self._fail(f"target {t.name}: {e}")
             return
-        snap, notes = counters.probe_server_api(self.url, self.api_key, self.proxy)
-        self.record.launch.has_metrics = snap is not None
-        self.record.launch.cache_reset = not any("reset_prefix_cache" in n for n in notes)
-        if snap is not None:
-            self.record.launch.cache_config = counters.cache_config(snap)
-        self.record.warnings += notes
+        api = counters.probe_server_api(self.url, self.api_key, self.proxy)
+        self.record.launch.has_metrics = api.snapshot is not None
+        self.record.launch.cache_reset = api.cache_reset
+        if api.snapshot is not None:
+            self.record.launch.cache_config = counters.cache_config(api.snapshot)
+        self.record.warnings += api.notes
 
     def _start_server(self, model: str, dummy: bool) -> None:
         s = self.study

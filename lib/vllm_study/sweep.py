@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import papermill as pm
+import yaml
 from tqdm import tqdm
 
 from . import doctor
@@ -75,7 +76,6 @@ def prepare(study: Study, engine: str) -> list[Point]:
 def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
     git = git_state(REPO)
     run = RunFolder.create(results, study.name, git)
-    import yaml
     write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
     choice = cpu_dtype() if engine == "cpu" and study.engine_args.dtype is None and not study.targets else None
     Manifest(study=study.name, created_utc=now_utc(), git=git, versions=versions(), engine=engine,
