@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import datetime as dt
 import importlib.resources
+import json
 import os
 import random
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -115,7 +117,11 @@ def _stop_leftover_server(start_dir: Path) -> None:
 
 def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None):
     """Execute the point notebook for one unit and return the point's summary. A notebook
-    that dies before recording an outcome has its error recorded as the outcome."""
+    that dies before recording an outcome has its error recorded as the outcome.
+
+    papermill runs in a process of its own: it changes the working directory of the
+    process it runs in while a notebook executes, which would break relative paths here
+    and races between units that run side by side (executor gpus)."""
     folder = run.point(unit.point)
     sdir = folder.start_dir(unit.start)
     sdir.mkdir(parents=True, exist_ok=True)
@@ -124,17 +130,20 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     # then names no machine's folders.
     params = {"point_file": os.path.relpath(folder.plan_path, nbdir), "start": unit.start, "block": unit.block,
               "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else ""}
+    out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_rounds, args=(sdir / ROUNDS, bar, stop), daemon=True) if bar else None
+    watcher = threading.Thread(target=_watch_rounds, args=(sdir.resolve() / ROUNDS, bar, stop), daemon=True) \
+        if bar is not None else None
     if watcher:
         watcher.start()
     try:
-        pm.execute_notebook(str(notebook("point.ipynb")), str(sdir / NOTEBOOK), parameters=params,
-                            cwd=str(nbdir), progress_bar=False, kernel_name="python3")
-    except pm.PapermillExecutionError as e:
+        done = subprocess.run([sys.executable, "-m", "papermill", str(notebook("point.ipynb")), str(out),
+                               "--cwd", str(nbdir), "--no-progress-bar", "--kernel", "python3",
+                               "--parameters_yaml", yaml.safe_dump(params)], capture_output=True, text=True)
         rec = StartRecord.load_if(sdir / START)
-        if rec is not None and rec.status == "running":  # the notebook died before recording an outcome
-            rec.status, rec.reason = "failed", f"notebook error: {e.ename}: {e.evalue}"[:500]
+        if done.returncode != 0 and rec is not None and rec.status == "running":
+            # the notebook died before recording an outcome: its error is the outcome
+            rec.status, rec.reason = "failed", f"notebook error: {_notebook_error(out, done.stderr)}"[:500]
             rec.save(sdir / START)
     finally:
         stop.set()
@@ -142,6 +151,20 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
             watcher.join()
         _stop_leftover_server(sdir)
     return summarize(folder, folder.plan())
+
+
+def _notebook_error(nb: Path, stderr: str) -> str:
+    """The error a papermill run stopped on: from the executed notebook where it was saved,
+    else the last line papermill printed."""
+    try:
+        for cell in json.loads(nb.read_text())["cells"]:
+            for o in cell.get("outputs", []):
+                if o.get("output_type") == "error":
+                    return f"{o['ename']}: {o['evalue']}"
+    except (OSError, ValueError, KeyError):
+        pass
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    return lines[-1] if lines else "papermill failed without a message"
 
 
 # -- the study ----------------------------------------------------------------------
