@@ -7,7 +7,7 @@ the run. Each slice stops between server starts before --minutes is up (the swee
 machine even if the next slice never comes.
 
     python tools/study_slice.py params/h200-qwen2.5-32b.yaml --knee params/h200-qwen2.5-32b-knee.yaml \\
-        --runs /tmp/runs --minutes 9 --pack $OUT/runs.tar.gz
+        --runs /tmp/runs --minutes 9 --pack $OUT/runs.tar.gz [--executor gpus]
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ def main() -> int:
     ap.add_argument("--pack", type=Path, help="tar.gz the runs folder here when the slice ends")
     ap.add_argument("--carried", type=Path, default=ROOT / "results",
                     help="where an earlier slice's run may have been brought along (copied into --runs)")
-    a = ap.parse_args()
+    # anything else (--executor gpus, --parallel 2) goes to the main study's sweep
+    a, sweep_args = ap.parse_known_args()
     t0 = time.monotonic()
     a.runs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _forward_sigterm)
@@ -93,10 +94,10 @@ def main() -> int:
         if left() < MIN_START_MINUTES:
             print(f"{left():.1f} min left: the next server start waits for the next slice", flush=True)
         elif run:
-            rc = sweep("--resume", run, "--max-minutes", f"{left():.2f}")
+            rc = sweep("--resume", run, "--max-minutes", f"{left():.2f}", *sweep_args)
         else:
             override = [knee_file] if knee_file.exists() else []
-            rc = sweep(a.study, *override, "--results", a.runs, "--max-minutes", f"{left():.2f}")
+            rc = sweep(a.study, *override, "--results", a.runs, "--max-minutes", f"{left():.2f}", *sweep_args)
     except KeyboardInterrupt:
         rc = 130
     finally:
