@@ -27,6 +27,7 @@ from .sweep import study_engine  # noqa: E402
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 40)
+pd.set_option("display.max_colwidth", None)  # a failure's reason is one line: show all of it
 
 
 # -- point notebook ----------------------------------------------------------

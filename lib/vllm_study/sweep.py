@@ -108,6 +108,11 @@ def _watch_rounds(rounds_file: Path, bar: tqdm, stop: threading.Event) -> None:
             seen = n
 
 
+# Set while an interrupted sweep stops its children: a notebook process that dies of
+# that stop is not a failed start (the start stays "running", for --resume to redo).
+STOPPING = threading.Event()
+
+
 def _stop_leftover_server(start_dir: Path) -> None:
     """Safety net: if the notebook's kernel died (or was interrupted) without stopping its
     server, stop the process group the server recorded (never anything found by name)."""
@@ -139,9 +144,11 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     try:
         done = subprocess.run([sys.executable, "-m", "papermill", str(notebook("point.ipynb")), str(out),
                                "--cwd", str(nbdir), "--no-progress-bar", "--kernel", "python3",
-                               "--parameters_yaml", yaml.safe_dump(params)], capture_output=True, text=True)
+                               "--parameters_yaml", yaml.safe_dump(params)], capture_output=True, text=True,
+                              # a terminal's Ctrl-C reaches the sweep alone, which stops the unit
+                              start_new_session=True)
         rec = StartRecord.load_if(sdir / START)
-        if done.returncode != 0 and rec is not None and rec.status == "running":
+        if done.returncode != 0 and rec is not None and rec.status == "running" and not STOPPING.is_set():
             # the notebook died before recording an outcome: its error is the outcome
             rec.status, rec.reason = "failed", f"notebook error: {_notebook_error(out, done.stderr)}"[:500]
             rec.save(sdir / START)
@@ -222,6 +229,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     runner = Runner(run, study, engine, points, executor, ray_address, parallel)
     print(f"executor {executor}: {len(runner.slots)} server start(s) at a time")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    STOPPING.clear()
     try:
         outcome = _run_units(run, todo, study, t0, max_minutes, runner)
         while study.precision and not outcome.stop_note:
@@ -231,6 +239,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
             outcome = _run_units(run, extra, study, t0, max_minutes, runner)
     except KeyboardInterrupt:
+        STOPPING.set()
         _stop_children()
         for u in run.manifest().order:
             _stop_leftover_server(run.point(u.point).start_dir(u.start))
