@@ -1,15 +1,22 @@
 """What the end-to-end tests share: the tiny study, KV sizes in tokens whatever dtype
-this CPU runs, and one server start of a point through the kit's own steps."""
+this CPU runs, one server start of a point through the kit's own steps, and the sweep
+command run as a user runs it."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
+
+import yaml
 
 from vllm_study.grid import PointPlan, expand
 from vllm_study.machine import cpu_dtype
 from vllm_study.models import kv_bytes_per_token
 from vllm_study.params import study_from_dict
 from vllm_study.point import PointRun
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def kv_bytes(tokens: int) -> int:
@@ -45,3 +52,15 @@ def measure(plan: PointPlan, start_dir: Path, start: int = 1):
 
 def no_proxy_env() -> dict:
     return {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}
+
+
+def sweep(*args, timeout=1500) -> subprocess.CompletedProcess:
+    """`python -m vllm_study sweep ARGS` from the repository root."""
+    return subprocess.run([sys.executable, "-m", "vllm_study", "sweep", *map(str, args)], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def write(tmp_path: Path, study: dict) -> Path:
+    f = tmp_path / "study.yaml"
+    f.write_text(yaml.safe_dump(study, sort_keys=False))
+    return f
