@@ -26,7 +26,7 @@ from .machine import NvmlProbe, describe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
-from .prefix_budget.stats import read_stats as read_pb_stats, stats_delta
+from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
 from .workload import make_workload
 
@@ -323,8 +323,7 @@ def _budget_figures(before: dict | None, after: dict | None) -> dict:
     if after is None:
         return {}
     if before is None:  # the engine wrote its first counters during the round
-        before = {**after, "counters": {k: 0 for k in after["counters"]}, "defer_ms": [], "release_step_ms": [],
-                  "admit_wait_ms": [], "updated_at": after["updated_at"]}
+        before = {**after, "counters": {k: 0 for k in after["counters"]}, **{k: [] for k in PB_SERIES}}
     d = stats_delta(before, after)
     return {"pb_deferred": d["deferred"], "pb_admitted_by_age": d["admitted_by_age"],
             "pb_admitted_idle": d["admitted_idle"], "pb_defer_ms_p50": d["defer_ms_p50"],
