@@ -1,9 +1,17 @@
-"""Where a server start's wall time goes, from a finished run's own records: vLLM's
-start-up (process launch to a healthy /health, `launch.startup_s`), the measurement
-(warm-up and rounds, from the executed point notebook's cell timings), and the rest,
-which is the kit's: imports, tokenizer and workload set-up, model folder, counters,
-stopping the server, writing results. Also the gap between one start's notebook ending
-and the next one beginning on the same GPU slot (the sweep, papermill and the kernel).
+"""Where a server start's wall time goes, from a finished run's own records.
+
+Runs that record each start's timeline (start.json `timeline`: spawn, ready, warmup,
+measured, stop, stopped) split a GPU slot's time into vLLM's (start-up: spawn to a
+healthy /health; shutdown: SIGTERM to the process group gone), the measurement (warm-up
+and rounds) and the kit's, which is everything else on the slot's critical path:
+  - before the server: from the slot's previous server gone (or, for a slot's first
+    start, from its notebook's beginning: papermill, kernel, imports) to this spawn;
+  - ready to warm-up, and rounds over to SIGTERM.
+A slot's next start prepares (papermill, kernel, imports, plan) while the previous one
+stops its server, so that work is off the critical path and counted nowhere.
+
+Older runs without a timeline are split by the point notebook's cell timings instead
+(vLLM's start-up, the measuring cells, the rest), plus the gap between notebooks.
 
     python benchmarks/point_overhead.py results/<run> [results/<run> ...]
 """
@@ -16,12 +24,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_study.results import NOTEBOOK, RunFolder
+from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)
 MEASURING = ("run.warmup()", "run.run_rounds(")
-IMPORTS, LAUNCH = "from vllm_study import notebook_support", "run = ns.PointRun("
+IMPORTS = ("from vllm_study import notebook_support", "from vllm_study import point_notebook")
+LAUNCH = ("run = ns.PointRun(", "run = pn.PointRun(")
 BETWEEN_SLICES_S = 300  # a longer gap is a stop and a resume, not the sweep's own
 
 
@@ -49,9 +58,60 @@ def start_rows(run: RunFolder) -> list[dict]:
             rows.append({"run": run.path.name, "start": f"{folder.path.name}#s{rec.start}",
                          "slot": ",".join(str(g.index) for g in rec.gpus) or "-", "begin": t0, "end": t1,
                          "notebook_s": wall, "vllm_startup_s": rec.launch.startup_s, "measuring_s": measuring,
-                         "kit_s": wall - rec.launch.startup_s - measuring, "kit_imports_s": took(IMPORTS),
-                         "kit_launch_s": took(LAUNCH) - rec.launch.startup_s})
+                         "kit_s": wall - rec.launch.startup_s - measuring, "kit_imports_s": took(*IMPORTS),
+                         "kit_launch_s": took(*LAUNCH) - rec.launch.startup_s})
     return rows
+
+
+def _notebook_begin(path: Path) -> float | None:
+    try:
+        t = json.loads(path.read_text())["metadata"]["papermill"]["start_time"]
+        return _when(t).timestamp() if t else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def timeline_frame(run: RunFolder) -> pd.DataFrame:
+    """One row per start with a whole timeline: the kit's seconds on the slot's critical
+    path beside vLLM's start-up and shutdown and the measurement."""
+    rows = []
+    for folder in map(run.point, run.point_ids()):
+        for rec in folder.starts():
+            t = rec.timeline
+            if not all(k in t for k in TIMELINE):
+                continue
+            rows.append({"start": f"{folder.path.name}#s{rec.start}",
+                         "slot": ",".join(str(g.index) for g in rec.gpus) or "-",
+                         "begin": _notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
+                         "slot_wait_s": rec.launch.slot_wait_s})
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    df = df.sort_values("spawn")
+    previous = df.groupby("slot")["stopped"].shift()
+    follows = (df["spawn"] - previous) < BETWEEN_SLICES_S  # not a slot's first start, nor after a resume
+    df["follows"] = follows
+    df["before_s"] = (df["spawn"] - previous).where(follows, df["spawn"] - df["begin"])
+    df["ready_to_warmup_s"] = df["warmup"] - df["ready"]
+    df["measured_to_stop_s"] = df["stop"] - df["measured"]
+    df["kit_s"] = df[["before_s", "ready_to_warmup_s", "measured_to_stop_s"]].sum(axis=1, min_count=3)
+    df["vllm_startup_s"] = df["ready"] - df["spawn"]
+    df["measuring_s"] = df["measured"] - df["warmup"]
+    df["vllm_stop_s"] = df["stopped"] - df["stop"]
+    return df
+
+
+def print_timeline(name: str, df: pd.DataFrame) -> None:
+    cols = ["start", "slot", "follows", "before_s", "ready_to_warmup_s", "measured_to_stop_s", "kit_s",
+            "vllm_startup_s", "measuring_s", "vllm_stop_s", "slot_wait_s"]
+    print(f"\n{name}")
+    print(df[cols].round(2).to_string(index=False))
+    steady, first = df[df["follows"]], df[~df["follows"]]
+    print(f"kit's seconds per start on the slot's critical path: median {steady['kit_s'].median():.2f} s "
+          f"over {len(steady)} start(s) that follow another on their slot (max {steady['kit_s'].max():.2f} s); "
+          f"{first['kit_s'].median():.2f} s for a slot's first start ({len(first)}: papermill, kernel and imports "
+          f"included). vLLM: start-up median {df['vllm_startup_s'].median():.1f} s, "
+          f"shutdown {df['vllm_stop_s'].median():.1f} s; measuring {df['measuring_s'].median():.1f} s")
 
 
 def main() -> int:
@@ -59,6 +119,10 @@ def main() -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     a = ap.parse_args()
     for path in a.runs:
+        timed = timeline_frame(RunFolder(path))
+        if not timed.empty:
+            print_timeline(path.name, timed)
+            continue
         df = pd.DataFrame(start_rows(RunFolder(path)))
         if df.empty:
             print(f"{path}: no start with a launch time and an executed notebook")

@@ -91,7 +91,8 @@ def test_unknown_model_lists_served_models(server):
 @pytest.mark.parametrize("load", [{"kind": "closed"}, {"kind": "poisson", "rate": 8.0}])
 def test_round_clock_is_first_send_to_last_finish(server, tmp_path, load):
     """The round's clock starts after its requests are built and tokenized: the recorded
-    duration is the span from the first send to the last finish, within a few ms."""
+    duration is the span from the first send to the last finish, read from the requests'
+    own timestamps; throughput divides by that span."""
     srv, _ = server
     plan = plan_of(_target_study(srv.url, {"requests_per_round": 12, "system_prompt_tokens": 1500,
                                            "load": load}))
@@ -100,9 +101,9 @@ def test_round_clock_is_first_send_to_last_finish(server, tmp_path, load):
     res = _requests(tmp_path / "s1")
     span = max(r["end_time"] for r in res) - min(r["send_time"] for r in res)
     duration = run.rounds[0].metrics["duration_s"]
-    # building and tokenizing the requests (1,500-token prompts) happens before the clock;
-    # what is left is starting the sender (an event loop, a connection pool)
-    assert abs(duration - span) < 0.025, (duration, span)
+    # building and tokenizing the 1,500-token prompts (tens of ms here) is not in it, nor is
+    # starting the sender's event loop
+    assert duration == pytest.approx(span, abs=1e-6), (duration, span)
     assert run.rounds[0].metrics["output_throughput"] == pytest.approx(
         sum(r["output_tokens"] for r in res) / span, rel=0.01)
 
@@ -149,14 +150,14 @@ def _gateway(upstream: str, key: str | None = None, delay_s: float = 0.0, refuse
 
 
 def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypatch):
-    """The vLLM port directly and the same server behind a gateway that adds 200 ms and
+    """The vLLM port directly and the same server behind a gateway that adds 1 s and
     wants a key: both measured, the gateway's TTFT higher by about its delay; the key is
     read from the variable the params name and never written; a third target without
     the key fails with a 401 reason."""
     srv, _ = server
     secret = "s3cret-key-for-test"
     monkeypatch.setenv("GATEWAY_KEY", secret)
-    gw_url, close = _gateway(srv.url, secret, delay_s=0.2)
+    gw_url, close = _gateway(srv.url, secret, delay_s=1.0)
     try:
         study = study_from_dict({
             **{k: v for k, v in tiny().items() if k not in ("grid", "engine_args")},
@@ -174,13 +175,14 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     assert direct.status == "ok" and direct.launch.target["base_url"] == srv.url  # /v1/ normalized away
     assert gateway.status == "ok", gateway.reasons
     assert nokey.status == "failed" and "401" in nokey.reasons[0]
-    # The gateway's 200 ms shows in what the path adds on top of vLLM's own TTFT (client
+    # The gateway's 1 s shows in what the path adds on top of vLLM's own TTFT (client
     # mean minus vLLM's mean): robust to the server being slower in one target's round.
+    # The delay is large against the noise: on 2 cores, another test's vLLM and the
+    # in-process gateway sharing the client's interpreter have added up to ~400 ms.
     def path_ms(s):
         return s.estimates["ttft_mean_ms"].median - s.estimates["server_ttft_mean_ms"].median
     added = path_ms(gateway) - path_ms(direct)
-    # wide bounds: on 2 cores another test's vLLM can slow this client by ~100 ms a round
-    assert 100 < added < 600, added
+    assert 800 < added < 1700, added
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f

@@ -1,14 +1,18 @@
 """Executors without servers: GPU sets, ports for servers started side by side, the
-dispatcher's concurrency, order and time budget, and per-slot compile caches."""
+dispatcher's concurrency, order and time budget, a slot's next unit preparing while the
+previous one finishes (and the slot lock that keeps their servers apart), and per-slot
+compile caches."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_study.executors import Dispatcher, compile_cache_env, gpu_slots
+from vllm_study.executors import Dispatcher, SlotLock, compile_cache_env, gpu_slots, slot_lock_path
 from vllm_study.grid import Unit
 from vllm_study.server import free_port
 
@@ -44,7 +48,7 @@ def test_dispatcher_fills_every_slot_in_order_and_never_shares_one():
     busy, log, lock = set(), [], threading.Lock()
     peak = [0]
 
-    def work(unit, slot):
+    def work(unit, slot, release):
         with lock:
             assert tuple(slot) not in busy  # one unit per slot at a time
             busy.add(tuple(slot))
@@ -59,7 +63,7 @@ def test_dispatcher_fills_every_slot_in_order_and_never_shares_one():
 
 
 def test_dispatcher_stops_starting_units_when_the_budget_would_be_overrun():
-    def work(unit, slot):
+    def work(unit, slot, release):
         time.sleep(0.3)
 
     t0 = time.monotonic()
@@ -72,8 +76,83 @@ def test_dispatcher_stops_starting_units_when_the_budget_would_be_overrun():
 
 
 def test_an_error_in_a_unit_reaches_the_sweep():
-    def work(unit, slot):
+    def work(unit, slot, release):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         Dispatcher([None, None], work, time.monotonic(), None).run(_units(3))
+
+
+def test_a_released_slot_takes_its_next_unit_while_the_last_one_finishes(tmp_path):
+    """Each unit holds its slot's lock for its 'server' phase and releases the slot
+    early: the next unit starts preparing (overlapping the previous one's finish) but its
+    server phase begins only after the previous one's ended; never more than two units
+    on a slot, never two server phases at once."""
+    events, lock = [], threading.Lock()
+    per_slot: dict = {}
+
+    def work(unit, slot, release):
+        key = tuple(slot)
+        with lock:
+            per_slot[key] = per_slot.get(key, 0) + 1
+            assert per_slot[key] <= 2
+            events.append(("prepare", unit.point, key, time.monotonic()))
+        sl = SlotLock(slot_lock_path(tmp_path, slot))
+        sl.acquire()
+        t_server = time.monotonic()
+        time.sleep(0.1)  # the server measures
+        release()        # measured: the slot's next unit may prepare
+        time.sleep(0.1)  # the server stops
+        with lock:
+            events.append(("server", unit.point, key, t_server, time.monotonic()))
+        sl.release()
+        time.sleep(0.1)  # results written after the lock is given back
+        with lock:
+            per_slot[key] -= 1
+
+    left, _ = Dispatcher([[0], [1]], work, time.monotonic(), None).run(_units(6))
+    assert left == 0
+    servers = sorted((e for e in events if e[0] == "server"), key=lambda e: e[3])
+    prepared = {e[1]: e[3] for e in events if e[0] == "prepare"}
+    for slot in ((0,), (1,)):
+        mine = [e for e in servers if e[2] == slot]
+        assert len(mine) == 3
+        for a, b in zip(mine, mine[1:]):
+            assert a[4] <= b[3]           # server phases on one slot never overlap
+            assert prepared[b[1]] < a[4]  # the next began preparing while the last one stopped
+
+
+def test_a_unit_queued_behind_another_counts_that_ones_time_against_the_budget():
+    """Units of 0.3 s that release their slot at once, under a 0.8 s budget: the second
+    waits for the first to end (no length known yet), then a third queued behind the
+    second would end at ~0.3 + 2 x 0.3 s, past the budget: two run."""
+    ran = []
+
+    def work(unit, slot, release):
+        release()
+        ran.append(unit.point)
+        time.sleep(0.3)
+
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=0.8 / 60).run(_units(4))
+    assert ran == ["p0", "p1"] and left == 2
+
+
+def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
+    path = tmp_path / ".slot-gpus-0.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"
+                               "from vllm_study.executors import SlotLock;"
+                               f"SlotLock({str(path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        waiter = SlotLock(path)
+        got = threading.Event()
+        t = threading.Thread(target=lambda: (waiter.acquire(), got.set()), daemon=True)
+        t.start()
+        assert not got.wait(0.5)  # held by the other process
+        holder.kill()
+        assert got.wait(5)        # the OS released it with the process
+        waiter.release()
+    finally:
+        holder.kill()
+        holder.wait()

@@ -40,24 +40,27 @@ start: int = 1  # which server start of the point this is (1 .. replicates)
 block: int = 0  # the block of the run order this start belongs to (0: none)
 out_dir: str = ""  # this start's folder; empty: points/<id>/s<start> beside point_file, or a scratch folder
 gpus: str = ""  # GPU indices this start may use, e.g. "0,1"; empty: what CUDA_VISIBLE_DEVICES allows
+slot_lock: str = ""  # the sweep's lock for these GPUs: the server starts once the previous one has stopped
 ''', tags=["parameters"]),
     code('''
-from vllm_study import notebook_support as ns
+from vllm_study import point_notebook as pn
 
-plan, start_dir = ns.select_point(point_file, study_file, point_id, out_dir, start)
-ns.describe_point(plan, start)
+plan, start_dir = pn.select_point(point_file, study_file, point_id, out_dir, start)
+pn.describe_point(plan, start)
 '''),
     md("""
 ## Launch
-Ready = the process is alive and `/health` answers. The startup time and vLLM's
+Under the sweep, this start first waits for the previous server on its GPUs to stop
+(it was prepared while that one finished). Ready = the process is alive and `/health`
+answers. The startup time and vLLM's
 effective cache config are recorded. An endpoint target is checked instead: it must
 answer `/v1/models` with the study's model; `/metrics` and the cache reset are used
 where it offers them.
 """),
     code('''
-run = ns.PointRun(plan, start_dir, start, block or None, ns.gpu_list(gpus))
+run = pn.PointRun(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None)
 run.launch()
-ns.show_launch(run)
+pn.show_launch(run)
 '''),
     md("""
 ## Warm up
@@ -71,8 +74,8 @@ then start the clock and send them under the study's load model while sampling K
 usage and running requests (and the GPU through NVML), stop the clock, snapshot again.
 """),
     code('''
-run.run_rounds(progress=ns.round_progress(plan.study.rounds))
-ns.rounds_table(run)
+run.run_rounds(progress=pn.round_progress(plan.study.rounds))
+pn.rounds_table(run)
 '''),
     md("""
 ## The point so far
@@ -82,7 +85,7 @@ rounds within them) and its range.
 """),
     code('''
 summary = run.finish()
-ns.summary_table(summary)
+pn.summary_table(summary)
 '''),
 ]
 

@@ -14,13 +14,15 @@ as data, and SIGTERM stops what is running (the sweep's handler).
 """
 from __future__ import annotations
 
+import fcntl
 import io
 import os
+import queue
 import tarfile
 import tempfile
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from .grid import Unit
@@ -45,50 +47,103 @@ def compile_cache_env(slot: list[int] | None) -> dict[str, str]:
     return {"VLLM_CACHE_ROOT": str(root / f"gpus-{'-'.join(map(str, slot))}")}
 
 
+class SlotLock:
+    """One server at a time on a slot, across processes. The sweep starts a start's
+    notebook (papermill, kernel, imports, plan) while the slot's previous start is still
+    running; the notebook takes this lock before it starts its server, and the previous
+    one gives it back once its own server has stopped. An flock: the OS releases it if
+    its holder dies."""
+
+    def __init__(self, path: str | Path):
+        self.path, self.fd = Path(path), None
+
+    def acquire(self) -> float:
+        """Blocks until the slot is free; returns the seconds it waited."""
+        t0 = time.monotonic()
+        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return time.monotonic() - t0
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None
+
+
+def slot_lock_path(run_dir: Path, slot: list[int] | None) -> Path:
+    return Path(run_dir) / f".slot-{'gpus-' + '-'.join(map(str, slot)) if slot else 'local'}.lock"
+
+
 class Dispatcher:
-    """Runs units on slots (None = whatever this machine has), at most one unit per slot
-    at a time, in order, while the time budget allows. `work(unit, slot)` runs one."""
+    """Runs units on slots (None = whatever this machine has), in order, while the time
+    budget allows. `work(unit, slot, release)` runs one; it may call release() early
+    (once its server is spawned), and the slot's next unit then starts preparing and
+    waits at the slot's SlotLock; otherwise the slot is free again when its unit ends.
+    So a slot has at most two units: one running, one prepared and waiting."""
 
     def __init__(self, slots: list, work, t0: float, max_minutes: float | None):
         self.slots, self.work, self.t0, self.max_minutes = list(slots), work, t0, max_minutes
-        self.longest = 0.0
+        self.longest = 0.0  # the longest unit, from when it had its slot to itself
+        self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.lock = threading.Lock()
 
-    def _fits(self, started: int) -> bool:
+    def _fits(self, started: int, behind: bool) -> bool:
         """The first unit always goes (each invocation makes progress); a later one only
-        if the longest so far would still end inside the budget."""
+        if the longest so far would still end inside the budget, counted from the end of
+        the unit it waits behind where its slot was released early."""
         if not self.max_minutes or started == 0:
             return True
-        return time.monotonic() - self.t0 + self.longest <= self.max_minutes * 60
+        return time.monotonic() - self.t0 + self.longest * (2 if behind else 1) <= self.max_minutes * 60
 
-    def _timed(self, unit: Unit, slot):
+    def _timed(self, unit: Unit, i: int, release):
         ts = time.monotonic()
         try:
-            return self.work(unit, slot)
+            return self.work(unit, self.slots[i], lambda: release(early=True))
         finally:
             with self.lock:
-                self.longest = max(self.longest, time.monotonic() - ts)
+                now = time.monotonic()
+                # a unit queued behind another had its slot only once that one ended
+                self.longest = max(self.longest, now - max(ts, self.ended.get(i, ts)))
+                self.ended[i] = now
+            release(early=False)
+
+    def _releaser(self, free: queue.Queue, i: int):
+        once = threading.Lock()
+
+        def release(early: bool):
+            if early and self.max_minutes and not self.longest:
+                return  # under a budget, nothing queues behind a unit before one unit's length is known
+            if once.acquire(blocking=False):  # the first call hands the slot back; later ones do nothing
+                free.put((i, early))
+        return release
+
+    @staticmethod
+    def _next_free(free: queue.Queue, futures: list[Future]):
+        while True:
+            try:
+                return free.get(timeout=0.2)
+            except queue.Empty:
+                for f in futures:
+                    if f.done():
+                        f.result()  # an exception in a unit is the sweep's to handle
 
     def run(self, units: list[Unit]) -> tuple[int, float]:
         """Returns (units not started for the budget, the longest unit's seconds)."""
-        free = list(self.slots)
-        running: dict[Future, object] = {}
+        free: queue.Queue = queue.Queue()  # (slot index, released early: its unit still runs)
+        for i in range(len(self.slots)):
+            free.put((i, False))
+        futures: list[Future] = []
         started, left = 0, 0
-        pool = ThreadPoolExecutor(max_workers=len(self.slots))
+        pool = ThreadPoolExecutor(max_workers=2 * len(self.slots))
         try:
-            for i, unit in enumerate(units):
-                while not free:
-                    done, _ = wait(running, return_when=FIRST_COMPLETED)
-                    for f in done:
-                        free.append(running.pop(f))
-                        f.result()  # an exception in a unit is the sweep's to handle
-                if not self._fits(started):
-                    left = len(units) - i
+            for n, unit in enumerate(units):
+                i, behind = self._next_free(free, futures)
+                if not self._fits(started, behind):
+                    left = len(units) - n
                     break
-                slot = free.pop(0)
-                running[pool.submit(self._timed, unit, slot)] = slot
+                futures.append(pool.submit(self._timed, unit, i, self._releaser(free, i)))
                 started += 1
-            for f in list(running):
+            for f in futures:
                 f.result()
         except BaseException:
             # Ctrl-C or SIGTERM: hand back at once; the sweep stops the running starts'

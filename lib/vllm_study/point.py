@@ -13,6 +13,7 @@ import atexit
 import functools
 import json
 import os
+import platform
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,14 +21,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import client, counters, hardware, loads, models, stats
-from .executors import compile_cache_env
+from .executors import SlotLock, compile_cache_env
 from .grid import PointPlan
-from .machine import NvmlProbe, describe, vllm_accepts
+from .machine import NvmlProbe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from .server import ServerStartError, VllmServer, failure_reason, free_port, serve_command
+from .server import ServerStartError, VllmServer, failure_reason, free_port, pgid_path, serve_command, stop_group_from_file
 from .workload import make_workload
 
 
@@ -56,10 +57,12 @@ def _step(method):
 
 
 class PointRun:
-    """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/)."""
+    """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
+    `slot_lock`: the sweep's lock file for this start's GPUs (executors.SlotLock), taken
+    before the server starts and given back once it has stopped."""
 
     def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,
-                 gpu_indices: list[int] | None = None):
+                 gpu_indices: list[int] | None = None, slot_lock: str | Path | None = None):
         self.plan, self.study, self.point = plan, plan.study, plan.point
         self.dir = Path(start_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -70,10 +73,11 @@ class PointRun:
         self.server: VllmServer | None = None
         self.url = self.model_name = self.api_key = self.proxy = None  # set by launch()
         self.rounds: list[RoundRecord] = []
-        self.nvml = NvmlProbe(gpu_indices)
-        m = describe(gpu_indices)
+        self.slot_lock = SlotLock(slot_lock) if slot_lock else None
+        self.nvml = NvmlProbe(gpu_indices)  # not machine.describe(): its CPU probe imports torch (seconds)
         self.record = StartRecord(point=self.point.id, start=start, block=block, started_utc=now_utc(),
-                                  host=m.host, gpus=m.gpus, no_gpu_reason=m.no_gpu_reason,
+                                  launch=Launch(), host=platform.node(), gpus=self.nvml.describe(),
+                                  no_gpu_reason=None if self.nvml.available else self.nvml.why,
                                   rounds_planned=self.study.rounds, warnings=list(self.point.warnings))
         self._save()
 
@@ -89,14 +93,21 @@ class PointRun:
     def _save(self) -> None:
         self.record.save(self.dir / START)
 
+    def _mark(self, step: str, save: bool = False) -> None:
+        self.record.timeline[step] = time.time()  # results.TIMELINE
+        if save:
+            self._save()
+
     # -- steps --------------------------------------------------------------
     @_step
     def launch(self) -> None:
         """Start this point's vLLM, or, for an endpoint target, check that it answers.
+        Under the sweep it first takes its slot (the previous server there has stopped).
         The tokenizer and the workload (10-15 s of CPU: transformers' import, the
         tokenizer, the word pieces, a round's prompts) are built while vLLM starts."""
         model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
         planned_block = self.point.effective.block_size if self.point.effective else None
+        self._take_slot()
         with ThreadPoolExecutor(1) as pool:
             built = pool.submit(self._build_workload, model, planned_block)
             if self.point.target:
@@ -110,6 +121,18 @@ class PointRun:
         if not self.failed:
             self.record.expected_prefix_hit_rate = expected
         self._save()
+
+    def _take_slot(self) -> None:
+        """Wait for the slot's previous start to stop its server; a server whose start
+        died holding the slot (its pgid still in the lock file) is stopped first."""
+        if self.slot_lock is None:
+            return
+        self.record.launch.slot_wait_s = self.slot_lock.acquire()
+        previous = self.slot_lock.path.read_text().strip()  # the previous holder's server pgid file
+        if previous and stop_group_from_file(Path(previous)):
+            self.record.warnings.append(f"stopped a server that the slot's previous start left running ({previous})")
+        self.slot_lock.path.write_text(str(pgid_path(self.dir / LOG).resolve()))
+        self.record.started_utc = now_utc()  # the slot's time starts here, not at the wait
 
     def _build_workload(self, model: str, block: int | None) -> float | None:
         """The tokenizer and the workload; returns the expected hit rate at `block`."""
@@ -128,8 +151,8 @@ class PointRun:
     def _connect(self, t) -> None:
         self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy
         # Only the variable's name is recorded; the key stays in memory.
-        self.record.launch = Launch(target={"name": t.name, "base_url": t.base_url, "model": t.model,
-                                            "api_key_env": t.api_key_env, "proxy": t.proxy})
+        self.record.launch.target = {"name": t.name, "base_url": t.base_url, "model": t.model,
+                                     "api_key_env": t.api_key_env, "proxy": t.proxy}
         if t.api_key_env:
             self.api_key = os.environ.get(t.api_key_env)
             if not self.api_key:
@@ -142,6 +165,7 @@ class PointRun:
             self._fail(f"target {t.name}: {e}")
             return
         api = counters.probe_server_api(self.url, self.api_key, self.proxy)
+        self._mark("ready")
         self.record.launch.has_metrics = api.snapshot is not None
         self.record.launch.cache_reset = api.cache_reset
         if api.snapshot is not None:
@@ -160,11 +184,13 @@ class PointRun:
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)
-        self.record.launch = Launch(command=cmd)
+        self.record.launch.command = cmd
         self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
         try:
+            self._mark("spawn", save=True)  # the sweep reads it: the slot's next start may now prepare
             self.server.start()
+            self._mark("ready")
             reason = None
         except ServerStartError as e:
             reason = e.reason
@@ -252,6 +278,7 @@ class PointRun:
     def warmup(self) -> None:
         """Requests from a separate stream, excluded from every statistic."""
         n = self.study.workload.warmup_requests
+        self._mark("warmup")
         if n:
             res = self._run_closed(self.workload.requests(n, "warmup"))
             self.record.warmup_errors = sum(1 for r in res if r["error"])
@@ -270,7 +297,7 @@ class PointRun:
         with sampler:
             t0 = time.perf_counter()
             results = [r.to_dict() for r in client.run_sync(sending)]
-            duration = time.perf_counter() - t0
+            duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
         values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
         died = self.server is not None and not self.server.alive()
@@ -301,12 +328,19 @@ class PointRun:
             self.run_round(i)
             if progress:
                 progress(i)
+        self._mark("measured", save=True)
 
     def finish(self) -> PointSummary:
         """Stop the server, close this start's record, and summarize the point over
-        every start it has so far."""
+        every start it has so far. The slot is handed on as soon as the server is gone."""
         if self.server:
+            self._mark("stop")
             self.server.stop()
+            self._mark("stopped")
+            self.record.launch.stop_s = self.record.timeline["stopped"] - self.record.timeline["stop"]
+        if self.slot_lock:
+            self.slot_lock.release()
+        if self.server:
             compress_log(self.dir)
         if not self.failed:
             if self.record.rounds_ok < self.study.rounds:
@@ -316,6 +350,13 @@ class PointRun:
         self.record.finished_utc = now_utc()
         self._save()
         return summarize(PointFolder(self.dir.parent), self.plan)
+
+
+def _send_to_finish(results: list[dict]) -> float | None:
+    """The round's clock (DESIGN.md): first send to last finish, read from the requests'
+    own timestamps, so starting the sender's event loop is not counted."""
+    ends = [r["end_time"] for r in results if r.get("end_time") is not None]
+    return max(ends) - min(r["send_time"] for r in results) if ends else None
 
 
 def _budget_figures(before: dict | None, after: dict | None) -> dict:

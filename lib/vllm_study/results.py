@@ -108,6 +108,13 @@ class Launch(BaseModel):
     has_metrics: bool = True                    # /metrics answered
     cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
     hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
+    slot_wait_s: float | None = None            # waiting for the slot's previous server to stop
+    stop_s: float | None = None                 # vLLM's shutdown: SIGTERM to its process group gone
+
+
+# a start's steps in order: vLLM spawned, /health answered, warm-up sent, rounds ended,
+# SIGTERM sent, the server's process group gone
+TIMELINE = ("spawn", "ready", "warmup", "measured", "stop", "stopped")
 
 
 class StartRecord(_Record):
@@ -127,6 +134,9 @@ class StartRecord(_Record):
     rounds_ok: int = 0
     expected_prefix_hit_rate: float | None = None
     warnings: list[str] = []
+    # Unix times of this start's steps (TIMELINE): what the kit spends between them is
+    # its own overhead (benchmarks/point_overhead.py); spawn..stopped is the server's life.
+    timeline: dict[str, float] = {}
 
 
 # -- one point over all its starts ------------------------------------------

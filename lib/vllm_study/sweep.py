@@ -22,7 +22,7 @@ import papermill as pm
 import yaml
 from tqdm import tqdm
 
-from . import doctor
+from . import doctor, executors
 from .grid import Point, PointPlan, Unit, expand, run_order
 from .machine import cpu_dtype, describe, resolve_engine, versions
 from .params import Study, StudyError, load_study
@@ -98,14 +98,25 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
 
 
 # -- one unit -------------------------------------------------------------------
-def _watch_rounds(rounds_file: Path, bar: tqdm, stop: threading.Event) -> None:
-    """Advance the bar as the point notebook (another process) appends rounds."""
+def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event) -> None:
+    """Follow the point notebook (another process) through its files: advance the bar as
+    rounds land; call on_started once it has spawned its server (an endpoint target: once
+    its rounds are over), or has ended."""
     seen = 0
-    while not stop.wait(1.0):
-        n = len(read_rounds(rounds_file))
-        if n > seen:
-            bar.update(n - seen)
-            seen = n
+    while not stop.wait(0.5):
+        if bar is not None:
+            n = len(read_rounds(start_dir / ROUNDS))
+            if n > seen:
+                bar.update(n - seen)
+                seen = n
+        if on_started is not None:
+            try:
+                rec = StartRecord.load_if(start_dir / START)
+            except ValueError:  # caught mid-write; read it again next time
+                rec = None
+            if rec is not None and ({"spawn", "measured"} & rec.timeline.keys() or rec.status != "running"):
+                on_started()
+                on_started = None
 
 
 # Set while an interrupted sweep stops its children: a notebook process that dies of
@@ -120,9 +131,14 @@ def _stop_leftover_server(start_dir: Path) -> None:
         tqdm.write(f"  stopped a server left running by {start_dir.parent.name}/{start_dir.name}")
 
 
-def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None):
+def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None,
+             slot_lock: Path | None = None, on_started=None):
     """Execute the point notebook for one unit and return the point's summary. A notebook
     that dies before recording an outcome has its error recorded as the outcome.
+    `slot_lock`: the lock its server waits for (executors.SlotLock); `on_started`: called
+    once its server is spawned: the slot's next start then prepares (papermill, kernel,
+    imports, plan) during this one's vLLM start-up, not during its measurement, and waits
+    at the lock.
 
     papermill runs in a process of its own: it changes the working directory of the
     process it runs in while a notebook executes, which would break relative paths here
@@ -134,11 +150,12 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     # Paths relative to the notebook's folder (the kernel's cwd): the executed notebook
     # then names no machine's folders.
     params = {"point_file": os.path.relpath(folder.plan_path, nbdir), "start": unit.start, "block": unit.block,
-              "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else ""}
+              "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else "",
+              "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
     out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_rounds, args=(sdir.resolve() / ROUNDS, bar, stop), daemon=True) \
-        if bar is not None else None
+    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop), daemon=True) \
+        if bar is not None or on_started is not None else None
     if watcher:
         watcher.start()
     try:
@@ -253,6 +270,8 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+        for lock_file in run.path.glob(".slot-*.lock"):
+            lock_file.unlink(missing_ok=True)
     record_overlaps(run, executor)
     if outcome.stop_note:
         print(f"{outcome.stop_note}; continue with:\n  {resume_hint(run)}")
@@ -291,9 +310,10 @@ class Runner:
         else:
             raise StudyError(f"unknown executor {executor!r}: local, gpus or ray")
 
-    def __call__(self, unit: Unit, slot, bar: tqdm | None):
+    def __call__(self, unit: Unit, slot, bar: tqdm | None, release=None):
         if self.kind != "ray":
-            return run_unit(self.run, unit, gpus=slot, bar=bar)
+            return run_unit(self.run, unit, gpus=slot, bar=bar,
+                            slot_lock=executors.slot_lock_path(self.run.path, slot), on_started=release)
         import ray
         from .executors import unpack_start
         folder = self.run.point(unit.point)
@@ -310,10 +330,10 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
     with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True, miniters=1) as bar:
         lock = threading.Lock()
 
-        def work(u: Unit, slot):
+        def work(u: Unit, slot, release):
             with lock:
                 bar.set_description(f"{u.point} #{u.start}" + (f" on GPUs {slot}" if slot else ""))
-            s = runner(u, slot, bar)
+            s = runner(u, slot, bar, release)
             rec = run.point(u.point).start(u.start)
             with lock:
                 # the watcher counted the rounds that landed here; a Ray task's arrive at once;
@@ -336,11 +356,17 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
 
 def record_overlaps(run: RunFolder, executor: str) -> None:
     """Which server starts ran at the same time, where (host, GPUs): the manifest keeps it,
-    so a neighbour's effect on a point can be looked for in the data."""
+    so a neighbour's effect on a point can be looked for in the data. A start's span is
+    its server's life where recorded (a slot's next start prepares while the previous
+    one finishes, and that is no overlap), else its notebook's."""
     spans = []
     for pid in run.point_ids():
         for s in run.point(pid).starts():
-            if s.started_utc and s.finished_utc and s.started_utc[0].isdigit():
+            t = s.timeline
+            if "spawn" in t and "stopped" in t:
+                spans.append((s, dt.datetime.fromtimestamp(t["spawn"], dt.timezone.utc),
+                              dt.datetime.fromtimestamp(t["stopped"], dt.timezone.utc)))
+            elif s.started_utc and s.finished_utc and s.started_utc[0].isdigit():
                 spans.append((s, dt.datetime.fromisoformat(s.started_utc), dt.datetime.fromisoformat(s.finished_utc)))
     overlaps = []
     for i, (a, a0, a1) in enumerate(spans):
