@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
 
-from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder
+from vllm_study.results import LOG, NOTEBOOK, TIMELINE, RunFolder
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)
@@ -71,6 +73,37 @@ def _notebook_begin(path: Path) -> float | None:
         return None
 
 
+# vLLM's own start-up, from the lines its log prints (seconds resolution); the rest of
+# launch-to-ready is its processes starting and importing before the engine initializes
+_LOG_TIME = re.compile(r"INFO (\d\d-\d\d \d\d:\d\d:\d\d)")
+_STARTUP_FIGURES = {"weights_s": r"Model loading took [\d.]+ GiB and ([\d.]+) seconds",
+                    "compile_s": r"torch.compile took ([\d.]+) s in total",
+                    "graphs_s": r"Graph capturing finished in ([\d.]+) secs",
+                    "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"}
+
+
+def startup_split(log_path: Path, startup_s: float) -> dict:
+    """Where vLLM's start-up went: before its engine initializes (processes, imports),
+    weights, torch.compile, CUDA graphs, the whole engine init, and after it."""
+    try:
+        text = re.sub(r"\x1b\[[0-9;]*m", "", gzip.open(log_path, "rt", errors="replace").read())
+    except OSError:
+        return {}
+    out = {k: float(m.group(1)) if (m := re.search(pat, text)) else None for k, pat in _STARTUP_FIGURES.items()}
+    stamps = {}
+    for line in text.splitlines():
+        t = _LOG_TIME.search(line)
+        if t and "Initializing a V1 LLM engine" in line:
+            stamps.setdefault("engine", t.group(1))
+        elif t and "Starting vLLM" in line and "server on" in line:
+            stamps["serving"] = t.group(1)
+    if {"engine", "serving"} <= stamps.keys():
+        span = (dt.datetime.strptime(stamps["serving"], "%m-%d %H:%M:%S")
+                - dt.datetime.strptime(stamps["engine"], "%m-%d %H:%M:%S")).total_seconds()
+        out["before_engine_s"] = startup_s - span
+    return out
+
+
 def timeline_frame(run: RunFolder) -> pd.DataFrame:
     """One row per start with a whole timeline: the kit's seconds on the slot's critical
     path beside vLLM's start-up and shutdown and the measurement."""
@@ -83,7 +116,8 @@ def timeline_frame(run: RunFolder) -> pd.DataFrame:
             rows.append({"start": f"{folder.path.name}#s{rec.start}",
                          "slot": ",".join(str(g.index) for g in rec.gpus) or "-",
                          "begin": _notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
-                         "slot_wait_s": rec.launch.slot_wait_s})
+                         "slot_wait_s": rec.launch.slot_wait_s,
+                         **startup_split(folder.start_dir(rec.start) / f"{LOG}.gz", t["ready"] - t["spawn"])})
     df = pd.DataFrame(rows)
     if df.empty:
         return df
@@ -106,6 +140,11 @@ def print_timeline(name: str, df: pd.DataFrame) -> None:
             "vllm_startup_s", "measuring_s", "vllm_stop_s", "slot_wait_s"]
     print(f"\n{name}")
     print(df[cols].round(2).to_string(index=False))
+    split = [c for c in ("before_engine_s", "weights_s", "compile_s", "graphs_s", "engine_init_s") if c in df]
+    if split:
+        df[split] = df[split].apply(pd.to_numeric)  # figures a log lacks are NaN, not None
+        print("vLLM's start-up by its own log (before_engine_s: its processes starting and importing):")
+        print(df[["start", "vllm_startup_s", *split]].round(1).to_string(index=False))
     steady, first = df[df["follows"]], df[~df["follows"]]
     print(f"kit's seconds per start on the slot's critical path: median {steady['kit_s'].median():.2f} s "
           f"over {len(steady)} start(s) that follow another on their slot (max {steady['kit_s'].max():.2f} s); "
