@@ -111,12 +111,14 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
 
 @pytest.mark.e2e
 def test_sigterm_stops_everything_and_resume_completes(tmp_path):
-    """SIGTERM while the server starts: the sweep exits 130, every process it started
-    (papermill kernel, vLLM and its engine) is gone, the unfinished start is left as
-    such, and --resume runs it. (Finished starts surviving a stop: the budget test.)"""
+    """SIGTERM while the first server starts and the second start's notebook, already
+    prepared, waits for the slot: the sweep exits 130, every process it started (both
+    kernels, vLLM and its engine) is gone, the unfinished starts are left as such, and
+    --resume runs them, the second server spawned only once the first had stopped.
+    (Finished starts surviving a stop: the budget test.)"""
     import psutil
 
-    study = tiny(rounds=1)
+    study = tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]})
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)),
                              "--results", str(results)], cwd=REPO, stdout=subprocess.PIPE,
@@ -131,7 +133,10 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.5)
         assert start_dir is not None, "the server start never began"
-        time.sleep(3)  # well into vLLM's own start-up
+        points = start_dir.parents[1]
+        while time.monotonic() < deadline and len(list(points.glob("*/s1/start.json"))) < 2:
+            time.sleep(0.5)  # the next start's notebook is prepared during this server's start-up
+        time.sleep(3)
         started = psutil.Process(proc.pid).children(recursive=True)
         assert any("vllm" in " ".join(p.cmdline()) for p in started)
         proc.send_signal(signal.SIGTERM)
@@ -144,10 +149,16 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     assert f"{sys.executable} -m vllm_study sweep --resume" in out
     _, alive = psutil.wait_procs(started, timeout=30)
     assert not alive, [p.cmdline() for p in alive]
-    assert StartRecord.load(start_dir / "start.json").status == "running"
+    assert [StartRecord.load(f).status for f in points.glob("*/s1/start.json")] == ["running"] * 2
 
     run = RunFolder(start_dir.parents[2])
     again = sweep("--resume", run.path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "0 of 1 starts already finished" in again.stdout
-    assert StartRecord.load(start_dir / "start.json").status == "ok"
+    assert "0 of 2 starts already finished" in again.stdout
+    first, second = sorted((StartRecord.load(f) for f in points.glob("*/s1/start.json")),
+                           key=lambda r: r.timeline["spawn"])
+    assert first.status == second.status == "ok"
+    # the second notebook was ready and waited at the slot's lock; its server started
+    # only after the first one's had stopped, so no two servers overlapped
+    assert second.launch.slot_wait_s > 1 and second.timeline["spawn"] >= first.timeline["stopped"]
+    assert run.manifest().overlaps == [] and not list(run.path.glob(".slot-*.lock"))

@@ -28,7 +28,8 @@ from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, Start
                       compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from .server import ServerStartError, VllmServer, failure_reason, free_port, pgid_path, serve_command, stop_group_from_file
+from .server import (ServerStartError, VllmServer, failure_reason, free_port, pgid_path, serve_command,
+                     stop_group_from_file)
 from .workload import make_workload
 
 

@@ -1,0 +1,77 @@
+"""The same study under two executors (e.g. `local` and `gpus` on a two-GPU host): how
+much less wall time the second took, and whether its numbers agree with the first's.
+
+Wall time is the time the run was busy: the union of its starts' spans (notebook
+begin to finish), so a run made in several slices (tools/study_slice.py) is not charged
+for the time between them. Agreement is `compare`'s per-point difference with its 95%
+interval: under `gpus` every start had a neighbour on the host, so a resolved
+difference is a neighbour's effect (or the two runs' start-to-start noise, which the
+interval carries only where each point has several starts).
+
+    python benchmarks/executor_speedup.py results/<local run> results/<gpus run> [--target 0.55]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+from pathlib import Path
+
+import pandas as pd
+
+from point_overhead import _notebook_begin  # benchmarks/ is the script's folder
+from vllm_study import compare
+from vllm_study.results import NOTEBOOK, RunFolder
+
+SAME_SLICE_S = 120  # starts closer than this belong to one slice of the run
+
+
+def busy_seconds(run: RunFolder) -> tuple[float, int]:
+    """(seconds busy, slices): the union of the starts' spans."""
+    spans = []
+    for folder in map(run.point, run.point_ids()):
+        for rec in folder.starts():
+            begin = _notebook_begin(folder.start_dir(rec.start) / NOTEBOOK)
+            if begin is None or not rec.finished_utc:
+                continue
+            spans.append((begin, dt.datetime.fromisoformat(rec.finished_utc).timestamp()))
+    spans.sort()
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1] + SAME_SLICE_S:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return sum(b - a for a, b in merged), len(merged)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("first", type=Path, help="the run under the reference executor (local)")
+    ap.add_argument("second", type=Path, help="the same study under the other executor (gpus)")
+    ap.add_argument("--target", type=float, default=0.55, help="wall-time ratio to meet")
+    a = ap.parse_args()
+    runs = [RunFolder(a.first), RunFolder(a.second)]
+    walls = []
+    for run in runs:
+        seconds, slices = busy_seconds(run)
+        m = run.manifest()
+        walls.append(seconds)
+        print(f"{run.path.name}: executor {m.executor}, {sum(len(run.point(p).starts()) for p in run.point_ids())} "
+              f"starts, busy {seconds / 60:.1f} min in {slices} slice(s), {len(m.overlaps)} overlapping pair(s)")
+    ratio = walls[1] / walls[0]
+    print(f"wall-time ratio {ratio:.2f} (target <= {a.target}: {'met' if ratio <= a.target else 'not met'})")
+    df = compare.compare(a.first, a.second)
+    if df.empty:
+        print("no point measured in both runs")
+        return 0
+    with pd.option_context("display.width", 200, "display.max_rows", 200):
+        print(compare.table(df).to_string())
+    resolved = df[df["verdict"] != "not resolved"]
+    print(f"{len(df) - len(resolved)} of {len(df)} point x metric pairs agree within their intervals"
+          + ("" if resolved.empty else "; resolved: " + ", ".join(
+              f"{r.point} {r.metric} {r.verdict}" for r in resolved.itertuples())))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
