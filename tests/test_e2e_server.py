@@ -178,11 +178,12 @@ def test_endpoint_targets_side_by_side_with_a_gateway(server, tmp_path, monkeypa
     # The gateway's 1 s shows in what the path adds on top of vLLM's own TTFT (client
     # mean minus vLLM's mean): robust to the server being slower in one target's round.
     # The delay is large against the noise: on 2 cores, another test's vLLM and the
-    # in-process gateway sharing the client's interpreter have added up to ~400 ms.
+    # in-process gateway sharing the client's interpreter have moved it by ~400 ms, and
+    # a slowed direct round moves it the other way.
     def path_ms(s):
         return s.estimates["ttft_mean_ms"].median - s.estimates["server_ttft_mean_ms"].median
     added = path_ms(gateway) - path_ms(direct)
-    assert 800 < added < 1700, added
+    assert 500 < added < 1600, added
     for f in tmp_path.rglob("*"):
         if f.is_file() and f.suffix != ".gz":
             assert secret not in f.read_text(errors="replace"), f
