@@ -51,11 +51,10 @@ pn.describe_point(plan, start)
     md("""
 ## Launch
 Under the sweep, this start first waits for the previous server on its GPUs to stop
-(it was prepared while that one finished). Ready = the process is alive and `/health`
-answers. The startup time and vLLM's
-effective cache config are recorded. An endpoint target is checked instead: it must
-answer `/v1/models` with the study's model; `/metrics` and the cache reset are used
-where it offers them.
+(this notebook was prepared while that one ran). Ready = the process is alive and
+`/health` answers. The startup time and vLLM's effective cache config are recorded. An
+endpoint target is checked instead: it must answer `/v1/models` with the study's model;
+`/metrics` and the cache reset are used where it offers them.
 """),
     code('''
 run = pn.PointRun(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None)
