@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from point_overhead import _notebook_begin  # benchmarks/ is the script's folder
+from point_overhead import notebook_begin  # benchmarks/ is the script's folder
 from vllm_study import compare
 from vllm_study.results import NOTEBOOK, RunFolder
 
@@ -30,7 +30,7 @@ def busy_seconds(run: RunFolder) -> tuple[float, int]:
     spans = []
     for folder in map(run.point, run.point_ids()):
         for rec in folder.starts():
-            begin = _notebook_begin(folder.start_dir(rec.start) / NOTEBOOK)
+            begin = notebook_begin(folder.start_dir(rec.start) / NOTEBOOK)
             if begin is None or not rec.finished_utc:
                 continue
             spans.append((begin, dt.datetime.fromisoformat(rec.finished_utc).timestamp()))

@@ -8,7 +8,8 @@ and rounds) and the kit's, which is everything else on the slot's critical path:
     start, from its notebook's beginning: papermill, kernel, imports) to this spawn;
   - ready to warm-up, and rounds over to SIGTERM.
 A slot's next start prepares (papermill, kernel, imports, plan) while the previous one
-stops its server, so that work is off the critical path and counted nowhere.
+runs and waits for its server to stop, so that work is off the critical path and
+counted nowhere.
 
 Older runs without a timeline are split by the point notebook's cell timings instead
 (vLLM's start-up, the measuring cells, the rest), plus the gap between notebooks.
@@ -19,14 +20,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import gzip
 import json
 import re
 from pathlib import Path
 
 import pandas as pd
 
-from vllm_study.results import LOG, NOTEBOOK, TIMELINE, RunFolder
+from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, read_log
+from vllm_study.server import without_colours
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)
@@ -65,7 +66,7 @@ def start_rows(run: RunFolder) -> list[dict]:
     return rows
 
 
-def _notebook_begin(path: Path) -> float | None:
+def notebook_begin(path: Path) -> float | None:
     try:
         t = json.loads(path.read_text())["metadata"]["papermill"]["start_time"]
         return _when(t).timestamp() if t else None
@@ -82,12 +83,11 @@ _STARTUP_FIGURES = {"weights_s": r"Model loading took [\d.]+ GiB and ([\d.]+) se
                     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"}
 
 
-def startup_split(log_path: Path, startup_s: float) -> dict:
+def startup_split(start_dir: Path, startup_s: float) -> dict:
     """Where vLLM's start-up went: before its engine initializes (processes, imports),
     weights, torch.compile, CUDA graphs, the whole engine init, and after it."""
-    try:
-        text = re.sub(r"\x1b\[[0-9;]*m", "", gzip.open(log_path, "rt", errors="replace").read())
-    except OSError:
+    text = without_colours(read_log(start_dir))
+    if not text:
         return {}
     out = {k: float(m.group(1)) if (m := re.search(pat, text)) else None for k, pat in _STARTUP_FIGURES.items()}
     stamps = {}
@@ -115,9 +115,9 @@ def timeline_frame(run: RunFolder) -> pd.DataFrame:
                 continue
             rows.append({"start": f"{folder.path.name}#s{rec.start}",
                          "slot": ",".join(str(g.index) for g in rec.gpus) or "-",
-                         "begin": _notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
+                         "begin": notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
                          "slot_wait_s": rec.launch.slot_wait_s,
-                         **startup_split(folder.start_dir(rec.start) / f"{LOG}.gz", t["ready"] - t["spawn"])})
+                         **startup_split(folder.start_dir(rec.start), t["ready"] - t["spawn"])})
     df = pd.DataFrame(rows)
     if df.empty:
         return df

@@ -13,6 +13,7 @@ import pytest
 
 from e2e_support import REPO, kv_bytes, sweep, tiny, write
 from procs import group_gone
+from vllm_study.executors import SLOT_LOCKS
 from vllm_study.results import RunFolder, StartRecord
 
 # the second point's 512-token KV cache cannot hold one 2,048-token request: it must fail
@@ -161,4 +162,4 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     # the second notebook was ready and waited at the slot's lock; its server started
     # only after the first one's had stopped, so no two servers overlapped
     assert second.launch.slot_wait_s > 1 and second.timeline["spawn"] >= first.timeline["stopped"]
-    assert run.manifest().overlaps == [] and not list(run.path.glob(".slot-*.lock"))
+    assert run.manifest().overlaps == [] and not list(run.path.glob(SLOT_LOCKS))

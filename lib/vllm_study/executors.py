@@ -70,8 +70,11 @@ class SlotLock:
             self.fd = None
 
 
+SLOT_LOCKS = ".slot-*.lock"  # in the run folder while a sweep runs (and in .gitignore)
+
+
 def slot_lock_path(run_dir: Path, slot: list[int] | None) -> Path:
-    return Path(run_dir) / f".slot-{'gpus-' + '-'.join(map(str, slot)) if slot else 'local'}.lock"
+    return Path(run_dir) / SLOT_LOCKS.replace("*", "gpus-" + "-".join(map(str, slot)) if slot else "local")
 
 
 class Dispatcher:

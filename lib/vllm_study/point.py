@@ -338,7 +338,6 @@ class PointRun:
             self._mark("stop")
             self.server.stop()
             self._mark("stopped")
-            self.record.launch.stop_s = self.record.timeline["stopped"] - self.record.timeline["stop"]
         if self.slot_lock:
             self.slot_lock.release()
         if self.server:

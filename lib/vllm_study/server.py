@@ -96,11 +96,16 @@ def exit_status(returncode: int | None) -> str:
     return f"exit code {returncode}"
 
 
+def without_colours(text: str) -> str:
+    """vLLM's log with its terminal colour codes removed."""
+    return _ANSI.sub("", text)
+
+
 def failure_reason(log_text: str, returncode: int | None = None) -> str:
     """One line: a known cause (out of memory, KV cache too small, ...) with the log
     line that shows it; otherwise how the process ended and its last error lines.
     Colour codes are removed; the kit's own first line (the command) is skipped."""
-    lines = [_ANSI.sub("", ln).rstrip() for ln in log_text.splitlines() if not ln.startswith("# ")]
+    lines = [without_colours(ln).rstrip() for ln in log_text.splitlines() if not ln.startswith("# ")]
     text = "\n".join(lines)
     ended = f" ({exit_status(returncode)})" if returncode is not None else ""
     for pattern, reason in _FAILURES:

@@ -270,7 +270,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for lock_file in run.path.glob(".slot-*.lock"):
+        for lock_file in run.path.glob(executors.SLOT_LOCKS):
             lock_file.unlink(missing_ok=True)
     record_overlaps(run, executor)
     if outcome.stop_note:
