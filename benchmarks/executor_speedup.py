@@ -1,9 +1,9 @@
 """The same study under two executors (e.g. `local` and `gpus` on a two-GPU host): how
 much less wall time the second took, and whether its numbers agree with the first's.
 
-Wall time is the time the run was busy: the union of its starts' spans (notebook
-begin to finish), so a run made in several slices (tools/study_slice.py) is not charged
-for the time between them. Agreement is `compare`'s per-point difference with its 95%
+Wall time is the time the run was busy: per slice (the first sweep and each `--resume`,
+from the manifest), its first start's notebook begin to its last start's finish, so a run
+made in several slices (tools/study_slice.py) is not charged for the time between them. Agreement is `compare`'s per-point difference with its 95%
 interval: under `gpus` every start had a neighbour on the host, so a resolved
 difference is a neighbour's effect (or the two runs' start-to-start noise, which the
 interval carries only where each point has several starts).
@@ -22,26 +22,20 @@ from point_overhead import notebook_begin  # benchmarks/ is the script's folder
 from vllm_study import compare
 from vllm_study.results import NOTEBOOK, RunFolder
 
-SAME_SLICE_S = 120  # starts closer than this belong to one slice of the run
-
 
 def busy_seconds(run: RunFolder) -> tuple[float, int]:
-    """(seconds busy, slices): the union of the starts' spans."""
-    spans = []
+    """(seconds busy, slices): each sweep's first notebook begin to its last finish."""
+    m = run.manifest()
+    slices: dict[int, list[float]] = {}
     for folder in map(run.point, run.point_ids()):
         for rec in folder.starts():
             begin = notebook_begin(folder.start_dir(rec.start) / NOTEBOOK)
             if begin is None or not rec.finished_utc:
                 continue
-            spans.append((begin, dt.datetime.fromisoformat(rec.finished_utc).timestamp()))
-    spans.sort()
-    merged: list[list[float]] = []
-    for a, b in spans:
-        if merged and a <= merged[-1][1] + SAME_SLICE_S:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return sum(b - a for a, b in merged), len(merged)
+            end = dt.datetime.fromisoformat(rec.finished_utc).timestamp()
+            span = slices.setdefault(m.sweep_of(begin), [begin, end])
+            span[0], span[1] = min(span[0], begin), max(span[1], end)
+    return sum(b - a for a, b in slices.values()), len(slices)
 
 
 def main() -> int:
@@ -66,10 +60,7 @@ def main() -> int:
         return 0
     with pd.option_context("display.width", 200, "display.max_rows", 200):
         print(compare.table(df).to_string())
-    resolved = df[df["verdict"] != "not resolved"]
-    print(f"{len(df) - len(resolved)} of {len(df)} point x metric pairs agree within their intervals"
-          + ("" if resolved.empty else "; resolved: " + ", ".join(
-              f"{r.point} {r.metric} {r.verdict}" for r in resolved.itertuples())))
+    print(compare.verdict(df))
     return 0
 
 

@@ -34,7 +34,6 @@ from vllm_study.server import without_colours
 MEASURING = ("run.warmup()", "run.run_rounds(")
 IMPORTS = ("from vllm_study import notebook_support", "from vllm_study import point_notebook")
 LAUNCH = ("run = ns.PointRun(", "run = pn.PointRun(")
-BETWEEN_SLICES_S = 300  # a longer gap is a stop and a resume, not the sweep's own
 
 
 def _when(s: str) -> dt.datetime:
@@ -122,8 +121,9 @@ def timeline_frame(run: RunFolder) -> pd.DataFrame:
     if df.empty:
         return df
     df = df.sort_values("spawn")
-    previous = df.groupby("slot")["stopped"].shift()
-    follows = (df["spawn"] - previous) < BETWEEN_SLICES_S  # not a slot's first start, nor after a resume
+    df["sweep"] = df["spawn"].map(run.manifest().sweep_of)  # a resume starts every slot afresh
+    previous = df.groupby(["sweep", "slot"])["stopped"].shift()
+    follows = previous.notna()  # not a slot's first start in its sweep
     df["follows"] = follows
     df["before_s"] = (df["spawn"] - previous).where(follows, df["spawn"] - df["begin"])
     df["ready_to_warmup_s"] = df["warmup"] - df["ready"]
@@ -167,9 +167,10 @@ def main() -> int:
             print(f"{path}: no start with a launch time and an executed notebook")
             continue
         df = df.sort_values("begin")
+        manifest = RunFolder(path).manifest()
+        df["sweep"] = df["begin"].map(lambda t: manifest.sweep_of(t.timestamp()))
         # the gap before each start on its slot: sweep bookkeeping, papermill and kernel start
-        gap = (df["begin"] - df.groupby("slot")["end"].shift()).dt.total_seconds()
-        df["gap_before_s"] = gap.where(gap < BETWEEN_SLICES_S)
+        df["gap_before_s"] = (df["begin"] - df.groupby(["sweep", "slot"])["end"].shift()).dt.total_seconds()
         cols = ["start", "slot", "notebook_s", "vllm_startup_s", "measuring_s", "kit_s", "kit_imports_s",
                 "kit_launch_s", "gap_before_s"]
         print(f"\n{path.name}")

@@ -90,5 +90,20 @@ def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):
     assert ttft.at[A, "verdict"] == "worse" and ttft.at[A, "change"] == pytest.approx(1.0, abs=0.2)
     assert ttft.at[C, "verdict"] == "better"
     assert ttft.at[B, "verdict"] == "not resolved" and ttft.at[D, "verdict"] == "not resolved"
-    t = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
+    t, line = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
     assert "worse" in t.loc[A, "TTFT P90"] and (tmp_path / "cmp" / "compare.png").stat().st_size > 5000
+    moved = df[df["verdict"] != "not resolved"]
+    assert line.startswith(f"{len(df) - len(moved)} of {len(df)} point x metric pairs agree")
+    assert f"{A} TTFT P90 +" in line and f"{C} TTFT P90 -" in line and f"{B} TTFT P90" not in line
+
+
+def test_report_header_points_to_compare_when_starts_overlapped(tmp_path):
+    run = make_run(tmp_path / "r", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}))
+    assert "at the same time" not in report.describe(report.Run.load(run.path))  # nothing ran side by side
+    m = run.manifest()
+    m.executor = "gpus"
+    m.overlaps = [{"a": f"{A}#s1", "b": f"{B}#s1", "seconds": 80.0, "hosts": ["h"], "gpus": [[0], [1]]}]
+    m.save(run.manifest_path)
+    header = report.describe(report.Run.load(run.path))
+    assert "executor gpus: 1 pair(s) of server starts ran at the same time" in header
+    assert "vllm_study compare" in header

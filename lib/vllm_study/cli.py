@@ -114,7 +114,9 @@ def _decide(args) -> int:
             return 0
         from .compare import run
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
-            print(run(args.run_a, args.run_b, args.out).to_string())
+            side_by_side, line = run(args.run_a, args.run_b, args.out)
+            print(side_by_side.to_string())
+            print(line)
         return 0
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

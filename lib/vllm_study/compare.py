@@ -69,6 +69,17 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def verdict(df: pd.DataFrame) -> str:
+    """One line: how many point x metric pairs the two runs agree on, and which moved."""
+    moved = df[df["verdict"] != "not resolved"]
+    line = f"{len(df) - len(moved)} of {len(df)} point x metric pairs agree within their 95% intervals"
+    if moved.empty:
+        return line
+    return line + "; resolved (B vs A): " + ", ".join(
+        f"{r.point} {r.label} {r.change:+.0%} {r.verdict}" if r.relative else f"{r.point} {r.label} {r.verdict}"
+        for r in moved.itertuples())
+
+
 def figure(df: pd.DataFrame, out: Path) -> Path | None:
     rel = df[df["relative"]]
     if rel.empty:
@@ -95,13 +106,13 @@ def figure(df: pd.DataFrame, out: Path) -> Path | None:
     return path
 
 
-def run(run_a, run_b, out: Path | None = None) -> pd.DataFrame:
+def run(run_a, run_b, out: Path | None = None) -> tuple[pd.DataFrame, str]:
+    """(the side-by-side table, the one-line verdict); with `out`, also the CSV and figure."""
     df = compare(run_a, run_b)
     if df.empty:
         raise ValueError(f"{run_a} and {run_b} have no measured point in common")
-    t = table(df)
     if out:
         Path(out).mkdir(parents=True, exist_ok=True)
         df.to_csv(Path(out) / "compare.csv", index=False)
         figure(df, out)
-    return t
+    return table(df), verdict(df)

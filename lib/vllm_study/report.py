@@ -93,6 +93,11 @@ def describe(r: Run) -> str:
     ]
     if m.resumes:
         lines.append(f"resumed {len(m.resumes)} time(s): see manifest.json")
+    if m.overlaps:
+        # a neighbour shares the host's CPU, PCIe and power: only a run without one can show its effect
+        lines.append(f"executor {m.executor}: {len(m.overlaps)} pair(s) of server starts ran at the same time "
+                     "(manifest.json: overlaps); whether a neighbour moved a number: `python -m vllm_study "
+                     "compare <this study under --executor local> <this run>`")
     return "\n".join(lines)
 
 

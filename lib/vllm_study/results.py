@@ -207,6 +207,12 @@ class Manifest(_Record):
     overlaps: list[dict[str, Any]] = []      # starts that ran at the same time, with hosts and GPUs
     notes: list[str] = []   # provenance the fields above cannot hold (e.g. a converted run)
 
+    def sweep_of(self, when: float) -> int:
+        """Which sweep over this run (0: the first, k: the k-th --resume) was under way at
+        `when` (epoch seconds): a run made in slices is timed slice by slice."""
+        begins = [dt.datetime.fromisoformat(u).timestamp() for u in [self.created_utc, *(r.utc for r in self.resumes)]]
+        return max(sum(b <= when for b in begins) - 1, 0)
+
 
 def _git(*args: str, cwd: Path) -> str | None:
     try:
