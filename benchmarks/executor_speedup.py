@@ -2,11 +2,12 @@
 much less wall time the second took, and whether its numbers agree with the first's.
 
 Wall time is the time the run was busy: per slice (the first sweep and each `--resume`,
-from the manifest), its first start's notebook begin to its last start's finish, so a run
-made in several slices (tools/study_slice.py) is not charged for the time between them. Agreement is `compare`'s per-point difference with its 95%
-interval: under `gpus` every start had a neighbour on the host, so a resolved
-difference is a neighbour's effect (or the two runs' start-to-start noise, which the
-interval carries only where each point has several starts).
+from the manifest), its first start's notebook begin to its last start's finish, so a
+run made in several slices (tools/study_slice.py) is not charged for the time between
+them. Agreement is `compare`'s per-point difference with its 95% interval: under `gpus`
+every start had a neighbour on the host, so a resolved difference is a neighbour's
+effect, or a difference between the two runs themselves (time, order), which one pair
+of runs cannot tell apart.
 
     python benchmarks/executor_speedup.py results/<local run> results/<gpus run> [--target 0.55]
 """

@@ -1,7 +1,9 @@
 """From study to decision, on synthetic runs whose answers are known: SLO verdicts on
 intervals, the recommendation and its ties, Pareto fronts with ties, the exported serve
-config, and the comparison of two runs."""
+config, the comparison of two runs, and the slices of a resumed run."""
 from __future__ import annotations
+
+import datetime as dt
 
 import pandas as pd
 import pytest
@@ -9,6 +11,7 @@ import yaml
 
 from synthetic_run import make_run
 from vllm_study import compare, decision, export, report
+from vllm_study.results import Resume
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 
@@ -107,3 +110,13 @@ def test_report_header_points_to_compare_when_starts_overlapped(tmp_path):
     header = report.describe(report.Run.load(run.path))
     assert "executor gpus: 1 pair(s) of server starts ran at the same time" in header
     assert "vllm_study compare" in header
+
+
+def test_sweep_of_names_the_slice_a_moment_belongs_to(tmp_path):
+    run = make_run(tmp_path / "r", _values({A: 5.0}, {A: 300.0}))
+    m = run.manifest()  # created 2026-01-01T00:00:00Z
+    resumed = Resume(utc="2026-01-01T01:00:00+00:00", git=m.git, versions=m.versions, machine=m.machine,
+                     units_left=[f"{A}#s2"])
+    m.resumes = [resumed, resumed.model_copy(update={"utc": "2026-01-01T02:00:00+00:00"})]
+    t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc).timestamp()
+    assert [m.sweep_of(t0 + s) for s in (-5, 0, 3599, 3600, 7300)] == [0, 0, 0, 1, 2]
