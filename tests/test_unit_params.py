@@ -100,6 +100,18 @@ def test_missing_file_and_non_mapping(tmp_path):
         load_study()
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "params").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_committed_study_loads_and_expands(path):
+    """A change to the schema must not strand the study files a user copies from."""
+    s = load_study(path)
+    points = expand(s, engine="gpu" if s.server.engine == "gpu" else "cpu")
+    assert points and len({p.id for p in points}) == len(points)
+    grid_size = 1
+    for values in (s.grid or {}).values():
+        grid_size *= len(values)
+    assert len(points) >= grid_size > 0 or not s.grid
+
+
 def test_repo_default_yaml_loads_and_expands_to_four_points():
     path = REPO / "params" / "default.yaml"
     raw = yaml.safe_load(path.read_text())
