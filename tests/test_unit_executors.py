@@ -137,6 +137,40 @@ def test_a_unit_queued_behind_another_counts_that_ones_time_against_the_budget()
     assert ran == ["p0", "p1"] and left == 2
 
 
+def test_a_queued_unit_is_charged_only_what_the_running_one_may_still_take():
+    """Units of 0.6 s that release their slot 0.4 s in, under a 2 s budget. p0 runs
+    alone (no length known yet); p1 follows and releases at ~1.0 s: p2, queued behind it,
+    would start by ~1.0 + (0.6 - 0.4) and end by ~1.8 s, inside the budget, so it is
+    prepared (charging a whole 2 x 0.6 s would have refused it). p3, queued behind p2 at
+    its release (~1.4 s, 0.2 s after p2 had the slot), would end by ~2.4 s: refused."""
+    ran = []
+
+    def work(unit, slot, release):
+        ran.append(unit.point)
+        time.sleep(0.4)
+        release()
+        time.sleep(0.2)
+
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=2.0 / 60).run(_units(5))
+    assert ran == ["p0", "p1", "p2"] and left == 2
+
+
+def test_a_unit_that_did_not_fit_behind_a_running_one_is_asked_again_when_it_ends():
+    """p0 takes 0.9 s (the longest), the rest 0.4 s and release their slot at once; 2.4 s
+    budget. Behind p1 (released at ~0.9 s) p2 could end by 0.9 + 0.9 + 0.9 = 2.7 s: not
+    yet. When p1 ends (~1.3 s) it fits (1.3 + 0.9 = 2.2 s) and runs; p3, asked again when
+    p2 ends (~1.7 s), would end by 2.6 s: refused."""
+    ran = []
+
+    def work(unit, slot, release):
+        ran.append(unit.point)
+        release()
+        time.sleep(0.9 if unit.point == "p0" else 0.4)
+
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=2.4 / 60).run(_units(5))
+    assert ran == ["p0", "p1", "p2"] and left == 2
+
+
 def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"

@@ -87,19 +87,30 @@ class Dispatcher:
     def __init__(self, slots: list, work, t0: float, max_minutes: float | None):
         self.slots, self.work, self.t0, self.max_minutes = list(slots), work, t0, max_minutes
         self.longest = 0.0  # the longest unit, from when it had its slot to itself
+        self.began: dict[int, float] = {}  # slot index: when its latest unit was handed to it
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
+        self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
         self.lock = threading.Lock()
 
-    def _fits(self, started: int, behind: bool) -> bool:
+    def _fits(self, started: int, i: int, behind: bool) -> bool:
         """The first unit always goes (each invocation makes progress); a later one only
-        if the longest so far would still end inside the budget, counted from the end of
-        the unit it waits behind where its slot was released early."""
+        if a unit as long as the longest so far would still end inside the budget. One
+        queued behind a running unit (its slot released early) starts when that one ends:
+        at the latest, the longest unit's length after the running one had its slot."""
         if not self.max_minutes or started == 0:
             return True
-        return time.monotonic() - self.t0 + self.longest * (2 if behind else 1) <= self.max_minutes * 60
+        now = time.monotonic()
+        need = self.longest
+        if behind:
+            with self.lock:
+                since = max(self.began[i], self.ended.get(i, 0.0))
+            need += max(0.0, self.longest - (now - since))
+        return now - self.t0 + need <= self.max_minutes * 60
 
     def _timed(self, unit: Unit, i: int, release):
         ts = time.monotonic()
+        with self.lock:
+            self.began[i] = ts
         try:
             return self.work(unit, self.slots[i], lambda: release(early=True))
         finally:
@@ -118,7 +129,21 @@ class Dispatcher:
                 return  # under a budget, nothing queues behind a unit before one unit's length is known
             if once.acquire(blocking=False):  # the first call hands the slot back; later ones do nothing
                 free.put((i, early))
+            elif not early:
+                with self.lock:
+                    if i in self.reoffer:  # released early, but the next unit waits to know it fits
+                        self.reoffer.discard(i)
+                        free.put((i, False))
         return release
+
+    def _reoffer_when_done(self, free: queue.Queue, i: int) -> None:
+        """A unit did not fit behind slot i's running one: offer the slot again, as free,
+        once that one has ended (now, if it already has)."""
+        with self.lock:
+            if self.ended.get(i, float("-inf")) >= self.began[i]:
+                free.put((i, False))
+            else:
+                self.reoffer.add(i)
 
     @staticmethod
     def _next_free(free: queue.Queue, futures: list[Future]):
@@ -139,13 +164,17 @@ class Dispatcher:
         started, left = 0, 0
         pool = ThreadPoolExecutor(max_workers=2 * len(self.slots))
         try:
-            for n, unit in enumerate(units):
+            n = 0
+            while n < len(units):
                 i, behind = self._next_free(free, futures)
-                if not self._fits(started, behind):
+                if not self._fits(started, i, behind):
+                    if behind:  # the running unit may end sooner than the estimate: ask again then
+                        self._reoffer_when_done(free, i)
+                        continue
                     left = len(units) - n
                     break
-                futures.append(pool.submit(self._timed, unit, i, self._releaser(free, i)))
-                started += 1
+                futures.append(pool.submit(self._timed, units[n], i, self._releaser(free, i)))
+                started, n = started + 1, n + 1
             for f in futures:
                 f.result()
         except BaseException:
