@@ -171,6 +171,28 @@ def test_a_unit_that_did_not_fit_behind_a_running_one_is_asked_again_when_it_end
     assert ran == ["p0", "p1", "p2"] and left == 2
 
 
+def test_a_unit_prepared_behind_another_still_counts_as_running(tmp_path):
+    """As a sweep's units do: each waits at its slot's lock, then releases the slot
+    (its server spawned). p0 takes 0.9 s, the rest 0.4 s; 2.9 s budget. p2 is prepared
+    behind p1 (fits by ~2.7 s); p3 does not fit behind p2 (~3.1 s) and must wait for p2
+    to end (~1.7 s: fits by ~2.6 s), although p1 ended after p2 began preparing; p4 then
+    fits neither behind p3 nor after it (~3.0 s)."""
+    ran = []
+
+    def work(unit, slot, release):
+        lock = SlotLock(slot_lock_path(tmp_path, slot))
+        lock.acquire()
+        try:
+            ran.append(unit.point)
+            release()
+            time.sleep(0.9 if unit.point == "p0" else 0.4)
+        finally:
+            lock.release()
+
+    left, _ = Dispatcher([[0]], work, time.monotonic(), max_minutes=2.9 / 60).run(_units(6))
+    assert ran == ["p0", "p1", "p2", "p3"] and left == 2
+
+
 def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"

@@ -89,6 +89,7 @@ class Dispatcher:
         self.longest = 0.0  # the longest unit, from when it had its slot to itself
         self.began: dict[int, float] = {}  # slot index: when its latest unit was handed to it
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
+        self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
         self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
         self.lock = threading.Lock()
 
@@ -111,6 +112,7 @@ class Dispatcher:
         ts = time.monotonic()
         with self.lock:
             self.began[i] = ts
+            self.running[i] = self.running.get(i, 0) + 1
         try:
             return self.work(unit, self.slots[i], lambda: release(early=True))
         finally:
@@ -119,6 +121,7 @@ class Dispatcher:
                 # a unit queued behind another had its slot only once that one ended
                 self.longest = max(self.longest, now - max(ts, self.ended.get(i, ts)))
                 self.ended[i] = now
+                self.running[i] -= 1
             release(early=False)
 
     def _releaser(self, free: queue.Queue, i: int):
@@ -131,7 +134,7 @@ class Dispatcher:
                 free.put((i, early))
             elif not early:
                 with self.lock:
-                    if i in self.reoffer:  # released early, but the next unit waits to know it fits
+                    if i in self.reoffer and not self.running[i]:  # the next unit waits to know it fits
                         self.reoffer.discard(i)
                         free.put((i, False))
         return release
@@ -140,7 +143,7 @@ class Dispatcher:
         """A unit did not fit behind slot i's running one: offer the slot again, as free,
         once that one has ended (now, if it already has)."""
         with self.lock:
-            if self.ended.get(i, float("-inf")) >= self.began[i]:
+            if not self.running[i]:
                 free.put((i, False))
             else:
                 self.reoffer.add(i)
