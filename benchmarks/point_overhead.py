@@ -158,16 +158,17 @@ def main() -> int:
     ap.add_argument("runs", nargs="+", type=Path)
     a = ap.parse_args()
     for path in a.runs:
-        timed = timeline_frame(RunFolder(path))
+        run = RunFolder(path)
+        timed = timeline_frame(run)
         if not timed.empty:
             print_timeline(path.name, timed)
             continue
-        df = pd.DataFrame(start_rows(RunFolder(path)))
+        df = pd.DataFrame(start_rows(run))
         if df.empty:
             print(f"{path}: no start with a launch time and an executed notebook")
             continue
         df = df.sort_values("begin")
-        manifest = RunFolder(path).manifest()
+        manifest = run.manifest()
         df["sweep"] = df["begin"].map(lambda t: manifest.sweep_of(t.timestamp()))
         # the gap before each start on its slot: sweep bookkeeping, papermill and kernel start
         df["gap_before_s"] = (df["begin"] - df.groupby(["sweep", "slot"])["end"].shift()).dt.total_seconds()
