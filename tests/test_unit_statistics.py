@@ -124,3 +124,28 @@ def test_counts_that_can_be_zero_use_a_linear_scale():
     df = _rounds({"a": np.array([[0.0, 2.0, 1.0], [1.0, 1.0, 0.0]])}, "preemptions")
     row = analysis.point_intervals(df, ["preemptions"]).iloc[0]
     assert row["scale"] == "linear" and row["value"] == pytest.approx(np.mean([1.0, 1.0]))
+
+
+def _benchmark(name: str):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rerun_check_accepts_a_rerun_from_the_same_servers_and_flags_a_shifted_one():
+    from types import SimpleNamespace
+    rerun_check = _benchmark("rerun_check")
+    rng = np.random.default_rng(7)
+    truth = {f"p{i}": 1000.0 * (1 + i / 4) for i in range(12)}
+    study = SimpleNamespace(rounds=_rounds(_grid(rng, truth, 2, 2, 0.10, 0.03)))
+    same = _grid(rng, {"p0": truth["p0"], "p5": truth["p5"]}, 1, 2, 0.10, 0.03)
+    shifted = {p: v * 1.6 for p, v in same.items()}  # the +35-40% kind of drift, and more
+    ok = rerun_check.check(study, SimpleNamespace(rounds=_rounds(same)), ["ttft_p90_ms"])
+    bad = rerun_check.check(study, SimpleNamespace(rounds=_rounds(shifted)), ["ttft_p90_ms"])
+    assert list(ok["point"]) == ["p0", "p5"] and ok["in prediction"].all()
+    assert not bad["in prediction"].any() and not bad["in CI"].any()
+    assert np.allclose(bad["re-run"], ok["re-run"] * 1.6)
