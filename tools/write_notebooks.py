@@ -79,8 +79,8 @@ pn.rounds_table(run)
     md("""
 ## The point so far
 The server is stopped here. Each metric's median over every measured round of the
-point's starts so far, with its 95% interval (a bootstrap that resamples starts, then
-rounds within them) and its range.
+point's starts so far, its range, and each start's median. Intervals need the whole run
+(the start-to-start spread is pooled over the run's points): the report has them.
 """),
     code('''
 summary = run.finish()
@@ -127,11 +127,12 @@ and better on one; equal points are ties and all stay.
 """),
     code("ns.pareto(r)", **CHECK),
     md("""
-## Medians per point, with 95% intervals
-Each cell: the median over the point's measured rounds, and in brackets its 95%
-interval from a hierarchical bootstrap (server starts resampled, then rounds within
-each). With one server start per point the interval covers round-to-round noise only:
-a restarted server can move TTFT further. Two points whose intervals overlap are not
+## Each point, with 95% intervals
+Each cell: the point's value (each server start's median round, averaged over the
+point's starts; on a log scale for metrics that are always positive), and in brackets
+its 95% t interval, with the start-to-start spread pooled over the run's points
+(`analysis.py`). With one server start per point the interval covers round-to-round
+noise only: a restarted server can move TTFT further. Two points whose intervals overlap are not
 told apart by this study. `partial k/n`: only k of the n planned rounds were measured.
 """),
     code("ns.headline_table(r)", **CHECK),
