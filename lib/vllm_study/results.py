@@ -109,6 +109,7 @@ class Launch(BaseModel):
     cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
     hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
     slot_wait_s: float | None = None            # waiting for the slot's previous server to stop
+    kit_env: dict[str, str] = {}                # variables the kit set for vLLM (not server.env's)
 
 
 # a start's steps in order: vLLM spawned, /health answered, warm-up sent, rounds ended,

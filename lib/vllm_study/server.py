@@ -62,6 +62,35 @@ def serve_command(model: str, port: int, engine_cli: list[str], served_name: str
     return cmd + list(engine_cli) + list(extra)
 
 
+def asks_uni_backend(cmd: list[str]) -> bool:
+    """Does the command run the model in the engine-core process
+    (`--distributed-executor-backend uni`)?"""
+    for i, arg in enumerate(cmd):
+        if arg == "--distributed-executor-backend" and cmd[i + 1:i + 2] == ["uni"]:
+            return True
+        if arg == "--distributed-executor-backend=uni":
+            return True
+    return False
+
+
+def cpu_uni_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
+    """What vLLM's CPU build needs to honour `--distributed-executor-backend uni`.
+
+    By default the CPU build spawns a worker process for the model and binds its OpenMP
+    threads to all cores but one (the scheduler keeps that one). `uni` runs the model in
+    the engine-core process instead, as vLLM does by default on one GPU, which saves the
+    worker's spawn and imports: ~17 s a start on 2 cores. The CPU platform turns `uni`
+    back into `mp` unless VLLM_ENABLE_V1_MULTIPROCESSING=0 (vllm/platforms/cpu.py); the
+    OpenAI server keeps its engine core in a process of its own either way. The worker's
+    thread count is kept (all usable cores but one, unpinned): vLLM cannot change it
+    once its CPU worker has started. Variables the caller set win."""
+    if not asks_uni_backend(cmd) or vllm_distribution() == "vllm":
+        return {}
+    add = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) - 1))}
+    return {k: v for k, v in add.items() if k not in env}
+
+
 # (pattern in the log, reason recorded). First match wins, so specific before general.
 _FAILURES = [
     (r"No available memory for the cache blocks", "no memory left for the KV cache at this "
@@ -135,8 +164,9 @@ class VllmServer:
                  startup_timeout_s: float = 900):
         self.cmd, self.port, self.log_path = cmd, port, Path(log_path)
         self.url = f"http://127.0.0.1:{port}"
+        self.uni_env = cpu_uni_env(cmd, {**os.environ, **(env or {})})
         self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
-                    "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+                    "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(env or {}), **self.uni_env}
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
         self.startup_s: float | None = None
