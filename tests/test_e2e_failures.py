@@ -83,8 +83,7 @@ def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
     ).point.warnings)
     model, dummy = models.resolve(plan.study.model)
     port = free_port()
-    # vLLM's CPU default here (a worker process of its own, no UNI): the one test server
-    # that keeps it
+    # vLLM's CPU default here: a worker process of its own (no UNI)
     srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),
                      port, tmp_path / "server.log", startup_timeout_s=600)
     assert srv.uni_env == {}
