@@ -26,7 +26,7 @@ def test_a_model_with_a_mistral_template_runs_end_to_end(tmp_path):
     folder = ot.model_folder(ot.mistral_style(), tmp_path / "mistral-style")
     study = tiny(model={"path": str(folder), "dummy_weights": True, "served_name": "tiny"}, rounds=1,
                  scheduler={"min_reuse_ratio": 0.5, "max_defer_ms": 200})
-    r = sweep(write(tmp_path, study), "--results", tmp_path / "results")
+    r = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report")  # other tests render one
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (path,) = (tmp_path / "results").iterdir()
     run = RunFolder(path)
