@@ -26,8 +26,8 @@ def kv_bytes(tokens: int) -> int:
 
 
 # The model in the engine-core process: no worker process to spawn, ~17 s less per start
-# (server.cpu_uni_env). The eviction test and the exported-config test keep vLLM's CPU
-# default (a worker process of its own), so both launch paths stay covered.
+# (server.cpu_uni_env). The eviction, exported-config and prefix-budget tests keep vLLM's
+# CPU default (a worker process of its own), so both launch paths stay covered.
 UNI = ["--distributed-executor-backend", "uni"]
 
 
