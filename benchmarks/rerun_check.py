@@ -21,25 +21,25 @@ METRICS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "pre
 
 
 def check(study: report.Run, rerun: report.Run, names=METRICS) -> pd.DataFrame:
-    iv = analysis.point_intervals(study.rounds, names)
+    """One row per re-run start x point x metric; the published intervals are the ones
+    the study's report shows (`Run.interval`)."""
     rows = []
     for name in names:
         data = analysis.MetricData.from_rounds(rerun.rounds, name)
         if data is None:
             continue
         for point, values in data.starts.items():
-            pub = iv[(iv.point == point) & (iv.metric == name)]
-            if pub.empty:
+            p = study.interval(point, name)
+            if p is None:
                 continue
-            p = pub.iloc[0]
             for start, v in enumerate(values, 1):
                 v = float(data.back(v))
                 rows.append({"point": point, "metric": metrics.get(name).label, "start": start,
-                             "published": p.value, "ci_low": p.ci_low, "ci_high": p.ci_high,
-                             "next_low": p.next_start_low, "next_high": p.next_start_high, "re-run": v,
-                             "in CI": bool(p.ci_low <= v <= p.ci_high),
-                             "in prediction": bool(p.next_start_low <= v <= p.next_start_high),
-                             "change": v / p.value - 1 if p.value else np.nan})
+                             "published": p["value"], "ci_low": p["ci_low"], "ci_high": p["ci_high"],
+                             "next_low": p["next_start_low"], "next_high": p["next_start_high"], "re-run": v,
+                             "in CI": bool(p["ci_low"] <= v <= p["ci_high"]),
+                             "in prediction": bool(p["next_start_low"] <= v <= p["next_start_high"]),
+                             "change": v / p["value"] - 1 if p["value"] else np.nan})
     return pd.DataFrame(rows)
 
 
