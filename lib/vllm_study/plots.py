@@ -44,8 +44,16 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
     sub = est[est["metric"] == metric]
     table = sub.pivot_table(index=y, columns=x, values="value", aggfunc="first")
     table = table.reindex(index=status.index, columns=status.columns).astype(float)
-    sns.heatmap(table, annot=False, mask=table.isna(), cmap=m.cmap, ax=ax, cbar_kws={"label": m.title},
-                linewidths=0.5, linecolor="white")
+    # pcolormesh, not sns.heatmap: seaborn draws the whole figure on every call (to check
+    # tick-label overlap), which made a 13-panel grid take ~20 s; this one takes ~3 s.
+    values = table.to_numpy()
+    mesh = ax.pcolormesh(np.ma.masked_invalid(values), cmap=m.cmap, edgecolors="white", linewidth=0.5)
+    ax.figure.colorbar(mesh, ax=ax, label=m.title).outline.set_linewidth(0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_xticks(np.arange(len(table.columns)) + 0.5, [fmt_value(x, v) for v in table.columns])
+    ax.set_yticks(np.arange(len(table.index)) + 0.5, [fmt_value(y, v) for v in table.index])
+    ax.tick_params(length=0)
     ax.set_facecolor("#d9d9d9")
     for (i, j), v in np.ndenumerate(table.to_numpy()):
         st = status.iat[i, j]
@@ -56,11 +64,8 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
         ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
         if tied and (table.index[i], table.columns[j]) in tied:
             ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
-    ax.set_xticklabels([fmt_value(x, v) for v in table.columns])
-    ax.set_yticklabels([fmt_value(y, v) for v in table.index], rotation=0)
     ax.set_xlabel(_label(x))
     ax.set_ylabel(_label(y))
-    ax.invert_yaxis()
     ax.set_title(m.title)
 
 
