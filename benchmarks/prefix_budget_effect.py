@@ -67,7 +67,28 @@ def main() -> int:
                 + COUNTERS if c in whole.columns]
         print("\nper round, median over a point's rounds (expected_prefix_hit_rate: a cache that never evicts)")
         print(whole.groupby("point", sort=False)[cols].median().to_string())
+        print("\neach round: whether the shared prefix stayed cached (hit rate against a never-evicting "
+              "cache) beside its TTFT P90, per class, and what the budget deferred")
+        print(_each_round(r.rounds, classes).to_string())
     return 0
+
+
+def _each_round(rounds: pd.DataFrame, classes: list[str]) -> pd.DataFrame:
+    """One row per measured round: on this workload a round either keeps the shared prefix
+    or loses it, and the medians over rounds hide which one happened."""
+    ok = rounds[rounds["round_status"] == "ok"]
+    key = ["point", "start", "round"]
+    whole = ok[ok["group"] == "all"].set_index(key)
+    out = pd.DataFrame({"hit rate": whole["prefix_cache_hit_rate"],
+                        "of never-evicting": whole["prefix_cache_hit_rate"] / whole["expected_prefix_hit_rate"],
+                        "TTFT P90 ms": whole["ttft_p90_ms"]})
+    for c in classes:
+        part = ok[(ok["group"] == "class") & (ok["group_value"] == c)].set_index(key)
+        out[f"{c} TTFT P90 ms"] = part["ttft_p90_ms"]
+    for col, label in (("pb_deferred", "deferred"), ("pb_admitted_by_age", "by age")):
+        if col in whole.columns:
+            out[label] = whole[col]
+    return out.sort_index().round(3)
 
 
 if __name__ == "__main__":

@@ -151,3 +151,22 @@ def test_rerun_check_accepts_a_rerun_from_the_same_servers_and_flags_a_shifted_o
     assert list(ok["point"]) == ["p0", "p5"] and ok["in prediction"].all()
     assert not bad["in prediction"].any() and not bad["in CI"].any()
     assert np.allclose(bad["re-run"], ok["re-run"] * 1.6)
+
+
+def test_prefix_budget_rounds_show_which_rounds_lost_the_shared_prefix():
+    each_round = _benchmark("prefix_budget_effect")._each_round
+    rows = []
+    for point, start, rnd, hit, p90, deferred in (("on", 1, 0, 0.06, 2000.0, 8), ("off", 1, 0, 0.24, 700.0, None)):
+        rows.append({"point": point, "start": start, "round": rnd, "round_status": "ok", "group": "all",
+                     "group_value": None, "prefix_cache_hit_rate": hit, "expected_prefix_hit_rate": 0.25,
+                     "ttft_p90_ms": p90, "pb_deferred": deferred, "pb_admitted_by_age": 0})
+        for cls, share in (("cold", 1.1), ("shared", 0.9)):
+            rows.append({"point": point, "start": start, "round": rnd, "round_status": "ok", "group": "class",
+                         "group_value": cls, "ttft_p90_ms": p90 * share})
+    rows.append({**rows[0], "round": 1, "round_status": "failed"})  # not measured: left out
+    out = each_round(pd.DataFrame(rows), ["cold", "shared"])
+    assert list(out.index) == [("off", 1, 0), ("on", 1, 0)]
+    assert out.loc[("on", 1, 0), "of never-evicting"] == pytest.approx(0.24)
+    assert out.loc[("off", 1, 0), "of never-evicting"] == pytest.approx(0.96)
+    assert out.loc[("on", 1, 0), "cold TTFT P90 ms"] == pytest.approx(2200.0)
+    assert out.loc[("on", 1, 0), "deferred"] == 8 and np.isnan(out.loc[("off", 1, 0), "deferred"])
