@@ -11,7 +11,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from vllm_study.counters import (
     RoundSampler,
+    budget_buckets,
     cache_config,
+    long_prefills,
     parse_metrics,
     probe_server_api,
     round_deltas,
@@ -152,6 +154,28 @@ def test_parse_what_prometheus_client_itself_writes():
     assert snap["values"]["vllm:iteration_tokens_total_sum"] == 2 * (4 + 12 + 300)
     assert cache_config(snap) == {"block_size": "128", "num_gpu_blocks": "1000"}
     assert d["prefix_cache_queries"] is None  # nothing to subtract from
+
+
+def _prefills(buckets: list[float], computed: list[int]) -> dict:
+    """A /metrics snapshot of vLLM's per-request prefill histogram, written by
+    prometheus_client with the given bucket bounds."""
+    reg = CollectorRegistry()
+    h = Histogram("vllm:request_prefill_kv_computed_tokens", "p", ["model_name"], buckets=buckets, registry=reg)
+    for n in computed:
+        h.labels("tiny").observe(n)
+    return parse_metrics(generate_latest(reg).decode())
+
+
+def test_long_prefills_count_requests_split_by_the_chunk_exactly_with_the_kits_bucket():
+    before = _prefills(budget_buckets(256)["request_tokens"], [40, 900])
+    after = _prefills(budget_buckets(256)["request_tokens"], [40, 900, 256, 257, 5000, 12])
+    assert long_prefills(before, after, 256) == {"long_prefills": 2.0, "long_prefill_edge_tokens": 256}
+
+
+def test_long_prefills_with_coarse_buckets_count_above_the_bound_below_the_chunk_and_say_so():
+    coarse = [1, 8, 16, 32, 64, 128, 200, 500, 1000, 2000, 5000]  # vLLM's default style: no 256
+    after = _prefills(coarse, [230, 240, 300, 3000])
+    assert long_prefills(_prefills(coarse, []), after, 256) == {"long_prefills": 4.0, "long_prefill_edge_tokens": 200}
 
 
 def test_nvml_probe_says_why_when_no_gpu():

@@ -120,3 +120,21 @@ def test_sweep_of_names_the_slice_a_moment_belongs_to(tmp_path):
     m.resumes = [resumed, resumed.model_copy(update={"utc": "2026-01-01T02:00:00+00:00"})]
     t0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc).timestamp()
     assert [m.sweep_of(t0 + s) for s in (-5, 0, 3599, 3600, 7300)] == [0, 0, 0, 1, 2]
+
+
+def test_the_chunk_binds_where_a_prefill_was_split_and_coarse_buckets_are_not_claimed():
+    from types import SimpleNamespace
+    rows = [{"point": p, "start": 1, "round": k, "round_status": "ok", "group": "all", "long_prefills": n,
+             "long_prefill_edge_tokens": edge} for p, n, edge in
+            (("c256", 3, 256), ("c8192", 0, 8192), ("coarse", 5, 200), ("coarse0", 0, 200)) for k in (0, 1)]
+    measured = [SimpleNamespace(point=p, effective=SimpleNamespace(max_num_batched_tokens=m))
+                for p, m in (("c256", 256), ("c8192", 8192), ("coarse", 256), ("coarse0", 256))]
+    r = SimpleNamespace(rounds=pd.DataFrame(rows), measured=measured)
+    note = report._chunk_binding(r, "max_num_batched_tokens", report._per_point(r, "long_prefills", "median"))
+    assert note.startswith("max_num_batched_tokens bound at 1 of 4 points (prefills longer than the chunk")
+    assert ": c256;" in note  # coarse (5 above 200 tokens) is not called bound, and none below is
+    assert "whether the chunk split them is not known at: coarse (above 200)" in note and "coarse0" not in note
+    none = SimpleNamespace(rounds=pd.DataFrame([{**x, "long_prefills": 0} for x in rows]), measured=measured)
+    assert report._chunk_binding(none, "max_num_batched_tokens",
+                                 report._per_point(none, "long_prefills", "median")).endswith(
+        "never bound: no prefill was longer than the chunk; this study cannot show its effect")

@@ -155,8 +155,8 @@ apart). With `baseline:` set in the study, each point against that point too.
     md("""
 ## Did each knob bind?
 vLLM's own counters per point: the KV cache's peak share and preemptions (memory), the
-share of engine steps that scheduled the whole chunk budget and the prefills longer
-than the chunk (chunk size), running requests against `max_num_seqs`, and the measured
+prefills longer than the chunk (chunk size: vLLM had to split them over steps), running
+requests against `max_num_seqs`, and the measured
 hit rate beside the one a never-evicting cache would reach. An axis that never bound
 is named: the study cannot show its effect.
 """),

@@ -90,26 +90,21 @@ def above(before: dict, after: dict, histogram: str, limit: float) -> tuple[floa
     return total - (a[edge] - b.get(edge, 0.0)), edge
 
 
-def budget_use(before: dict, after: dict, max_num_batched_tokens: int) -> dict:
-    """Did the chunk size bind in this round? The share of engine steps that scheduled
-    the whole token budget, and the prefills longer than the budget (vLLM had to split
-    them). Exact where the server has the bucket bounds budget_buckets() asks for;
-    otherwise counted above the nearest default bound below the budget, which is
-    recorded (budget_edge_tokens) so the figure says what it counts."""
-    mbt = max_num_batched_tokens
-    full, edge = above(before, after, "vllm:iteration_tokens_total", mbt - 1)
-    steps = (after["values"].get("vllm:iteration_tokens_total_count", 0.0)
-             - before["values"].get("vllm:iteration_tokens_total_count", 0.0))
-    long_prefills, prefill_edge = above(before, after, "vllm:request_prefill_kv_computed_tokens", mbt)
-    return {"budget_steps_share": full / steps if full is not None and steps else None,
-            "budget_edge_tokens": edge, "long_prefills": long_prefills, "long_prefill_edge_tokens": prefill_edge}
+def long_prefills(before: dict, after: dict, max_num_batched_tokens: int) -> dict:
+    """Did the chunk size bind in this round? The prefills longer than the budget, which
+    vLLM had to split over steps, from the per-request histogram of computed prompt
+    tokens. Exact where the server has the bucket bound budget_buckets() asks for;
+    otherwise counted above the nearest default bound below the budget, which is recorded
+    (long_prefill_edge_tokens) so the figure says what it counts.
+    vLLM exports no per-step count of scheduled tokens: vllm:iteration_tokens_total
+    observes a prompt's computed tokens once, in the step its prefill finishes."""
+    n, edge = above(before, after, "vllm:request_prefill_kv_computed_tokens", max_num_batched_tokens)
+    return {"long_prefills": n, "long_prefill_edge_tokens": edge}
 
 
 def budget_buckets(max_num_batched_tokens: int) -> dict[str, list[int]]:
-    """Histogram bounds (vLLM's --custom-histogram-buckets) that make budget_use exact:
-    steps that scheduled exactly the budget, and prefills longer than it."""
-    mbt = max_num_batched_tokens
-    return {"iteration_tokens": [mbt - 1, mbt] if mbt > 1 else [mbt], "request_tokens": [mbt]}
+    """Histogram bounds (vLLM's --custom-histogram-buckets) that make long_prefills exact."""
+    return {"request_tokens": [max_num_batched_tokens]}
 
 
 # vLLM's own work estimates (--enable-mfu-metrics), per GPU.

@@ -208,8 +208,8 @@ class PointRun:
 
     def _measurement_flags(self) -> list[str]:
         """Flags that make the server count what the report needs, where this vLLM takes
-        them and the study does not set them itself: histogram bounds at the chunk budget
-        (counters.budget_use) and, on a GPU, vLLM's FLOP and byte estimates (hardware.py)."""
+        them and the study does not set them itself: a histogram bound at the chunk budget
+        (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (hardware.py)."""
         given = {a.split("=", 1)[0] for a in self.study.server.extra_cli_args}
         flags = []
         pb = self.point.prefix_budget
@@ -241,7 +241,7 @@ class PointRun:
         """/metrics deltas, whether the chunk budget bound, and hardware use."""
         values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
         if self.point.effective and self.point.effective.max_num_batched_tokens:
-            values |= counters.budget_use(before, after, self.point.effective.max_num_batched_tokens)
+            values |= counters.long_prefills(before, after, self.point.effective.max_num_batched_tokens)
         gpus = self.record.gpus
         figures, source = hardware.use(values, duration, gpus[0].name if gpus else None,
                                        self.point.engine_args.tensor_parallel_size or 1,

@@ -261,7 +261,6 @@ def export_html(folder: RunFolder) -> Path:
 
 # -- did each knob bind? ----------------------------------------------------------
 KV_BOUND = 0.9          # KV usage peak at or above this share: memory was in short supply
-BUDGET_BOUND = 0.05     # at least this share of steps used the whole chunk budget
 EVICTION_GAP = 0.05     # a hit rate this far below the study's best: prefixes were evicted
 
 
@@ -275,7 +274,6 @@ def _per_point(r: Run, metric: str, how: str) -> pd.Series:
 
 # (column, metric, aggregate over rounds, format)
 BINDING = [("KV peak", "kv_usage_peak", "max", ".1%"), ("preemptions", "preemptions", "sum", ".0f"),
-           ("steps at budget", "budget_steps_share", "median", ".1%"),
            ("prefills > chunk", "long_prefills", "median", ".0f"), ("running peak", "running_peak", "max", ".0f"),
            ("hit rate", "prefix_cache_hit_rate", "median", ".3f"),
            ("hit if no eviction", "expected_prefix_hit_rate", "median", ".3f")]
@@ -283,8 +281,8 @@ BINDING = [("KV peak", "kv_usage_peak", "max", ".1%"), ("preemptions", "preempti
 
 def binding_table(r: Run) -> pd.DataFrame:
     """Per point, vLLM's own evidence of which limits it ran into: KV cache peak and
-    preemptions (memory), steps at the chunk budget and prefills longer than it (chunk
-    size), running requests against max_num_seqs, measured vs never-evicting hit rate."""
+    preemptions (memory), prefills longer than the chunk (chunk size), running requests
+    against max_num_seqs, measured vs never-evicting hit rate."""
     if not r.measured:
         return pd.DataFrame({"note": ["(nothing measured)"]})
     t = pd.DataFrame(index=pd.Index([s.point for s in r.measured], name="point"))
@@ -301,7 +299,7 @@ def binding_notes(r: Run) -> list[str]:
     that never bound is named: the study cannot show its effect."""
     notes = []
     kv, pre = _per_point(r, "kv_usage_peak", "max"), _per_point(r, "preemptions", "sum")
-    budget, longp = _per_point(r, "budget_steps_share", "median"), _per_point(r, "long_prefills", "median")
+    longp = _per_point(r, "long_prefills", "median")
     for axis in r.axes:
         if axis in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
             if kv.empty:
@@ -320,7 +318,7 @@ def binding_notes(r: Run) -> list[str]:
                 notes.append(f"{axis} never bound: KV peak at most {kv.max():.1%} at every point and no "
                              "preemption; this study cannot show its effect")
         elif axis == "max_num_batched_tokens":
-            notes.append(_chunk_binding(r, axis, budget, longp))
+            notes.append(_chunk_binding(r, axis, longp))
         elif axis == "max_num_seqs":
             running = _per_point(r, "running_peak", "max")
             caps = {s.point: s.effective.max_num_seqs for s in r.measured if s.effective}
@@ -330,26 +328,31 @@ def binding_notes(r: Run) -> list[str]:
     return notes
 
 
-def _chunk_binding(r: Run, axis: str, budget: pd.Series, longp: pd.Series) -> str:
-    """Exact where the server took the kit's histogram bounds (the counted edge is the
-    budget itself); otherwise vLLM's default buckets only bound it from below, and the
-    note says what was counted instead of claiming more."""
-    if budget.empty:
-        return f"{axis}: the server did not report steps per budget, so the study cannot say whether it bound"
-    edge = _per_point(r, "budget_edge_tokens", "max")
+def _chunk_binding(r: Run, axis: str, longp: pd.Series) -> str:
+    """The chunk size binds where a prompt needs more than one step to prefill. Exact
+    where the server took the kit's histogram bound (the counted edge is the chunk
+    itself); otherwise vLLM's default buckets count prefills above a bound below the chunk,
+    and the note says so instead of claiming more."""
+    if longp.empty:
+        return f"{axis}: the server did not report prefill lengths, so the study cannot say whether it bound"
+    edge = _per_point(r, "long_prefill_edge_tokens", "max")
     mbt = {s.point: (s.effective.max_num_batched_tokens if s.effective else None) for s in r.measured}
-    exact = [p for p in budget.index if p in edge and mbt.get(p) and edge[p] >= mbt[p] - 1]
-    if len(exact) < len(budget):
-        top = budget.idxmax()
-        return (f"{axis}: this vLLM counts steps only in coarse buckets (no --custom-histogram-buckets), so "
-                f"whether steps used the whole budget is not known; the most was {budget.max():.1%} of steps above "
-                f"{edge.get(top, float('nan')):.0f} tokens ({top})")
-    bound = sorted(set(budget[budget >= BUDGET_BOUND].index) | set(longp[longp > 0].index))
+    exact = {p for p in longp.index if p in edge and mbt.get(p) and edge[p] >= mbt[p]}
+    bound = sorted(p for p in exact if longp[p] > 0)
+    unknown = sorted(p for p in longp.index if p not in exact and longp[p] > 0)
+    parts = []
     if bound:
-        return (f"{axis} bound at {len(bound)} of {len(budget)} points (>= {BUDGET_BOUND:.0%} of steps at the "
-                f"budget, or prefills longer than the chunk): {', '.join(bound)}")
-    return (f"{axis} never bound: at most {budget.max():.1%} of steps used the whole budget and no prefill was "
-            "longer than the chunk; this study cannot show its effect")
+        parts.append(f"{axis} bound at {len(bound)} of {len(longp)} points (prefills longer than the chunk, "
+                     f"split over steps): {', '.join(bound)}")
+    if unknown:
+        at = ", ".join(f"{p} (above {edge[p]:.0f})" if p in edge else f"{p} (bound not recorded)"
+                       for p in unknown)
+        parts.append(f"{axis}: this vLLM counts prefill lengths only in coarse buckets (no "
+                     f"--custom-histogram-buckets), so prefills were counted above a bound below the chunk, "
+                     f"and whether the chunk split them is not known at: {at}")
+    if not parts:
+        return f"{axis} never bound: no prefill was longer than the chunk; this study cannot show its effect"
+    return "; ".join(parts)
 
 
 # -- comparisons ----------------------------------------------------------------------
