@@ -139,6 +139,7 @@ def test_greedy_outputs_are_identical_with_and_without_the_plugin(servers):
 
 BURST = "cchhchh"  # the lead cold prompt, then cold, shared, shared, cold, shared, shared
 BURST_GAP_S, BURSTS = 0.002, 8
+STREAM_SHARED = (48, 320)  # shared requests before and after the cold one: 23 waves of 16
 
 
 def _burst(seed: int) -> list[client.Request]:
@@ -160,12 +161,12 @@ def _burst(seed: int) -> list[client.Request]:
     return out
 
 
-def _round(srv, reqs, gap_s):
+def _round(srv, reqs, offsets):
+    """reqs, each sent at its offset (s) from the round's start."""
     counters.reset_prefix_cache(srv.url)
     complete(srv.url, shared_prompt(random.Random(7)), 2)  # every round starts with the prefix cached
     m0 = counters.scrape(srv.url)
-    results = client.run_sync(client.run_open_loop(
-        srv.url, "tiny", "completions", reqs, [i * gap_s for i in range(len(reqs))]))
+    results = client.run_sync(client.run_open_loop(srv.url, "tiny", "completions", reqs, offsets))
     bad = [r.error_detail for r in results if not r.ok]
     assert not bad, bad
     assert all(r.output_tokens == OUTPUT_TOKENS for r in results)
@@ -187,7 +188,7 @@ def eviction_rounds(servers):
     before = read_stats(stats_path)
     for b in range(BURSTS):
         for name in (("plugin", "default") if b % 2 == 0 else ("default", "plugin")):
-            results, d = _round(srvs[name], _burst(seed=b), BURST_GAP_S)
+            results, d = _round(srvs[name], _burst(seed=b), [i * BURST_GAP_S for i in range(len(BURST))])
             for r in results:
                 ttft[name][r.tags["class"]].append(r.ttft_s * 1000)
                 if r.tags.get("slot") == 1:  # the cold prompt FCFS admits right after the lead
@@ -199,17 +200,23 @@ def eviction_rounds(servers):
                             "mean": round(statistics.mean(v)), "max": round(max(v))}
                       for cls, v in per.items()} for name, per in ttft.items()}
     hit_rate = {name: h / q for name, (h, q) in hits.items()}
-    # A steady stream on the plugin server alone, where shared prompts keep arriving, so
-    # cold ones may stay deferred until the age bound lets them go. Whether they reach it
-    # or the queue drains first depends on how fast the engine is on this machine.
+    # On the plugin server alone: a queue of shared prompts that cannot all run at once
+    # (16 KV blocks are free beside the cached prefix, one per shared request), one cold
+    # prompt that arrives while they wait, and more shared ones behind it. Others wait for
+    # many steps, so the cold prompt stays deferred until the age bound lets it go, however
+    # fast this machine's engine is. (Shared prompts spread out in time drain the queue
+    # first on a fast engine, and then nothing reaches the bound.)
     before = read_stats(stats_path)
     rng = random.Random(99)
-    stream = [client.Request(i, None, cold_prompt(rng), COLD_TOKENS, OUTPUT_TOKENS, {"class": "cold"})
-              if c == "c" else
-              client.Request(i, None, shared_prompt(rng), PREFIX_TOKENS + QUESTION_TOKENS,
-                             OUTPUT_TOKENS, {"class": "shared"})
-              for i, c in enumerate("chhh" * 6)]
-    _round(srvs["plugin"], stream, 0.1)
+
+    def shared(i):
+        return client.Request(i, None, shared_prompt(rng), PREFIX_TOKENS + QUESTION_TOKENS, OUTPUT_TOKENS,
+                              {"class": "shared"})
+    head, tail = STREAM_SHARED
+    stream = [shared(i) for i in range(head)]
+    stream.append(client.Request(head, None, cold_prompt(rng), COLD_TOKENS, OUTPUT_TOKENS, {"class": "cold"}))
+    stream += [shared(i) for i in range(head + 1, head + 1 + tail)]
+    _round(srvs["plugin"], stream, [0.0] * head + [0.05] + [0.1] * tail)
     streamed = stats_delta(before, _settled_stats(stats_path))
     keys = ("deferred", "admitted_by_age", "admitted_idle", "admitted_by_ratio",
             "admitted_idle_undeferred", "defer_ms_p50", "defer_ms_p99", "defer_ms_max",
