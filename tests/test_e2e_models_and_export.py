@@ -72,5 +72,5 @@ def test_an_exported_config_serves_and_is_measured_as_a_plain_endpoint(tmp_path)
     assert s.status == "ok", s.reasons
     assert s.launch.has_metrics and not s.launch.cache_reset
     assert any("NOT reset between rounds" in w for w in s.warnings)
-    assert s.estimates["engine_steps"].median > 0  # server counters collected
+    assert s.estimates["output_steps"].median > 0  # server counters collected
     assert "direct" in (path / "report.html").read_text()

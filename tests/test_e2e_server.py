@@ -75,8 +75,31 @@ def test_server_answers_and_counts_prefix_hits(server):
     assert d["prefix_cache_queries"] == sum(q.prompt_tokens for q in reqs)
     # 4 later requests reuse the 512-token prefix: at least 3 full 128-token blocks each
     assert d["prefix_cache_hits"] >= 4 * 384
-    assert d["engine_steps"] > 0 and d["tokens_per_step"] > 0
+    assert d["output_steps"] > 0 and d["tokens_per_output_step"] > 0
     assert counters.cache_config(after)["block_size"] == "128"
+
+
+def test_output_steps_miss_steps_that_only_advance_a_prefill(server):
+    """Why the kit says 'steps with output', not 'engine steps': vLLM observes
+    vllm:iteration_tokens_total only for a step that emitted output. One request alone,
+    its 1,200-token prompt split by the 256-token chunk over 5 steps, one output token:
+    the count moves by 1, the sum by every computed token."""
+    srv, model = server
+    from transformers import AutoTokenizer
+
+    from vllm_study.workload import RandomWorkload
+    w = RandomWorkload(AutoTokenizer.from_pretrained(model), api="completions", input_tokens=1200,
+                       output_tokens=1, seed=7)
+    counters.reset_prefix_cache(srv.url)
+    before = counters.scrape(srv.url)
+    res = client.run_sync(client.run_closed_loop(srv.url, "tiny", "completions", w.requests(1), 1))
+    after = counters.scrape(srv.url)
+    assert res[0].ok and res[0].output_tokens == 1, res[0].error_detail
+    d = counters.round_deltas(before, after)
+    assert d["prefix_cache_hits"] == 0                      # every prompt token was computed
+    assert res[0].prompt_tokens > 4 * 256                   # so its prefill took 5 steps
+    assert d["output_steps"] == 1
+    assert d["computed_tokens"] == res[0].prompt_tokens + 1
 
 
 def test_unknown_model_lists_served_models(server):

@@ -93,7 +93,7 @@ def test_parse_keeps_info_labels():
     assert snap["values"]["vllm:cache_config_info"] == 1.0
 
 
-def test_round_deltas_hit_rate_and_tokens_per_step():
+def test_round_deltas_hit_rate_and_tokens_per_output_step():
     before = parse_metrics(exposition())
     after = parse_metrics(exposition(queries=(3000.0, 500.0), hits=(2200.0, 100.0),
                                      preempt=(5.0, 1.0), steps=(140.0, 10.0),
@@ -106,9 +106,9 @@ def test_round_deltas_hit_rate_and_tokens_per_step():
     assert d["prefix_cache_hits"] == 1600.0
     assert d["prefix_cache_hit_rate"] == pytest.approx(0.8)
     assert d["preemptions"] == 3.0
-    assert d["engine_steps"] == 100.0
-    assert d["step_tokens"] == 6000.0
-    assert d["tokens_per_step"] == pytest.approx(60.0)
+    assert d["output_steps"] == 100.0
+    assert d["computed_tokens"] == 6000.0
+    assert d["tokens_per_output_step"] == pytest.approx(60.0)
     assert d["server_prompt_tokens"] == 2000.0
     assert d["server_generation_tokens"] == 200.0
 
@@ -118,7 +118,7 @@ def test_round_deltas_idle_round_and_missing_metrics():
     d = round_deltas(snap, snap)
     assert d["prefix_cache_queries"] == 0.0
     assert d["prefix_cache_hit_rate"] is None   # no queries: no rate, not 0/0
-    assert d["tokens_per_step"] is None and d["server_ttft_mean_ms"] is None
+    assert d["tokens_per_output_step"] is None and d["server_ttft_mean_ms"] is None
     empty = parse_metrics("")
     d = round_deltas(empty, snap)
     assert d["preemptions"] is None and d["prefix_cache_hit_rate"] is None

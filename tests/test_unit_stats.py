@@ -63,6 +63,16 @@ def test_round_metrics_are_all_registered_metrics(results):
         RoundRecord(point="p", start=1, round=0, status="ok", utc="t", metrics={"errors": 1.0})
 
 
+def test_earlier_runs_records_load_under_current_names():
+    """A round recorded before a metric was renamed keeps its value under the new name;
+    one whose meaning was wrong is dropped; anything else unknown is still refused."""
+    old = {"engine_steps": 120.0, "step_tokens": 6000.0, "tokens_per_step": 50.0,
+           "budget_steps_share": 0.4, "completed": 8.0}
+    rec = RoundRecord(point="p", start=1, round=0, status="ok", utc="t", metrics=old)
+    assert rec.metrics == {"output_steps": 120.0, "computed_tokens": 6000.0,
+                           "tokens_per_output_step": 50.0, "completed": 8.0}
+
+
 def test_ttft_percentiles_in_ms_match_numpy(results):
     s = round_metrics(results, duration_s=2.0)
     ttft_ms = np.array([100.0, 200.0, 50.0, 300.0])  # failed requests are excluded

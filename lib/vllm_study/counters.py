@@ -21,8 +21,8 @@ COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",
     "prefix_cache_hits": "vllm:prefix_cache_hits_total",
     "preemptions": "vllm:num_preemptions_total",
-    "engine_steps": "vllm:iteration_tokens_total_count",
-    "step_tokens": "vllm:iteration_tokens_total_sum",
+    "output_steps": "vllm:iteration_tokens_total_count",
+    "computed_tokens": "vllm:iteration_tokens_total_sum",
     "server_prompt_tokens": "vllm:prompt_tokens_total",
     "server_generation_tokens": "vllm:generation_tokens_total",
     # vLLM's own TTFT (from the request's arrival at the server): beside the client's,
@@ -70,8 +70,8 @@ def round_deltas(before: dict, after: dict) -> dict:
         out[key] = None if a is None or b is None else a - b
     q, h = out["prefix_cache_queries"], out["prefix_cache_hits"]
     out["prefix_cache_hit_rate"] = h / q if q else None
-    steps = out["engine_steps"]
-    out["tokens_per_step"] = out["step_tokens"] / steps if steps else None
+    steps = out["output_steps"]
+    out["tokens_per_output_step"] = out["computed_tokens"] / steps if steps else None
     n, total = out.pop("server_ttft_count"), out.pop("server_ttft_sum_s")
     out["server_ttft_mean_ms"] = 1000 * total / n if n else None
     return out

@@ -47,7 +47,7 @@ def param_count(cfg: dict) -> tuple[int, int]:
 def use(metrics: dict, duration_s: float | None, gpu_name: str | None, n_gpus: int,
         cfg: dict | None, weight_bytes: int = 2) -> tuple[dict, str | None]:
     """MFU and bandwidth use of a round from its metrics (est_* counters, or
-    step_tokens and engine_steps with the model config). Returns (figures, source)."""
+    computed_tokens and output_steps with the model config). Returns (figures, source)."""
     p = peaks(gpu_name) if gpu_name else None
     if not p or not duration_s:
         return {"mfu": None, "hbm_bandwidth_use": None}, None
@@ -56,11 +56,12 @@ def use(metrics: dict, duration_s: float | None, gpu_name: str | None, n_gpus: i
         flops = metrics["est_flops"]
         moved = (metrics.get("est_read_bytes") or 0) + (metrics.get("est_write_bytes") or 0)
         source = "vllm"
-    elif cfg and metrics.get("step_tokens") is not None:
+    elif cfg and metrics.get("computed_tokens") is not None:
         total, body = param_count(cfg)
-        flops = 2 * body * metrics["step_tokens"] / n_gpus
-        moved = total * weight_bytes * (metrics.get("engine_steps") or 0) / n_gpus
-        source = "model config (lower bound: attention and KV reads left out)"
+        flops = 2 * body * metrics["computed_tokens"] / n_gpus
+        # the weights are read once per step; steps without output are not counted
+        moved = total * weight_bytes * (metrics.get("output_steps") or 0) / n_gpus
+        source = "model config (lower bound: attention, KV reads and steps without output left out)"
     else:
         return {"mfu": None, "hbm_bandwidth_use": None}, None
     return {"mfu": flops / duration_s / flops_peak, "hbm_bandwidth_use": moved / duration_s / bw_peak}, source

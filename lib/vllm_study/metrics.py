@@ -93,9 +93,18 @@ _add(
            "what a prefix cache that never evicts would hit on the round's requests (full blocks of the "
            "shared prefix, from the rendered prompts)"),
     Metric("preemptions", "preemptions", "", ".0f", "lower", "server", "delta of vllm:num_preemptions_total"),
-    Metric("engine_steps", "engine steps", "", ".0f", None, "server", "delta of vllm:iteration_tokens_total_count"),
-    Metric("step_tokens", "scheduled tokens", "tok", ".0f", None, "server", "delta of vllm:iteration_tokens_total_sum"),
-    Metric("tokens_per_step", "tokens per step", "tok", ".1f", None, "server", "scheduled tokens / engine steps"),
+    # vllm:iteration_tokens_total is observed once per engine step that emitted output
+    # (vLLM 0.26 and 0.32: AsyncLLM makes IterationStats only when a step has outputs), so
+    # its count misses steps that only advanced a chunked prefill: it is not all steps.
+    Metric("output_steps", "steps with output", "", ".0f", None, "server",
+           "delta of vllm:iteration_tokens_total_count: engine steps that emitted a token or finished "
+           "a request; steps that only advanced a prefill chunk are not counted"),
+    Metric("computed_tokens", "computed tokens", "tok", ".0f", None, "server",
+           "delta of vllm:iteration_tokens_total_sum: output tokens, plus each prompt's uncached tokens, "
+           "counted in the step its prefill finished"),
+    Metric("tokens_per_output_step", "tokens per step with output", "tok", ".1f", None, "server",
+           "computed tokens / steps with output: above the tokens of an average engine step wherever "
+           "steps ran prefill chunks alone"),
     Metric("server_prompt_tokens", "server prompt tokens", "tok", ".0f", None, "server", "delta of vllm:prompt_tokens_total"),
     Metric("server_generation_tokens", "server output tokens", "tok", ".0f", None, "server",
            "delta of vllm:generation_tokens_total"),
@@ -160,6 +169,13 @@ RETIRED = {
     "budget_steps_share": "not the share of steps at the chunk budget",
     "budget_edge_tokens": "the bound budget_steps_share was counted above",
 }
+# Names earlier runs recorded for the same quantity under a label that claimed more: the
+# values load under the new name.
+RENAMED = {
+    "engine_steps": "output_steps",          # counted steps with output only, never every step
+    "step_tokens": "computed_tokens",
+    "tokens_per_step": "tokens_per_output_step",
+}
 
 
 def get(name: str) -> Metric:
@@ -172,7 +188,7 @@ def get(name: str) -> Metric:
 # What the report's headline table shows, in this order.
 HEADLINE = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
             "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
-            "expected_prefix_hit_rate", "engine_steps", "tokens_per_step", "preemptions", "kv_usage_peak",
+            "expected_prefix_hit_rate", "preemptions", "kv_usage_peak",
             "gpu_mem_peak_frac")
 # One figure per metric in the report's heatmap grid.
 HEATMAPS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",

@@ -98,7 +98,7 @@ def round_progress(total: int):
 
 
 ROUND_COLUMNS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput",
-                 "prefix_cache_hit_rate", "engine_steps", "preemptions", "kv_usage_peak")
+                 "prefix_cache_hit_rate", "output_steps", "preemptions", "kv_usage_peak")
 
 
 def rounds_table(run: PointRun) -> pd.DataFrame:

@@ -66,7 +66,7 @@ class _Record(BaseModel):
 
 
 def _known_metrics(values: dict) -> dict:
-    values = {k: v for k, v in values.items() if k not in metrics.RETIRED}
+    values = {metrics.RENAMED.get(k, k): v for k, v in values.items() if k not in metrics.RETIRED}
     unknown = set(values) - set(metrics.REGISTRY)
     if unknown:
         raise ValueError(f"not in the metric registry: {sorted(unknown)}")
