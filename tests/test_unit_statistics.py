@@ -76,6 +76,21 @@ def test_a_new_start_falls_inside_the_prediction_interval():
     assert 0.90 <= hits / total <= 0.99, hits / total
 
 
+def test_intervals_stay_where_the_quantity_can_lie():
+    """Preemptions (linear scale: some points count 0) at a point whose starts all saw
+    none, with the spread pooled from a point that had many: [0, x], never below 0. A hit
+    rate near 1 on the log scale stays at or below 1."""
+    pre = _rounds({"calm": np.array([[0.0, 0.0], [0.0, 0.0]]), "busy": np.array([[2.0, 3.0], [12.0, 10.0]])},
+                  "preemptions")
+    iv = analysis.point_intervals(pre, ["preemptions"]).set_index("point")
+    assert iv.at["calm", "scale"] == "linear" and iv.at["calm", "value"] == 0.0
+    assert iv.at["calm", "ci_low"] == 0.0 and iv.at["calm", "ci_high"] > 0
+    assert iv.at["calm", "next_start_low"] == 0.0
+    hit = _rounds({"a": np.array([[0.99, 0.98], [0.80, 0.82]])}, "prefix_cache_hit_rate")
+    row = analysis.point_intervals(hit, ["prefix_cache_hit_rate"]).iloc[0]
+    assert row["scale"] == "log" and row["ci_high"] == 1.0 and 0 < row["ci_low"] < row["value"]
+
+
 def test_one_start_per_point_says_start_variation_is_not_covered():
     df = _rounds({"a": np.array([[10.0, 11.0, 12.0]]), "b": np.array([[20.0, 21.0, 19.0]])})
     iv = analysis.point_intervals(df, ["ttft_p90_ms"])

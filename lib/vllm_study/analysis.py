@@ -125,6 +125,16 @@ def _t(df: int) -> float:
     return float(sps.t.ppf(Z_LEVEL, df)) if df else float("nan")
 
 
+def _interval(data: MetricData, center: float, half: float) -> tuple[float, float]:
+    """center -/+ half, back on the metric's scale and cut to where the quantity can lie:
+    a count of 0 whose spread is pooled from points that had some gets [0, x], not
+    [-x, x]. Cutting never lowers coverage."""
+    if not np.isfinite(half):
+        return np.nan, np.nan
+    lo, hi = metrics.get(data.metric).domain
+    return tuple(float(np.clip(data.back(x), lo, hi)) for x in (center - half, center + half))
+
+
 INTERVAL_COLUMNS = ["point", "metric", "value", "ci_low", "ci_high", "next_start_low", "next_start_high", "starts",
                     "rounds", "scale", "df", "method"]
 
@@ -145,11 +155,9 @@ def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | N
             n = len(data.starts[point])
             spread = noise.start_sd if noise.start_df else None
             pred = _t(df) * spread * np.sqrt(1 + 1 / n) if spread is not None else np.nan
+            ci, nxt = _interval(data, c, half), _interval(data, c, pred)
             rows.append({"point": point, "metric": m, "value": float(data.back(c)),
-                         "ci_low": float(data.back(c - half)) if np.isfinite(half) else np.nan,
-                         "ci_high": float(data.back(c + half)) if np.isfinite(half) else np.nan,
-                         "next_start_low": float(data.back(c - pred)) if np.isfinite(pred) else np.nan,
-                         "next_start_high": float(data.back(c + pred)) if np.isfinite(pred) else np.nan,
+                         "ci_low": ci[0], "ci_high": ci[1], "next_start_low": nxt[0], "next_start_high": nxt[1],
                          "starts": n, "rounds": sum(len(v) for (p, _), v in data.rounds.items() if p == point),
                          "scale": "log" if data.log else "linear", "df": df, "method": method})
     return pd.DataFrame(rows, columns=INTERVAL_COLUMNS)

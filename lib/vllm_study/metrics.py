@@ -38,6 +38,12 @@ class Metric:
         return "n/a" if value is None or pd.isna(value) else format(value, self.fmt)
 
     @property
+    def domain(self) -> tuple[float, float]:
+        """Where the quantity can lie: every metric here is a latency, a rate, a count or a
+        share, so none is negative; a share is at most 1, a percentage at most 100."""
+        return 0.0, {"share": 1.0, "%": 100.0}.get(self.unit, float("inf"))
+
+    @property
     def cmap(self) -> str:
         """Colour map in which the better end is the bright (yellow) one."""
         return "viridis" if self.better == "higher" else "viridis_r"
