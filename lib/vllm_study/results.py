@@ -6,7 +6,7 @@ the schema and the files are one thing).
       manifest.json   Manifest: code, versions, machine, params, run order, resumes
       study.yaml      the exact study the points ran (what --resume reads)
       summary.csv     tidy: one row per point x start x round x group
-      report.ipynb  report.html  figures/*.png   FINDINGS.md (written by hand)
+      report.ipynb  report.html (not committed)  figures/*.png   FINDINGS.md (written by hand)
       points/<point id>/
         point.json    PointPlan: the resolved point the notebook runs
         summary.json  PointSummary: status over all starts, estimates with intervals
