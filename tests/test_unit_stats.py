@@ -65,7 +65,7 @@ def test_round_metrics_are_all_registered_metrics(results):
 
 def test_earlier_runs_records_load_under_current_names():
     """A round recorded before a metric was renamed keeps its value under the new name;
-    one whose meaning was wrong is dropped; anything else unknown is still refused."""
+    one whose meaning was wrong is dropped (other unknown names are refused: above)."""
     old = {"engine_steps": 120.0, "step_tokens": 6000.0, "tokens_per_step": 50.0,
            "budget_steps_share": 0.4, "completed": 8.0}
     rec = RoundRecord(point="p", start=1, round=0, status="ok", utc="t", metrics=old)
