@@ -37,8 +37,8 @@ def results():
 
 
 def test_result_dict_fields_match_what_round_metrics_reads(results):
-    assert set(results[0]) == {"index", "send_time", "end_time", "prompt_tokens", "output_tokens", "ttft_s",
-                               "e2e_s", "itl_s", "error", "error_detail", "tags", "text"}
+    assert set(results[0]) == {"index", "send_time", "end_time", "due_time", "prompt_tokens", "output_tokens",
+                               "ttft_s", "e2e_s", "itl_s", "error", "error_detail", "tags", "text"}
 
 
 def test_counts_and_errors_by_kind(results):

@@ -33,6 +33,7 @@ class RequestResult:
     index: int
     send_time: float                   # time.perf_counter() at send
     end_time: float | None = None      # time.perf_counter() when it ended, whatever the outcome
+    due_time: float | None = None      # open loop: when the arrival schedule said to send it
     prompt_tokens: int | None = None   # from usage
     output_tokens: int | None = None   # from usage
     ttft_s: float | None = None
@@ -205,9 +206,13 @@ async def run_open_loop(base_url: str, model: str, api: str, requests: list[Requ
         async def fire(req: Request, at: float) -> RequestResult:
             await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             if cap is None:
-                return await _one(session, base_url, model, api, req, headers)
-            async with cap:
-                return await _one(session, base_url, model, api, req, headers)
+                res = await _one(session, base_url, model, api, req, headers)
+            else:
+                async with cap:
+                    res = await _one(session, base_url, model, api, req, headers)
+            # send_time - due_time: how late the client sent it (a stalled event loop, or the cap)
+            res.due_time = t0 + at
+            return res
         return list(await asyncio.gather(*(fire(r, a) for r, a in zip(requests, arrivals_s))))
 
 
