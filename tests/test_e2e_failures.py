@@ -8,17 +8,30 @@ import os
 import signal
 import socket
 import threading
+import time
 
 import pytest
 
 from e2e_support import kv_bytes, measure, plan_of, tiny
 from procs import group_gone
 from test_e2e_server import _target_study
-from vllm_study import models
+from vllm_study import counters, models
 from vllm_study.point import PointRun
 from vllm_study.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
+
+def _kill_when_busy(url: str, pgid: int, killed: threading.Event, timeout_s: float = 300) -> None:
+    """SIGKILL the server's group as soon as it reports a running request: mid-round on a
+    machine of any speed (a fixed delay outlasted a whole round on a fast CPU)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if counters.scrape(url)["values"].get("vllm:num_requests_running", 0) > 0:
+            os.killpg(pgid, signal.SIGKILL)
+            killed.set()
+            return
+        time.sleep(0.01)
+
 
 def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
     """One server start through the kit's steps: round 0 completes and is recorded; the
@@ -35,10 +48,12 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     run.warmup()
     run.run_round(0)
     pgid = run.server.proc.pid
-    killer = threading.Timer(1.0, lambda: os.killpg(pgid, signal.SIGKILL))
+    killed = threading.Event()
+    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, killed))
     killer.start()
     run.run_round(1)
     killer.join()
+    assert killed.is_set(), "round 1 ended before the server was seen running requests"
     run.run_round(2)  # a no-op once the start has failed
     summary = run.finish()
     assert [r.status for r in run.rounds] == ["ok", "failed"]
