@@ -63,6 +63,11 @@ def complete(url: str, prompt: list[int], max_tokens: int = 12) -> dict:
         return json.loads(r.read())
 
 
+def _cache_only_the_prefix(srv) -> None:
+    counters.reset_prefix_cache(srv.url)
+    complete(srv.url, shared_prompt(random.Random(7)), 2)
+
+
 def _post(url: str) -> dict:
     with _OPENER.open(urllib.request.Request(url, b"", method="POST"), timeout=60) as r:
         return json.loads(r.read() or b"{}")
@@ -126,8 +131,7 @@ def test_greedy_outputs_are_identical_with_and_without_the_plugin(servers):
         # step after /resume the plugin has the cold prompts behind shared ones to hold,
         # however fast or loaded this machine is (timed arrivals were not: a fast engine
         # admitted each as it came).
-        counters.reset_prefix_cache(srv.url)
-        complete(srv.url, shared_prompt(random.Random(7)), 2)
+        _cache_only_the_prefix(srv)
         _post(srv.url + "/pause?mode=keep")
         with ThreadPoolExecutor(len(prompts)) as pool:
             try:
@@ -177,8 +181,7 @@ def _burst(seed: int) -> list[client.Request]:
 
 def _round(srv, reqs, offsets):
     """reqs, each sent at its offset (s) from the round's start."""
-    counters.reset_prefix_cache(srv.url)
-    complete(srv.url, shared_prompt(random.Random(7)), 2)  # every round starts with the prefix cached
+    _cache_only_the_prefix(srv)  # every round starts with the prefix cached
     m0 = counters.scrape(srv.url)
     results = client.run_sync(client.run_open_loop(srv.url, "tiny", "completions", reqs, offsets))
     bad = [r.error_detail for r in results if not r.ok]
@@ -188,8 +191,7 @@ def _round(srv, reqs, offsets):
 
 
 def _held_cold_prompt(srv, rng: random.Random) -> None:
-    counters.reset_prefix_cache(srv.url)
-    complete(srv.url, shared_prompt(random.Random(7)), 2)  # the prefix cached, as in a round
+    _cache_only_the_prefix(srv)
     cold_done = threading.Event()
 
     def keep_sending(seed: int) -> int:

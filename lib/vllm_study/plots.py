@@ -55,7 +55,7 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
     ax.set_yticks(np.arange(len(table.index)) + 0.5, [fmt_value(y, v) for v in table.index])
     ax.tick_params(length=0)
     ax.set_facecolor("#d9d9d9")
-    for (i, j), v in np.ndenumerate(table.to_numpy()):
+    for (i, j), v in np.ndenumerate(values):
         st = status.iat[i, j]
         if np.isnan(v):
             text, colour = ("failed" if st == "failed" else "n/a"), "#b00020"
