@@ -5,11 +5,14 @@ measured, stop, stopped) split a GPU slot's time into vLLM's (start-up: spawn to
 healthy /health; shutdown: SIGTERM to the process group gone), the measurement (warm-up
 and rounds) and the kit's, which is everything else on the slot's critical path:
   - before the server: from the slot's previous server gone (or, for a slot's first
-    start, from its notebook's beginning: papermill, kernel, imports) to this spawn;
+    start, from its notebook's beginning: papermill, kernel, imports) to this spawn, or,
+    for a server started ahead, to the moment it was let go at its engine's init;
   - ready to warm-up, and rounds over to SIGTERM.
 A slot's next start prepares (papermill, kernel, imports, plan) while the previous one
 runs and waits for its server to stop, so that work is off the critical path and
-counted nowhere.
+counted nowhere. A server started ahead (server.start_ahead) also spawns and imports
+then: vllm_startup_s is its start-up less the time it was held, on_path_s the part of
+it left on the slot's critical path.
 
 Older runs without a timeline are split by the point notebook's cell timings instead
 (vLLM's start-up, the measuring cells, the rest), plus the gap between notebooks.
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, read_log
+from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, on_gpu, read_log
 from vllm_study.server import without_colours
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
@@ -82,9 +85,10 @@ _STARTUP_FIGURES = {"weights_s": r"Model loading took [\d.]+ GiB and ([\d.]+) se
                     "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"}
 
 
-def startup_split(start_dir: Path, startup_s: float) -> dict:
+def startup_split(start_dir: Path, spawn_to_ready_s: float) -> dict:
     """Where vLLM's start-up went: before its engine initializes (processes, imports),
-    weights, torch.compile, CUDA graphs, the whole engine init, and after it."""
+    weights, torch.compile, CUDA graphs, the whole engine init, and after it. A hold at
+    the engine's init falls after its line, so before_engine_s does not include it."""
     text = without_colours(read_log(start_dir))
     if not text:
         return {}
@@ -99,7 +103,7 @@ def startup_split(start_dir: Path, startup_s: float) -> dict:
     if {"engine", "serving"} <= stamps.keys():
         span = (dt.datetime.strptime(stamps["serving"], "%m-%d %H:%M:%S")
                 - dt.datetime.strptime(stamps["engine"], "%m-%d %H:%M:%S")).total_seconds()
-        out["before_engine_s"] = startup_s - span
+        out["before_engine_s"] = spawn_to_ready_s - span
     return out
 
 
@@ -115,29 +119,31 @@ def timeline_frame(run: RunFolder) -> pd.DataFrame:
             rows.append({"start": f"{folder.path.name}#s{rec.start}",
                          "slot": ",".join(str(g.index) for g in rec.gpus) or "-",
                          "begin": notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
-                         "slot_wait_s": rec.launch.slot_wait_s,
+                         "slot_wait_s": rec.launch.slot_wait_s, "ahead": rec.launch.started_ahead,
+                         "on_gpu": on_gpu(t), "held_s": t["slot"] - t["held"] if "held" in t else 0.0,
                          **startup_split(folder.start_dir(rec.start), t["ready"] - t["spawn"])})
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    df = df.sort_values("spawn")
+    df = df.sort_values("on_gpu")
     df["sweep"] = df["spawn"].map(run.manifest().sweep_of)  # a resume starts every slot afresh
     previous = df.groupby(["sweep", "slot"])["stopped"].shift()
     follows = previous.notna()  # not a slot's first start in its sweep
     df["follows"] = follows
-    df["before_s"] = (df["spawn"] - previous).where(follows, df["spawn"] - df["begin"])
+    df["before_s"] = (df["on_gpu"] - previous).where(follows, df["on_gpu"] - df["begin"])
     df["ready_to_warmup_s"] = df["warmup"] - df["ready"]
     df["measured_to_stop_s"] = df["stop"] - df["measured"]
     df["kit_s"] = df[["before_s", "ready_to_warmup_s", "measured_to_stop_s"]].sum(axis=1, min_count=3)
-    df["vllm_startup_s"] = df["ready"] - df["spawn"]
+    df["vllm_startup_s"] = df["ready"] - df["spawn"] - df["held_s"]
+    df["on_path_s"] = df["ready"] - df["on_gpu"]
     df["measuring_s"] = df["measured"] - df["warmup"]
     df["vllm_stop_s"] = df["stopped"] - df["stop"]
     return df
 
 
 def print_timeline(name: str, df: pd.DataFrame) -> None:
-    cols = ["start", "slot", "follows", "before_s", "ready_to_warmup_s", "measured_to_stop_s", "kit_s",
-            "vllm_startup_s", "measuring_s", "vllm_stop_s", "slot_wait_s"]
+    cols = ["start", "slot", "follows", "ahead", "before_s", "ready_to_warmup_s", "measured_to_stop_s", "kit_s",
+            "vllm_startup_s", "on_path_s", "measuring_s", "vllm_stop_s", "slot_wait_s"]
     print(f"\n{name}")
     print(df[cols].round(2).to_string(index=False))
     split = [c for c in ("before_engine_s", "weights_s", "compile_s", "graphs_s", "engine_init_s") if c in df]
@@ -149,7 +155,8 @@ def print_timeline(name: str, df: pd.DataFrame) -> None:
     print(f"kit's seconds per start on the slot's critical path: median {steady['kit_s'].median():.2f} s "
           f"over {len(steady)} start(s) that follow another on their slot (max {steady['kit_s'].max():.2f} s); "
           f"{first['kit_s'].median():.2f} s for a slot's first start ({len(first)}: papermill, kernel and imports "
-          f"included). vLLM: start-up median {df['vllm_startup_s'].median():.1f} s, "
+          f"included). vLLM: start-up median {df['vllm_startup_s'].median():.1f} s "
+          f"({df['on_path_s'].median():.1f} s of it on the slot's critical path), "
           f"shutdown {df['vllm_stop_s'].median():.1f} s; measuring {df['measuring_s'].median():.1f} s")
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -11,13 +12,17 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 
 from procs import group_gone
 from vllm_study import server as server_mod
 from vllm_study.server import (
+    ENGINE_INIT_LINE,
+    LogWatch,
     ServerStartError,
     VllmServer,
+    engine_init_visible,
     failure_reason,
     free_port,
     serve_command,
@@ -397,3 +402,89 @@ def test_uni_backend_on_the_cpu_build_gets_what_vllm_needs_and_the_workers_threa
     assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend"], {}) == {}
     monkeypatch.setattr(server_mod, "vllm_distribution", lambda: "vllm")
     assert server_mod.cpu_uni_env(["x", "--distributed-executor-backend", "uni"], {}) == {}
+
+
+# ---------------------------------------------------------------- started ahead: the hold
+
+def test_log_watch_finds_the_line_across_appends_and_split_writes(tmp_path):
+    log = tmp_path / "server.log"
+    watch = LogWatch(log, ENGINE_INIT_LINE)
+    assert not watch.seen()  # no log yet
+    log.write_bytes(b"(APIServer pid=1) INFO non-default args: {}\n(EngineCore pid=2) INFO Initializing a V1")
+    assert not watch.seen()
+    with open(log, "ab") as f:
+        f.write(b" LLM engine (v0.26.0) with config: ...\n")
+    assert watch.seen()
+
+
+@pytest.mark.parametrize("env, why", [
+    ({}, None), ({"VLLM_LOGGING_LEVEL": "debug"}, None),
+    ({"VLLM_LOGGING_LEVEL": "WARNING"}, "VLLM_LOGGING_LEVEL=WARNING hides vLLM's INFO lines"),
+    ({"VLLM_CONFIGURE_LOGGING": "0"}, "VLLM_CONFIGURE_LOGGING=0 leaves vLLM's INFO lines unprinted")])
+def test_engine_init_visible_names_what_hides_the_line(env, why):
+    assert engine_init_visible(env) == why
+
+
+def test_a_held_start_has_no_vllm_ready_timeout_unless_the_user_set_one():
+    assert VllmServer.ahead_env({}) == {"VLLM_ENGINE_READY_TIMEOUT_S": "86400"}
+    assert VllmServer.ahead_env({"VLLM_ENGINE_READY_TIMEOUT_S": "900"}) == {}
+
+
+ENGINE_LIKE = textwrap.dedent("""\
+    import http.server, sys, time
+    port = int(sys.argv[1])
+    print("(APIServer) INFO importing", flush=True)
+    time.sleep(0.3)
+    print("(EngineCore) INFO Initializing a V1 LLM engine (v0) with config: x", flush=True)
+    t = time.time()
+    time.sleep(0.5)          # the engine's work after its init line
+    print(f"(EngineCore) INFO went on {time.time() - t:.2f}", flush=True)
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """)
+
+
+def test_a_held_start_is_frozen_at_the_init_line_for_as_long_as_hold_takes(tmp_path, started):
+    """A process that logs the init line, sleeps 0.5 s, then serves: held for 2 s, its
+    0.5 s sleep ends only after the hold (it was frozen), and its start-up leaves the
+    hold out. vLLM itself: tests/test_e2e_start_ahead.py."""
+    script = tmp_path / "engine_like.py"
+    script.write_text(ENGINE_LIKE)
+    port = free_port()
+    s = VllmServer([sys.executable, str(script), str(port)], port=port, log_path=tmp_path / "server.log",
+                   startup_timeout_s=30)
+    started.append(s)
+    states = []
+
+    def hold():
+        time.sleep(0.3)
+        states.append(psutil.Process(s.proc.pid).status())
+        time.sleep(1.7)
+
+    s.start(hold=hold)
+    assert states == [psutil.STATUS_STOPPED]
+    went_on = float(re.search(r"went on ([\d.]+)", (tmp_path / "server.log").read_text()).group(1))
+    assert went_on >= 2.0           # wall time across the freeze: its sleep did not end while held
+    assert 1.9 <= s.held_s < 3 and not s.hold_missed
+    assert s.startup_s < 2.5        # spawn to healthy (~1 s), less the 2 s hold
+    s.stop()
+    assert group_gone(s.proc.pid)
+
+
+def test_a_start_healthy_without_the_init_line_still_waits_for_its_slot_and_says_so(tmp_path, started):
+    cmd, port, _ = _health_server(tmp_path)
+    s = VllmServer(cmd, port=port, log_path=tmp_path / "server.log", startup_timeout_s=30)
+    started.append(s)
+    held = []
+    s.start(hold=lambda: held.append(psutil.Process(s.proc.pid).status()))
+    assert s.hold_missed and held and held[0] != psutil.STATUS_STOPPED  # not frozen: it was already serving
+    s.stop()

@@ -50,9 +50,10 @@ def compile_cache_env(slot: list[int] | None) -> dict[str, str]:
 class SlotLock:
     """One server at a time on a slot, across processes. The sweep starts a start's
     notebook (papermill, kernel, imports, plan) while the slot's previous start is still
-    running; the notebook takes this lock before it starts its server, and the previous
-    one gives it back once its own server has stopped. An flock: the OS releases it if
-    its holder dies."""
+    running; the notebook takes this lock before its server touches the GPU (before it
+    spawns it, or, started ahead, while the server is held at its engine's init), and
+    the previous one gives it back once its own server has stopped. An flock: the OS
+    releases it if its holder dies."""
 
     def __init__(self, path: str | Path):
         self.path, self.fd = Path(path), None
@@ -63,6 +64,17 @@ class SlotLock:
         self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return time.monotonic() - t0
+
+    def try_acquire(self) -> bool:
+        """Takes the slot if it is free now; False (and nothing held) if it is not."""
+        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        self.fd = fd
+        return True
 
     def release(self) -> None:
         if self.fd is not None:
@@ -80,9 +92,9 @@ def slot_lock_path(run_dir: Path, slot: list[int] | None) -> Path:
 class Dispatcher:
     """Runs units on slots (None = whatever this machine has), in order, while the time
     budget allows. `work(unit, slot, release)` runs one; it may call release() early
-    (once its server is spawned), and the slot's next unit then starts preparing and
-    waits at the slot's SlotLock; otherwise the slot is free again when its unit ends.
-    So a slot has at most two units: one running, one prepared and waiting."""
+    (once its server is spawned and has the slot), and the slot's next unit then starts
+    preparing and waits at the slot's SlotLock; otherwise the slot is free again when its
+    unit ends. So a slot has at most two units: one running, one prepared and waiting."""
 
     def __init__(self, slots: list, work, t0: float, max_minutes: float | None):
         self.slots, self.work, self.t0, self.max_minutes = list(slots), work, t0, max_minutes

@@ -207,7 +207,12 @@ KIT_FLAGS = {"--port": "the kit picks a free port per server", "--host": "server
 
 class Server(_Strict):
     engine: Literal["auto", "cpu", "gpu"] = "auto"  # auto: gpu when NVML sees one
-    startup_timeout_s: float = Field(900, gt=0)
+    startup_timeout_s: float = Field(900, gt=0)  # not counting a start ahead's hold
+    # Spawn a slot's next server while the previous one still measures and hold it,
+    # frozen, at its engine's init until that one has stopped: its processes' start-up
+    # and imports leave the slot's critical path. Unset: on for the GPU engine, off for
+    # the CPU one (there the imports would take the cores the running server measures on).
+    start_ahead: bool | None = None
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
 

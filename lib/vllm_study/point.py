@@ -28,8 +28,8 @@ from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, Start
                       compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from .server import (ServerStartError, VllmServer, failure_reason, free_port, pgid_path, serve_command,
-                     stop_group_from_file)
+from .server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
+                     serve_command, stop_group_from_file)
 from .workload import make_workload
 
 
@@ -103,18 +103,22 @@ class PointRun:
     @_step
     def launch(self) -> None:
         """Start this point's vLLM, or, for an endpoint target, check that it answers.
-        Under the sweep it first takes its slot (the previous server there has stopped).
-        The tokenizer and the workload (10-15 s of CPU: transformers' import, the
-        tokenizer, the word pieces, a round's prompts) are built while vLLM starts."""
+        Under the sweep it first takes its slot (the previous server there has stopped),
+        or, started ahead (server.start_ahead), spawns at once and is held at its engine's
+        init until it has the slot. The tokenizer and the workload (10-15 s of CPU:
+        transformers' import, the tokenizer, the word pieces, a round's prompts) are built
+        while vLLM starts."""
         model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
         planned_block = self.point.effective.block_size if self.point.effective else None
-        self._take_slot()
+        ahead = self._start_ahead_wanted() and not self._take_slot(wait=False)
+        if not ahead:
+            self._take_slot()
         with ThreadPoolExecutor(1) as pool:
             built = pool.submit(self._build_workload, model, planned_block)
             if self.point.target:
                 self._connect(self.point.target)
             else:
-                self._start_server(model, dummy)
+                self._start_server(model, dummy, ahead)
             expected = built.result()
         block = int(self.record.launch.cache_config.get("block_size") or planned_block or 0)
         if block and block != planned_block:  # the server chose another block size than planned
@@ -123,17 +127,44 @@ class PointRun:
             self.record.expected_prefix_hit_rate = expected
         self._save()
 
-    def _take_slot(self) -> None:
-        """Wait for the slot's previous start to stop its server; a server whose start
-        died holding the slot (its pgid still in the lock file) is stopped first."""
-        if self.slot_lock is None:
-            return
-        self.record.launch.slot_wait_s = self.slot_lock.acquire()
-        previous = self.slot_lock.path.read_text().strip()  # the previous holder's server pgid file
+    def _take_slot(self, wait: bool = True) -> bool:
+        """Wait for the slot's previous start to stop its server (wait=False: take the
+        slot only if it is free now, and say whether it was); a server whose start died
+        holding the slot (its pgid still in the lock file) is stopped first."""
+        lock = self.slot_lock
+        if lock is None or lock.fd is not None:
+            return True
+        t0 = time.monotonic()
+        if wait:
+            lock.acquire()
+        elif not lock.try_acquire():
+            return False
+        self.record.launch.slot_wait_s = time.monotonic() - t0
+        previous = lock.path.read_text().strip()  # the previous holder's server pgid file
         if previous and stop_group_from_file(Path(previous)):
             self.record.warnings.append(f"stopped a server that the slot's previous start left running ({previous})")
-        self.slot_lock.path.write_text(str(pgid_path(self.dir / LOG).resolve()))
+        lock.path.write_text(str(pgid_path(self.dir / LOG).resolve()))
         self.record.started_utc = now_utc()  # the slot's time starts here, not at the wait
+        self._mark("slot", save=True)  # the sweep reads it: the slot's next start may now prepare
+        return True
+
+    def _start_ahead_wanted(self) -> bool:
+        """server.start_ahead (unset: on the GPU engine only; on a CPU the imports would
+        take the cores the running server is measured on), where there is a slot to
+        wait for and vLLM will log the line the hold is timed by."""
+        s = self.study.server
+        wanted = s.start_ahead if s.start_ahead is not None else self.plan.engine == "gpu"
+        if not wanted or self.slot_lock is None or self.point.target:
+            return False
+        why = engine_init_visible({**os.environ, **s.env})
+        if why:
+            self.record.warnings.append(f"not started ahead of its slot: {why}")
+        return why is None
+
+    def _hold_for_slot(self) -> None:
+        """The server started ahead is frozen at its engine's init: wait for the slot."""
+        self._mark("held", save=True)
+        self._take_slot()
 
     def _build_workload(self, model: str, block: int | None) -> float | None:
         """The tokenizer and the workload; returns the expected hit rate at `block`."""
@@ -173,7 +204,7 @@ class PointRun:
             self.record.launch.cache_config = counters.cache_config(api.snapshot)
         self.record.warnings += api.notes
 
-    def _start_server(self, model: str, dummy: bool) -> None:
+    def _start_server(self, model: str, dummy: bool, ahead: bool = False) -> None:
         s = self.study
         port = free_port()
         cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
@@ -185,17 +216,23 @@ class PointRun:
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)
+        if ahead:
+            env.update(VllmServer.ahead_env({**os.environ, **env}))
         self.record.launch.command = cmd
+        self.record.launch.started_ahead = ahead
         self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
         self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **self.server.uni_env}
         atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
         try:
-            self._mark("spawn", save=True)  # the sweep reads it: the slot's next start may now prepare
-            self.server.start()
+            self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
+            self.server.start(hold=self._hold_for_slot if ahead else None)
             self._mark("ready")
             reason = None
         except ServerStartError as e:
             reason = e.reason
+        if self.server.hold_missed:
+            self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
+                                        "its GPU start-up ran beside the slot's previous server")
         self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))
         if reason:
             self._fail(f"server did not start: {reason}")

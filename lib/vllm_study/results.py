@@ -110,12 +110,23 @@ class Launch(BaseModel):
     cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
     hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
     slot_wait_s: float | None = None            # waiting for the slot's previous server to stop
+    started_ahead: bool = False                 # spawned before its slot was free, held at its engine's init
     kit_env: dict[str, str] = {}                # variables the kit set for vLLM (not server.env's)
 
 
 # a start's steps in order: vLLM spawned, /health answered, warm-up sent, rounds ended,
-# SIGTERM sent, the server's process group gone
+# SIGTERM sent, the server's process group gone. Beside them: "slot" (the start had its
+# GPU slot) and, for a server started ahead, "held" (frozen at its engine's init, until
+# "slot"); on_gpu() says where its life on the GPU began.
 TIMELINE = ("spawn", "ready", "warmup", "measured", "stop", "stopped")
+
+
+def on_gpu(timeline: dict[str, float]) -> float | None:
+    """When a start's server began to use its slot: its spawn, or, started ahead, the
+    moment it was let go at its engine's init."""
+    if "held" in timeline and "slot" in timeline:
+        return timeline["slot"]
+    return timeline.get("spawn")
 
 
 class StartRecord(_Record):

@@ -4,6 +4,11 @@ The server runs in its own process group (start_new_session) and is stopped by t
 group's id, so the engine core and workers it forks go with it and nothing else is
 touched. Ready means: the process is alive and /health answers 200. A start that
 fails is turned into a one-line reason read from the server's own log.
+
+A server can be started ahead of its GPU slot (`hold`): it spawns and imports while
+the slot's previous server still measures, and its process group is frozen (SIGSTOP)
+the moment its engine logs that it initializes, before it touches the GPU; it
+continues (SIGCONT) once `hold` returns, i.e. once the previous server has stopped.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from . import net
 from .machine import vllm_distribution
@@ -149,6 +155,44 @@ def failure_reason(log_text: str, returncode: int | None = None) -> str:
     return f"{head} | no error in its log (stopped from outside?)" if lines else f"{head} with an empty log"
 
 
+# The engine core logs this (INFO, vllm/v1/engine/core.py, 0.26 and 0.32) just before it
+# builds its executor: the workers, the CUDA context, the weights. Everything before it is
+# processes starting and importing (40-65 s of a 7B start on the H200), which a server
+# started ahead overlaps with the previous server's measurement.
+ENGINE_INIT_LINE = b"Initializing a V1 LLM engine"
+
+
+def engine_init_visible(env: dict[str, str]) -> str | None:
+    """None where vLLM will log ENGINE_INIT_LINE; else why it will not (a start ahead
+    then could not be frozen in time)."""
+    level = env.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    if env.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return "VLLM_CONFIGURE_LOGGING=0 leaves vLLM's INFO lines unprinted"
+    if level not in ("DEBUG", "INFO"):
+        return f"VLLM_LOGGING_LEVEL={level} hides vLLM's INFO lines"
+    return None
+
+
+class LogWatch:
+    """Finds a byte string in a growing log, reading only what was appended since the
+    last look (a line split across two reads is still found)."""
+
+    def __init__(self, path: Path, needle: bytes):
+        self.path, self.needle, self.offset, self.tail = Path(path), needle, 0, b""
+
+    def seen(self) -> bool:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except OSError:
+            return False
+        self.offset += len(new)
+        text = self.tail + new
+        self.tail = text[-len(self.needle):]
+        return self.needle in text
+
+
 def _health(url: str) -> bool:
     try:
         with net.open_url(url + "/health", timeout=2) as r:
@@ -169,9 +213,22 @@ class VllmServer:
                     "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(env or {}), **self.uni_env}
         self.startup_timeout_s = startup_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.startup_s: float | None = None
+        self.startup_s: float | None = None  # spawn to healthy, less the time held
+        self.held_s: float | None = None     # frozen at the engine's init, waiting for `hold`
+        self.hold_missed = False             # healthy before ENGINE_INIT_LINE was seen
 
-    def start(self) -> "VllmServer":
+    @staticmethod
+    def ahead_env(env: dict[str, str]) -> dict[str, str]:
+        """A server started ahead may be frozen for as long as the previous one still
+        measures; vLLM's front end gives its engine VLLM_ENGINE_READY_TIMEOUT_S (600 s)
+        to report ready, wall time, frozen or not. The kit's own startup timeout, which
+        does not count the hold, bounds the start instead."""
+        return {} if "VLLM_ENGINE_READY_TIMEOUT_S" in env else {"VLLM_ENGINE_READY_TIMEOUT_S": "86400"}
+
+    def start(self, hold: Callable[[], object] | None = None) -> "VllmServer":
+        """Spawn, wait for /health. With `hold`: freeze the server's process group when its
+        engine starts to initialize, call hold() (it blocks until the GPU is this server's),
+        then let the server go on."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         log.write("# " + " ".join(self.cmd) + "\n")
@@ -187,22 +244,46 @@ class VllmServer:
         # The group id on disk at once: whoever outlives this process (the sweep, after
         # a kernel crash or an interrupt mid-start) can still stop exactly this group.
         self.pgid_file.write_text(str(self.proc.pid))
+        watch = LogWatch(self.log_path, ENGINE_INIT_LINE) if hold else None
+        held, next_health = 0.0, 0.0
         try:
             while True:
                 if self.proc.poll() is not None:
                     raise ServerStartError(failure_reason(self.log_path.read_text(errors="replace"),
                                                           self.proc.returncode), self.log_path)
-                if _health(self.url):
-                    break
-                if time.perf_counter() - t0 > self.startup_timeout_s:
+                if watch and watch.seen():
+                    held = self._hold(hold)
+                    watch = None
+                now = time.perf_counter()
+                if now >= next_health:  # /health once a second; the log 20 times a second while held back
+                    if _health(self.url):
+                        break
+                    next_health = time.perf_counter() + 1
+                if now - t0 - held > self.startup_timeout_s:
                     raise ServerStartError(f"not healthy within {self.startup_timeout_s:.0f} s "
                                            "(raise server.startup_timeout_s?)", self.log_path)
-                time.sleep(1)
+                time.sleep(0.05 if watch else 1)
+            if watch:  # healthy without the line: its GPU start-up ran beside the previous server
+                self.hold_missed = True
+                held = self._hold(hold, freeze=False)
         except BaseException:
             self.stop()
             raise
-        self.startup_s = time.perf_counter() - t0
+        self.held_s = held if hold else None
+        self.startup_s = time.perf_counter() - t0 - held
         return self
+
+    def _hold(self, hold: Callable[[], object], freeze: bool = True) -> float:
+        """Freeze the group, wait in hold(), let it go on; returns the seconds held."""
+        t0 = time.perf_counter()
+        if freeze:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+        try:
+            hold()
+        finally:
+            if freeze:
+                os.killpg(self.proc.pid, signal.SIGCONT)
+        return time.perf_counter() - t0
 
     @property
     def pgid_file(self) -> Path:
@@ -222,6 +303,8 @@ class VllmServer:
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
+                if sig == signal.SIGTERM:
+                    os.killpg(pgid, signal.SIGCONT)  # a group frozen while held back handles SIGTERM only once it runs
             except ProcessLookupError:
                 break
             deadline = time.monotonic() + wait

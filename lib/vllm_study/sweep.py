@@ -28,7 +28,7 @@ from .machine import cpu_dtype, describe, resolve_engine, versions
 from .params import Study, StudyError, load_study
 from .point import summarize
 from .results import (LOG, NOTEBOOK, ROUNDS, START, Manifest, RunFolder, StartRecord, git_state, now_utc,
-                      read_rounds, write_atomic)
+                      on_gpu, read_rounds, write_atomic)
 from .server import pgid_path, stop_group_from_file
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout; only for git and the fallback below
@@ -100,8 +100,9 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
 # -- one unit -------------------------------------------------------------------
 def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event) -> None:
     """Follow the point notebook (another process) through its files: advance the bar as
-    rounds land; call on_started once it has spawned its server (an endpoint target: once
-    its rounds are over), or has ended."""
+    rounds land; call on_started once its server is spawned and has the slot (a server
+    started ahead: once it is let go at its engine's init; an endpoint target: once its
+    rounds are over), or once it has ended."""
     seen = 0
     while not stop.wait(0.5):
         if bar is not None:
@@ -114,7 +115,8 @@ def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.
                 rec = StartRecord.load_if(start_dir / START)
             except ValueError:  # caught mid-write; read it again next time
                 rec = None
-            if rec is not None and ({"spawn", "measured"} & rec.timeline.keys() or rec.status != "running"):
+            t = rec.timeline if rec is not None else {}
+            if rec is not None and ({"spawn", "slot"} <= t.keys() or "measured" in t or rec.status != "running"):
                 on_started()
                 on_started = None
 
@@ -136,9 +138,10 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     """Execute the point notebook for one unit and return the point's summary. A notebook
     that dies before recording an outcome has its error recorded as the outcome.
     `slot_lock`: the lock its server waits for (executors.SlotLock); `on_started`: called
-    once its server is spawned: the slot's next start then prepares (papermill, kernel,
-    imports, plan) during this one's vLLM start-up, not during its measurement, and waits
-    at the lock.
+    once its server is spawned and has the slot: the slot's next start then prepares
+    (papermill, kernel, imports, plan) and waits at the lock, or, started ahead
+    (server.start_ahead), also spawns its server, which imports and is held at its
+    engine's init until this one has stopped.
 
     papermill runs in a process of its own: it changes the working directory of the
     process it runs in while a notebook executes, which would break relative paths here
@@ -357,14 +360,15 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
 def record_overlaps(run: RunFolder, executor: str) -> None:
     """Which server starts ran at the same time, where (host, GPUs): the manifest keeps it,
     so a neighbour's effect on a point can be looked for in the data. A start's span is
-    its server's life where recorded (a slot's next start prepares while the previous
-    one finishes, and that is no overlap), else its notebook's."""
+    its server's life on the GPU where recorded (a slot's next start prepares, and a
+    server started ahead imports, while the previous one finishes: that is no overlap),
+    else its notebook's."""
     spans = []
     for pid in run.point_ids():
         for s in run.point(pid).starts():
             t = s.timeline
             if "spawn" in t and "stopped" in t:
-                spans.append((s, dt.datetime.fromtimestamp(t["spawn"], dt.timezone.utc),
+                spans.append((s, dt.datetime.fromtimestamp(on_gpu(t), dt.timezone.utc),
                               dt.datetime.fromtimestamp(t["stopped"], dt.timezone.utc)))
             elif s.started_utc and s.finished_utc and s.started_utc[0].isdigit():
                 spans.append((s, dt.datetime.fromisoformat(s.started_utc), dt.datetime.fromisoformat(s.finished_utc)))

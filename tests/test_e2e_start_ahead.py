@@ -1,0 +1,117 @@
+"""A server started ahead of its slot, against a real vLLM (the CPU build): it spawns and
+imports, is frozen the moment its engine logs that it initializes, stays frozen and
+unhealthy while the slot is busy, and starts serving once the slot is free; a frozen
+server still stops on SIGTERM. In a sweep, a slot's next server spawns during the
+previous one's measurement and its engine initializes only after that one has stopped."""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from e2e_support import UNI, plan_of, sweep, tiny, write
+from procs import group_gone
+from vllm_study import models
+from vllm_study.executors import SlotLock
+from vllm_study.results import RunFolder, read_log
+from vllm_study.server import ENGINE_INIT_LINE, VllmServer, _health, free_port, serve_command, without_colours
+
+pytestmark = pytest.mark.e2e
+
+
+def _states(pgid: int) -> set[str]:
+    return {p.status() for p in psutil.process_iter() if _in_group(p, pgid)}
+
+
+def _in_group(p: psutil.Process, pgid: int) -> bool:
+    try:
+        return os.getpgid(p.pid) == pgid
+    except (ProcessLookupError, psutil.Error):
+        return False
+
+
+def test_a_held_server_waits_frozen_for_its_slot_then_serves(tmp_path):
+    plan = plan_of(tiny())
+    model, dummy = models.resolve(plan.study.model)
+    port = free_port()
+    cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy, extra=UNI)
+    busy = SlotLock(tmp_path / "slot.lock")
+    busy.acquire()  # the slot's previous server, still measuring
+    waiter = SlotLock(tmp_path / "slot.lock")
+    srv = VllmServer(cmd, port, tmp_path / "server.log", startup_timeout_s=600)
+    started = threading.Thread(target=srv.start, kwargs={"hold": waiter.acquire})
+    started.start()
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and ENGINE_INIT_LINE.decode() not in read_log(tmp_path):
+            assert started.is_alive(), read_log(tmp_path)[-2000:]
+            time.sleep(0.2)
+        time.sleep(5)  # frozen: nothing moves however long the slot stays busy
+        log_when_frozen = read_log(tmp_path)
+        assert _states(srv.proc.pid) == {psutil.STATUS_STOPPED}
+        assert not _health(srv.url)
+        time.sleep(3)
+        assert read_log(tmp_path) == log_when_frozen
+        released = time.perf_counter()
+        busy.release()
+        started.join(600)
+        assert not started.is_alive() and _health(srv.url)
+        assert srv.held_s >= 8 and not srv.hold_missed
+        # the start-up it reports leaves out the hold: spawn to healthy, less held_s
+        assert srv.startup_s < time.perf_counter() - released + (released - srv.held_s)
+        # what comes after the init line was written after the slot was let go
+        after = without_colours(read_log(tmp_path)).split(ENGINE_INIT_LINE.decode(), 1)[1]
+        assert "Starting vLLM" in after and _states(srv.proc.pid) <= {psutil.STATUS_SLEEPING, psutil.STATUS_RUNNING}
+        # frozen again, it still stops on SIGTERM (stop() lets the group run to handle it)
+        pgid = srv.proc.pid
+        os.killpg(pgid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        srv.stop(grace_s=60)
+        assert group_gone(pgid) and srv.proc.returncode != -signal.SIGKILL
+        assert time.monotonic() - t0 < 60
+    finally:
+        busy.release()
+        srv.stop()
+        started.join(60)
+
+
+_LOG_TIME = re.compile(r"INFO (\d\d-\d\d \d\d:\d\d:\d\d)")
+
+
+def _logged(start_dir, marker: str) -> float:
+    """Unix time (seconds resolution) of the first log line holding `marker`."""
+    line = next(ln for ln in without_colours(read_log(start_dir)).splitlines() if marker in ln)
+    stamp = dt.datetime.strptime(_LOG_TIME.search(line).group(1), "%m-%d %H:%M:%S")
+    now = dt.datetime.now()
+    return stamp.replace(year=now.year).timestamp()
+
+
+def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_path):
+    # Rounds of ~25 s (Poisson, 0.25 req/s): the second server reaches its engine's init
+    # while the first one still measures, on any CPU this runs on.
+    study = tiny(grid={"max_num_batched_tokens": [256, 512]},
+                 server={"extra_cli_args": UNI, "start_ahead": True},
+                 workload={**tiny()["workload"], "requests_per_round": 6, "load": {"kind": "poisson", "rate": 0.25}})
+    done = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report")
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = RunFolder(next((tmp_path / "results").iterdir()))
+    order = run.manifest().order
+    first, second = (run.point(u.point).start(u.start) for u in order)
+    assert first.status == second.status == "ok"
+    assert not first.launch.started_ahead  # the slot was free
+    assert second.launch.started_ahead and "held" in second.timeline
+    t1, t2 = first.timeline, second.timeline
+    assert t2["spawn"] < t1["measured"]                     # it spawned while the first one measured
+    assert t2["held"] < t1["stopped"] <= t2["slot"]          # frozen until the first server was gone
+    d2 = run.point(second.point).start_dir(second.start)
+    # its engine's work (the line after the hold) began after the first server was gone
+    assert _logged(d2, "init engine") >= int(t1["stopped"])
+    # its start-up leaves the hold out
+    assert second.launch.startup_s == pytest.approx(t2["ready"] - t2["spawn"] - (t2["slot"] - t2["held"]), abs=1)
+    assert run.manifest().overlaps == []  # life on the slot: never two at once
