@@ -116,9 +116,9 @@ def timeline_frame(run: RunFolder) -> pd.DataFrame:
             t = rec.timeline
             if not all(k in t for k in TIMELINE):
                 continue
-            rows.append({"start": f"{folder.path.name}#s{rec.start}",
-                         "slot": ",".join(str(g.index) for g in rec.gpus) or "-",
-                         "begin": notebook_begin(folder.start_dir(rec.start) / NOTEBOOK), **t,
+            rows.append({**t, "start": f"{folder.path.name}#s{rec.start}",
+                         "slot": ",".join(str(g.index) for g in rec.gpus) or "-",  # the GPU set, not t["slot"]
+                         "begin": notebook_begin(folder.start_dir(rec.start) / NOTEBOOK),
                          "slot_wait_s": rec.launch.slot_wait_s, "ahead": rec.launch.started_ahead,
                          "on_gpu": on_gpu(t), "held_s": t["slot"] - t["held"] if "held" in t else 0.0,
                          **startup_split(folder.start_dir(rec.start), t["ready"] - t["spawn"])})

@@ -222,3 +222,25 @@ def test_try_acquire_takes_a_free_slot_and_leaves_a_busy_one(tmp_path):
     first.release()
     assert second.try_acquire()
     second.release()
+
+
+def test_a_later_dispatch_of_the_same_sweep_keeps_the_longest_unit_it_was_given():
+    """A sweep's precision blocks are dispatched anew: given the longest unit so far, the
+    budget binds their first unit too, and a slot is handed on early from the first unit
+    on (a fresh sweep waits for one unit's length before anything queues behind a unit)."""
+    spans: dict[str, list[float]] = {}
+
+    def work(unit, slot, release):
+        spans[unit.point] = [time.monotonic()]
+        release()  # "spawned and has the slot": the next unit may prepare now
+        time.sleep(0.3)
+        spans[unit.point].append(time.monotonic())
+
+    t0 = time.monotonic()
+    left, _ = Dispatcher([None], work, t0, max_minutes=0.5 / 60, longest=0.6).run(_units(2))
+    assert left == 2 and spans == {}  # a 0.6 s unit would end past the 0.5 s budget: none goes
+    left, _ = Dispatcher([None], work, t0, max_minutes=10, longest=0.3).run(_units(2))
+    assert left == 0 and spans["p1"][0] < spans["p0"][1]  # p1 began while p0 still ran
+    spans.clear()
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=10).run(_units(2))
+    assert left == 0 and spans["p1"][0] >= spans["p0"][1]  # fresh: p0's length unknown, p1 waited

@@ -96,9 +96,11 @@ class Dispatcher:
     preparing and waits at the slot's SlotLock; otherwise the slot is free again when its
     unit ends. So a slot has at most two units: one running, one prepared and waiting."""
 
-    def __init__(self, slots: list, work, t0: float, max_minutes: float | None):
+    def __init__(self, slots: list, work, t0: float, max_minutes: float | None, longest: float = 0.0):
         self.slots, self.work, self.t0, self.max_minutes = list(slots), work, t0, max_minutes
-        self.longest = 0.0  # the longest unit, from when it had its slot to itself
+        # the longest unit, from when it had its slot to itself; `longest`: what an earlier
+        # dispatcher of the same sweep measured (its precision blocks are dispatched anew)
+        self.longest = longest
         self.began: dict[int, float] = {}  # slot index: when its latest unit was handed to it
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
@@ -106,11 +108,11 @@ class Dispatcher:
         self.lock = threading.Lock()
 
     def _fits(self, started: int, i: int, behind: bool) -> bool:
-        """The first unit always goes (each invocation makes progress); a later one only
-        if a unit as long as the longest so far would still end inside the budget. One
+        """The sweep's first unit always goes (each invocation makes progress); any other
+        only if a unit as long as the longest so far would still end inside the budget. One
         queued behind a running unit (its slot released early) starts when that one ends:
         at the latest, the longest unit's length after the running one had its slot."""
-        if not self.max_minutes or started == 0:
+        if not self.max_minutes or (started == 0 and not self.longest):
             return True
         now = time.monotonic()
         need = self.longest
