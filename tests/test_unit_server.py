@@ -488,3 +488,14 @@ def test_a_start_healthy_without_the_init_line_still_waits_for_its_slot_and_says
     s.start(hold=lambda: held.append(psutil.Process(s.proc.pid).status()))
     assert s.hold_missed and held and held[0] != psutil.STATUS_STOPPED  # not frozen: it was already serving
     s.stop()
+
+
+def test_a_held_start_whose_server_dies_at_its_init_line_fails_with_the_logs_reason(tmp_path, started):
+    script = "import sys; print('INFO Initializing a V1 LLM engine (v0)', flush=True); " \
+             "print('ValueError: no GPU', flush=True); sys.exit(1)"
+    s = VllmServer([sys.executable, "-c", script], port=free_port(), log_path=tmp_path / "server.log",
+                   startup_timeout_s=30)
+    started.append(s)
+    with pytest.raises(ServerStartError, match="ValueError: no GPU"):
+        s.start(hold=lambda: time.sleep(0.2))
+    assert group_gone(s.proc.pid)

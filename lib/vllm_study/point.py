@@ -231,6 +231,7 @@ class PointRun:
         except ServerStartError as e:
             reason = e.reason
         if self.server.hold_missed:
+            self.record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
             self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
                                         "its GPU start-up ran beside the slot's previous server")
         self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))

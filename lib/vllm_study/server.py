@@ -274,16 +274,23 @@ class VllmServer:
         return self
 
     def _hold(self, hold: Callable[[], object], freeze: bool = True) -> float:
-        """Freeze the group, wait in hold(), let it go on; returns the seconds held."""
+        """Freeze the group, wait in hold(), let it go on; returns the seconds held. A
+        group already gone is left to the start loop, which reads why from the log."""
         t0 = time.perf_counter()
         if freeze:
-            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self._signal_group(signal.SIGSTOP)
         try:
             hold()
         finally:
             if freeze:
-                os.killpg(self.proc.pid, signal.SIGCONT)
+                self._signal_group(signal.SIGCONT)
         return time.perf_counter() - t0
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
 
     @property
     def pgid_file(self) -> Path:
