@@ -149,12 +149,10 @@ class PointRun:
         return True
 
     def _start_ahead_wanted(self) -> bool:
-        """server.start_ahead (unset: on the GPU engine only; on a CPU the imports would
-        take the cores the running server is measured on), where there is a slot to
-        wait for and vLLM will log the line the hold is timed by."""
+        """server.start_ahead, where there is a slot to wait for and vLLM will log the
+        line the hold is timed by."""
         s = self.study.server
-        wanted = s.start_ahead if s.start_ahead is not None else self.plan.engine == "gpu"
-        if not wanted or self.slot_lock is None or self.point.target:
+        if not s.start_ahead or self.slot_lock is None or self.point.target:
             return False
         why = engine_init_visible({**os.environ, **s.env})
         if why:

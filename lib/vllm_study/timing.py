@@ -4,9 +4,9 @@ hours, not to plan to the minute:
 
 - a server start: 75 s on the CPU engine; on a GPU 90 s plus 1 s per GB of weights
   (dummy-weight init, torch.compile with a cold cache, CUDA graph capture); started
-  ahead (server.start_ahead, the GPU default), every start but the first leaves a
-  quarter of that on the critical path (7B on one H200: 13-16 s once the compile cache
-  holds the config, 33-52 s while it does not, against 48-104 s in all);
+  ahead (server.start_ahead), every start but the first leaves a quarter of that on
+  the critical path (7B on one H200: 13-16 s once the compile cache holds the config,
+  33-52 s while it does not, against 48-104 s in all);
 - a decode step: the weights read once from memory at 60% of the GPU's datasheet
   bandwidth (or at 10 GB/s on a CPU), plus 3 ms; a request's prefill at 40% of the
   GPU's peak FLOP/s (prefix-cached tokens skipped);
@@ -74,6 +74,6 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     measure = KIT_S_PER_START + study.rounds * round_s(study, latency) + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
     starts = n_points * study.replicates
-    ahead = engine == "gpu" and not study.targets and study.server.start_ahead is not False
+    ahead = study.server.start_ahead and not study.targets
     later_start = AHEAD_SHARE * start if ahead else start
     return (start + measure + (starts - 1) * (later_start + measure) + REPORT_S) / 60
