@@ -732,3 +732,9 @@ def test_start_ahead_is_off_unless_asked_and_an_older_null_reads_as_off():
     assert study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]}}).server.start_ahead is False
     older = study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]}, "server": {"start_ahead": None}})
     assert older.server.start_ahead is False
+
+
+def test_start_ahead_with_vllm_info_lines_hidden_is_refused_before_anything_starts():
+    with pytest.raises(StudyError, match="start_ahead holds a server at its engine's INFO line.*VLLM_LOGGING_LEVEL=WARNING"):
+        study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]},
+                         "server": {"start_ahead": True, "env": {"VLLM_LOGGING_LEVEL": "WARNING"}}})

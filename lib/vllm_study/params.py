@@ -219,6 +219,15 @@ class Server(_Strict):
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
 
     @model_validator(mode="after")
+    def _start_ahead_needs_info_lines(self):
+        from .server import engine_init_visible  # the kit's one reading of vLLM's logging variables
+        why = engine_init_visible(self.env) if self.start_ahead else None
+        if why:
+            raise ValueError(f"server.start_ahead holds a server at its engine's INFO line, but server.env: {why}; "
+                             "drop that variable or set start_ahead: false")
+        return self
+
+    @model_validator(mode="after")
     def _no_kit_flags(self):
         for arg in self.extra_cli_args:
             # vLLM's parser takes --served_model_name and unique abbreviations too
