@@ -65,6 +65,10 @@ class SlotLock:
         fcntl.flock(self.fd, fcntl.LOCK_EX)
         return time.monotonic() - t0
 
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
     def try_acquire(self) -> bool:
         """Takes the slot if it is free now; False (and nothing held) if it is not."""
         fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)

@@ -132,7 +132,7 @@ class PointRun:
         slot only if it is free now, and say whether it was); a server whose start died
         holding the slot (its pgid still in the lock file) is stopped first."""
         lock = self.slot_lock
-        if lock is None or lock.fd is not None:
+        if lock is None or lock.held:
             return True
         t0 = time.monotonic()
         if wait:

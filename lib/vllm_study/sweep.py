@@ -115,8 +115,10 @@ def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.
                 rec = StartRecord.load_if(start_dir / START)
             except ValueError:  # caught mid-write; read it again next time
                 rec = None
-            t = rec.timeline if rec is not None else {}
-            if rec is not None and ({"spawn", "slot"} <= t.keys() or "measured" in t or rec.status != "running"):
+            if rec is None:
+                continue
+            t = rec.timeline
+            if {"spawn", "slot"} <= t.keys() or "measured" in t or rec.status != "running":
                 on_started()
                 on_started = None
 
