@@ -107,6 +107,9 @@ def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_
     assert first.status == second.status == "ok"
     assert not first.launch.started_ahead  # the slot was free
     assert second.launch.started_ahead and "held" in second.timeline
+    # the same environment, held or not, so both share one torch.compile cache key
+    assert first.launch.kit_env == second.launch.kit_env
+    assert first.launch.kit_env["VLLM_ENGINE_READY_TIMEOUT_S"] == "86400"
     t1, t2 = first.timeline, second.timeline
     assert t2["spawn"] < t1["measured"]                     # it spawned while the first one measured
     assert t2["held"] < t1["stopped"] <= t2["slot"]          # frozen until the first server was gone

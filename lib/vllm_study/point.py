@@ -214,7 +214,10 @@ class PointRun:
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)
-        if ahead:
+        if s.server.start_ahead:
+            # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
+            # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
+            # starts only would make each config's first held start compile again
             env.update(VllmServer.ahead_env({**os.environ, **env}))
         self.record.launch.command = cmd
         self.record.launch.started_ahead = ahead
