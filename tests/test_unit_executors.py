@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_study.executors import Dispatcher, SlotLock, compile_cache_env, gpu_slots, slot_lock_path
+from vllm_study.executors import Dispatcher, SlotLock, UnitLengths, compile_cache_env, gpu_slots, slot_lock_path
 from vllm_study.grid import Unit
 from vllm_study.server import free_port
 
@@ -67,9 +67,9 @@ def test_dispatcher_stops_starting_units_when_the_budget_would_be_overrun():
         time.sleep(0.3)
 
     t0 = time.monotonic()
-    left, longest = Dispatcher([None], work, t0, max_minutes=0.5 / 60).run(_units(5))
+    left, lengths = Dispatcher([None], work, t0, max_minutes=0.5 / 60).run(_units(5))
     # one at a time, 0.3 s each, 0.5 s budget: after the first, the second would end past it
-    assert left == 4 and 0.3 <= longest < 1.0
+    assert left == 4 and 0.3 <= lengths.free < 1.0 and lengths.behind == 0
     # a spent budget still lets the first unit go: every invocation makes progress
     left, _ = Dispatcher([None], work, t0 - 60, max_minutes=0.5 / 60).run(_units(3))
     assert left == 2
@@ -193,6 +193,41 @@ def test_a_unit_prepared_behind_another_still_counts_as_running(tmp_path):
     assert ran == ["p0", "p1", "p2", "p3"] and left == 2
 
 
+def test_units_queued_behind_another_are_charged_the_longest_of_their_own_kind(tmp_path):
+    """As a sweep started ahead: p0 has a free slot and takes 0.9 s (its whole start-up),
+    the rest wait at the slot's lock, release it at once and take 0.3 s on it; 2.85 s
+    budget. p2 is prepared behind p1 (by ~2.7 s with nothing of its kind known); p3 not
+    behind p2 (~3.0 s) but on the free slot after it (~2.4 s). Once p2, queued behind,
+    has ended in 0.3 s, p4, p5 and p6 are each prepared behind the one before (~2.7 s at
+    the latest, p6); p7 would end by ~3.0 s. Charging every unit p0's 0.9 s would have
+    run p0-p4 only."""
+    ran = []
+
+    def work(unit, slot, release):
+        lock = SlotLock(slot_lock_path(tmp_path, slot))
+        lock.acquire()
+        try:
+            ran.append(unit.point)
+            release()
+            time.sleep(0.9 if unit.point == "p0" else 0.3)
+        finally:
+            lock.release()
+
+    left, lengths = Dispatcher([[0]], work, time.monotonic(), max_minutes=2.85 / 60).run(_units(9))
+    assert ran == [f"p{i}" for i in range(7)] and left == 2
+    assert 0.9 <= lengths.free < 1.0 and 0.3 <= lengths.behind < 0.4
+
+
+def test_unit_lengths_bound_a_kind_by_the_other_until_one_of_its_own_has_ended():
+    lengths = UnitLengths()
+    lengths.add(0.9, behind=False)
+    assert lengths.bound(behind=True) == lengths.bound(behind=False) == 0.9
+    lengths.add(0.3, behind=True)
+    lengths.add(0.2, behind=True)
+    assert (lengths.bound(behind=True), lengths.bound(behind=False), lengths.longest) == (0.3, 0.9, 0.9)
+    assert UnitLengths(behind=0.4).bound(behind=False) == 0.4
+
+
 def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"
@@ -237,9 +272,9 @@ def test_a_later_dispatch_of_the_same_sweep_keeps_the_longest_unit_it_was_given(
         spans[unit.point].append(time.monotonic())
 
     t0 = time.monotonic()
-    left, _ = Dispatcher([None], work, t0, max_minutes=0.5 / 60, longest=0.6).run(_units(2))
+    left, _ = Dispatcher([None], work, t0, max_minutes=0.5 / 60, lengths=UnitLengths(free=0.6)).run(_units(2))
     assert left == 2 and spans == {}  # a 0.6 s unit would end past the 0.5 s budget: none goes
-    left, _ = Dispatcher([None], work, t0, max_minutes=10, longest=0.3).run(_units(2))
+    left, _ = Dispatcher([None], work, t0, max_minutes=10, lengths=UnitLengths(free=0.3)).run(_units(2))
     assert left == 0 and spans["p1"][0] < spans["p0"][1]  # p1 began while p0 still ran
     spans.clear()
     left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=10).run(_units(2))

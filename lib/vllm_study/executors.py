@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from .grid import Unit
@@ -93,6 +94,33 @@ def slot_lock_path(run_dir: Path, slot: list[int] | None) -> Path:
     return Path(run_dir) / SLOT_LOCKS.replace("*", "gpus-" + "-".join(map(str, slot)) if slot else "local")
 
 
+@dataclass
+class UnitLengths:
+    """The longest unit so far, of each kind, from when it had its slot to itself. A unit
+    handed a free slot carries its whole server start-up; one queued behind a running
+    unit (started ahead) hid most of it behind that one's measurement, so it is shorter
+    (7B on one H200: 3.2 min for a slot's first start, under 2.2 min for those behind).
+    Charging a queued unit the first start's length would leave budget unused."""
+    free: float = 0.0
+    behind: float = 0.0
+
+    @property
+    def longest(self) -> float:
+        return max(self.free, self.behind)
+
+    def bound(self, behind: bool) -> float:
+        """What a unit of this kind may take: the longest of its kind, or, before one of
+        its kind has ended, the longest of the other."""
+        mine, other = (self.behind, self.free) if behind else (self.free, self.behind)
+        return mine or other
+
+    def add(self, seconds: float, behind: bool) -> None:
+        if behind:
+            self.behind = max(self.behind, seconds)
+        else:
+            self.free = max(self.free, seconds)
+
+
 class Dispatcher:
     """Runs units on slots (None = whatever this machine has), in order, while the time
     budget allows. `work(unit, slot, release)` runs one; it may call release() early
@@ -100,12 +128,14 @@ class Dispatcher:
     preparing and waits at the slot's SlotLock; otherwise the slot is free again when its
     unit ends. So a slot has at most two units: one running, one prepared and waiting."""
 
-    def __init__(self, slots: list, work, t0: float, max_minutes: float | None, longest: float = 0.0):
+    def __init__(self, slots: list, work, t0: float, max_minutes: float | None,
+                 lengths: UnitLengths | None = None):
         self.slots, self.work, self.t0, self.max_minutes = list(slots), work, t0, max_minutes
-        # the longest unit, from when it had its slot to itself; `longest`: what an earlier
-        # dispatcher of the same sweep measured (its precision blocks are dispatched anew)
-        self.longest = longest
+        # `lengths`: what an earlier dispatcher of the same sweep measured (its precision
+        # blocks are dispatched anew)
+        self.lengths = lengths or UnitLengths()
         self.began: dict[int, float] = {}  # slot index: when its latest unit was handed to it
+        self.began_behind: dict[int, bool] = {}  # slot index: whether that unit was queued behind another
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
         self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
@@ -113,23 +143,24 @@ class Dispatcher:
 
     def _fits(self, started: int, i: int, behind: bool) -> bool:
         """The sweep's first unit always goes (each invocation makes progress); any other
-        only if a unit as long as the longest so far would still end inside the budget. One
-        queued behind a running unit (its slot released early) starts when that one ends:
-        at the latest, the longest unit's length after the running one had its slot."""
-        if not self.max_minutes or (started == 0 and not self.longest):
+        only if a unit as long as the longest of its kind so far would still end inside
+        the budget. One queued behind a running unit (its slot released early) starts when
+        that one ends: at the latest, the running one's bound after it had its slot."""
+        if not self.max_minutes or (started == 0 and not self.lengths.longest):
             return True
         now = time.monotonic()
-        need = self.longest
+        need = self.lengths.bound(behind)
         if behind:
             with self.lock:
                 since = max(self.began[i], self.ended.get(i, 0.0))
-            need += max(0.0, self.longest - (now - since))
+                running = self.lengths.bound(self.began_behind[i])
+            need += max(0.0, running - (now - since))
         return now - self.t0 + need <= self.max_minutes * 60
 
-    def _timed(self, unit: Unit, i: int, release):
+    def _timed(self, unit: Unit, i: int, release, behind: bool):
         ts = time.monotonic()
         with self.lock:
-            self.began[i] = ts
+            self.began[i], self.began_behind[i] = ts, behind
             self.running[i] = self.running.get(i, 0) + 1
         try:
             return self.work(unit, self.slots[i], lambda: release(early=True))
@@ -137,7 +168,7 @@ class Dispatcher:
             with self.lock:
                 now = time.monotonic()
                 # a unit queued behind another had its slot only once that one ended
-                self.longest = max(self.longest, now - max(ts, self.ended.get(i, ts)))
+                self.lengths.add(now - max(ts, self.ended.get(i, ts)), behind)
                 self.ended[i] = now
                 self.running[i] -= 1
             release(early=False)
@@ -146,7 +177,7 @@ class Dispatcher:
         once = threading.Lock()
 
         def release(early: bool):
-            if early and self.max_minutes and not self.longest:
+            if early and self.max_minutes and not self.lengths.longest:
                 return  # under a budget, nothing queues behind a unit before one unit's length is known
             if once.acquire(blocking=False):  # the first call hands the slot back; later ones do nothing
                 free.put((i, early))
@@ -176,8 +207,8 @@ class Dispatcher:
                     if f.done():
                         f.result()  # an exception in a unit is the sweep's to handle
 
-    def run(self, units: list[Unit]) -> tuple[int, float]:
-        """Returns (units not started for the budget, the longest unit's seconds)."""
+    def run(self, units: list[Unit]) -> tuple[int, UnitLengths]:
+        """Returns (units not started for the budget, the longest units' seconds)."""
         free: queue.Queue = queue.Queue()  # (slot index, released early: its unit still runs)
         for i in range(len(self.slots)):
             free.put((i, False))
@@ -194,7 +225,7 @@ class Dispatcher:
                         continue
                     left = len(units) - n
                     break
-                futures.append(pool.submit(self._timed, units[n], i, self._releaser(free, i)))
+                futures.append(pool.submit(self._timed, units[n], i, self._releaser(free, i), behind))
                 started, n = started + 1, n + 1
             for f in futures:
                 f.result()
@@ -204,7 +235,7 @@ class Dispatcher:
             pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown(wait=True)
-        return left, self.longest
+        return left, self.lengths
 
 
 # -- Ray ----------------------------------------------------------------------------

@@ -202,7 +202,7 @@ class Outcome:
     run: RunFolder
     units_left: int
     stop_note: str | None = None
-    longest_s: float = 0.0  # the longest unit so far: the next dispatch's time budget uses it
+    lengths: executors.UnitLengths | None = None  # the longest units so far: the next dispatch's time budget uses them
 
 
 def _raise_interrupt(signum, frame):
@@ -260,7 +260,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             if not extra:
                 break
             print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
-            outcome = _run_units(run, extra, study, t0, max_minutes, runner, outcome.longest_s)
+            outcome = _run_units(run, extra, study, t0, max_minutes, runner, outcome.lengths)
     except KeyboardInterrupt:
         STOPPING.set()
         _stop_children()
@@ -329,7 +329,7 @@ class Runner:
 
 
 def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None,
-               runner: Runner, longest: float = 0.0) -> Outcome:
+               runner: Runner, lengths: executors.UnitLengths | None = None) -> Outcome:
     from .executors import Dispatcher
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
@@ -351,13 +351,14 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                 elif s.status == "failed":
                     tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
 
-        left, longest = Dispatcher(runner.slots, work, t0, max_minutes, longest).run(todo)
+        left, lengths = Dispatcher(runner.slots, work, t0, max_minutes, lengths).run(todo)
     if left:
         elapsed = time.monotonic() - t0
         note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "
-                f"(the longest so far took {longest / 60:.1f} min); {left} of {len(todo)} starts left")
-        return Outcome(run, left, note, longest)
-    return Outcome(run, 0, longest_s=longest)
+                f"(the longest on a free slot so far took {lengths.free / 60:.1f} min, the longest queued "
+                f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
+        return Outcome(run, left, note, lengths)
+    return Outcome(run, 0, lengths=lengths)
 
 
 def record_overlaps(run: RunFolder, executor: str) -> None:
