@@ -171,6 +171,21 @@ def test_a_unit_that_did_not_fit_behind_a_running_one_is_asked_again_when_it_end
     assert ran == ["p0", "p1", "p2"] and left == 2
 
 
+def _at_the_slot_lock(tmp_path, ran: list, rest_s: float):
+    """As a sweep's units do: wait at the slot's lock, release the slot (the server has
+    spawned and has it), then hold it for 0.9 s (p0) or `rest_s` (the others)."""
+    def work(unit, slot, release):
+        lock = SlotLock(slot_lock_path(tmp_path, slot))
+        lock.acquire()
+        try:
+            ran.append(unit.point)
+            release()
+            time.sleep(0.9 if unit.point == "p0" else rest_s)
+        finally:
+            lock.release()
+    return work
+
+
 def test_a_unit_prepared_behind_another_still_counts_as_running(tmp_path):
     """As a sweep's units do: each waits at its slot's lock, then releases the slot
     (its server spawned). p0 takes 0.9 s, the rest 0.4 s; 2.9 s budget. p2 is prepared
@@ -178,17 +193,7 @@ def test_a_unit_prepared_behind_another_still_counts_as_running(tmp_path):
     to end (~1.7 s: fits by ~2.6 s), although p1 ended after p2 began preparing; p4 then
     fits neither behind p3 nor after it (~3.0 s)."""
     ran = []
-
-    def work(unit, slot, release):
-        lock = SlotLock(slot_lock_path(tmp_path, slot))
-        lock.acquire()
-        try:
-            ran.append(unit.point)
-            release()
-            time.sleep(0.9 if unit.point == "p0" else 0.4)
-        finally:
-            lock.release()
-
+    work = _at_the_slot_lock(tmp_path, ran, rest_s=0.4)
     left, _ = Dispatcher([[0]], work, time.monotonic(), max_minutes=2.9 / 60).run(_units(6))
     assert ran == ["p0", "p1", "p2", "p3"] and left == 2
 
@@ -202,17 +207,7 @@ def test_units_queued_behind_another_are_charged_the_longest_of_their_own_kind(t
     the latest, p6); p7 would end by ~3.0 s. Charging every unit p0's 0.9 s would have
     run p0-p4 only."""
     ran = []
-
-    def work(unit, slot, release):
-        lock = SlotLock(slot_lock_path(tmp_path, slot))
-        lock.acquire()
-        try:
-            ran.append(unit.point)
-            release()
-            time.sleep(0.9 if unit.point == "p0" else 0.3)
-        finally:
-            lock.release()
-
+    work = _at_the_slot_lock(tmp_path, ran, rest_s=0.3)
     left, lengths = Dispatcher([[0]], work, time.monotonic(), max_minutes=2.85 / 60).run(_units(9))
     assert ran == [f"p{i}" for i in range(7)] and left == 2
     assert 0.9 <= lengths.free < 1.0 and 0.3 <= lengths.behind < 0.4
