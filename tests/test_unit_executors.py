@@ -244,13 +244,13 @@ def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
         holder.wait()
 
 
-def test_try_acquire_takes_a_free_slot_and_leaves_a_busy_one(tmp_path):
+def test_acquire_without_waiting_takes_a_free_slot_and_leaves_a_busy_one(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     first, second = SlotLock(path), SlotLock(path)
-    assert first.try_acquire() and first.held
-    assert not second.try_acquire() and not second.held and second.fd is None  # busy: nothing held, nothing leaked
+    assert first.acquire(wait=False) and first.held
+    assert not second.acquire(wait=False) and not second.held and second.fd is None  # busy: nothing held, nothing leaked
     first.release()
-    assert second.try_acquire()
+    assert second.acquire(wait=False)
     second.release()
 
 

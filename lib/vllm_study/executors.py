@@ -59,27 +59,21 @@ class SlotLock:
     def __init__(self, path: str | Path):
         self.path, self.fd = Path(path), None
 
-    def acquire(self) -> float:
-        """Blocks until the slot is free; returns the seconds it waited."""
-        t0 = time.monotonic()
-        self.fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return time.monotonic() - t0
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def try_acquire(self) -> bool:
-        """Takes the slot if it is free now; False (and nothing held) if it is not."""
+    def acquire(self, wait: bool = True) -> bool:
+        """Takes the slot, blocking until it is free; wait=False: only if it is free now.
+        Returns whether it is held (if not, nothing is)."""
         fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return False
         self.fd = fd
         return True
+
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
 
     def release(self) -> None:
         if self.fd is not None:

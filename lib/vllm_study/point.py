@@ -135,9 +135,7 @@ class PointRun:
         if lock is None or lock.held:
             return True
         t0 = time.monotonic()
-        if wait:
-            lock.acquire()
-        elif not lock.try_acquire():
+        if not lock.acquire(wait):
             return False
         self.record.launch.slot_wait_s = time.monotonic() - t0
         previous = lock.path.read_text().strip()  # the previous holder's server pgid file
