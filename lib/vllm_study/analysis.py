@@ -53,7 +53,13 @@ def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None) -> pd.
     if rounds.empty:
         return rounds
     key, value = group or ("all", "")
-    sel = (rounds["group"] == key) & (rounds["round_status"] == "ok")
+    sel = rounds["group"] == key
+    if "at_capacity" in rounds.columns:
+        # a capacity study: a start's figures are those of the round at its capacity (met, so ok;
+        # or, where even the lowest load missed, that round, which carries capacity 0)
+        sel &= rounds["at_capacity"].astype(str) == "True"
+    else:
+        sel &= rounds["round_status"] == "ok"
     if group:
         sel &= rounds["group_value"].astype(str) == str(value)
     return rounds[sel]

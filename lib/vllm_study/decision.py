@@ -67,14 +67,18 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
     """The point with the highest goodput among those that meet (or may meet) the SLO;
     without an SLO, the highest output throughput. Ties are the points whose difference
     from it is not resolved."""
-    judge = "goodput" if slo and "goodput" in set(intervals["metric"]) else "output_throughput"
+    measured = set(intervals["metric"]) if not intervals.empty else set()
+    by_capacity = "capacity_rps" in measured
+    judge = "capacity_rps" if by_capacity else "goodput" if slo and "goodput" in measured else "output_throughput"
     data = analysis.MetricData.from_rounds(rounds, judge)
     if data is None:
         return Recommendation(None, judge, None, None, None, [], None, "", "nothing was measured")
     candidates = list(data.starts)
-    what = "goodput" if judge == "goodput" else "output throughput"
+    what = {"capacity_rps": "capacity", "goodput": "goodput"}.get(judge, "output throughput")
     reason = f"the highest {what}; no SLO is set"
-    if slo:
+    if by_capacity:  # every step was judged against the SLO already: capacity is the load that met it
+        reason = "the highest capacity within the SLO"
+    elif slo:
         verdicts = slo_table(intervals, slo)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
@@ -108,7 +112,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                           trade(rounds, runner, best) if runner else "", reason)
 
 
-TRADE_METRICS = ("goodput", "output_throughput", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms")
+TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms")
 
 
 def trade(rounds: pd.DataFrame, a: str, b: str) -> str:

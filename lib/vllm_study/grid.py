@@ -119,14 +119,33 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
         if mbt is not None and mbt < default:
             warnings.append(f"max_num_seqs is not set, so vLLM caps it at max_num_batched_tokens "
                             f"({mbt} instead of {default}): this point also limits concurrency")
-    need = int(study.workload.longest_request()) + 32  # + the chat template, generously
-    if max_model_len and need > max_model_len:
+    if study.workload.kind == "trace":
+        errors += _trace_fit(study, max_model_len, warnings)
+    elif max_model_len and (need := int(study.workload.longest_request()) + 32) > max_model_len:
+        # (+ 32: the chat template, generously)
         errors.append(f"the longest request needs about {need} tokens (prompt + template + output) "
                       f"but max_model_len is {max_model_len}; shorten the workload or raise "
                       "engine_args.max_model_len")
     effective = Effective(block_size=block, max_num_seqs=mns, max_model_len=max_model_len, dtype=args.dtype,
                           max_num_batched_tokens=mbt or DEFAULT_MAX_NUM_BATCHED_TOKENS[engine])
     return effective, warnings, errors
+
+
+def _trace_fit(study: Study, max_model_len: int | None, warnings: list[str]) -> list[str]:
+    """A trace's requests longer than the server allows are dropped and counted; a window
+    none of whose requests fits is an error."""
+    from .traces import TraceError, read_trace
+    trace = read_trace(study.workload.trace)
+    if not max_model_len:
+        return []
+    try:
+        kept, dropped = trace.fit(max_model_len)
+    except TraceError as e:  # none fits
+        return [str(e)]
+    if dropped:
+        warnings.append(f"{dropped} of {len(trace.requests)} trace requests are longer than max_model_len="
+                        f"{max_model_len} and are left out (counted in each start's record)")
+    return []
 
 
 def _alignment(study: Study, args: EngineArgs, effective: Effective) -> list[str]:
@@ -136,6 +155,8 @@ def _alignment(study: Study, args: EngineArgs, effective: Effective) -> list[str
     if not mbt or mbt % block == 0:
         return []
     w = study.workload
+    if w.kind == "trace":  # its prompts' blocks are the trace's, whatever the chunk
+        return []
     length = w.input_tokens if w.kind == "random" else w.system_prompt_tokens
     length = length if isinstance(length, int) else int(length.longest())
     cuts = list(range(mbt, length, mbt))
@@ -170,6 +191,12 @@ def expand(study: Study, engine: str) -> list[Point]:
     if study.targets:
         return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
                       target=t) for t in study.targets]
+    if study.workload.kind == "trace":  # a trace that does not parse is refused before anything starts
+        from .traces import TraceError, read_trace
+        try:
+            read_trace(study.workload.trace)
+        except (TraceError, OSError) as e:
+            raise StudyError(f"workload.trace: {e}") from None
     # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
     ratios = study.scheduler.ratios
     columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}

@@ -162,8 +162,36 @@ _add(
     Metric("gpu_util_mean", "GPU utilization", "%", ".0f", None, "nvml", "mean NVML utilization during the round"),
 )
 
+# Open loop (a rate, a ladder, a trace): latencies from each request's scheduled arrival,
+# and how late the client sent (capacity.py judges latency bounds on these).
+for _key, _label in (("ttft", "TTFT"), ("e2e", "E2E")):
+    for _stat, _what in [("mean", "mean")] + [(f"p{p}", f"P{p}") for p in PERCENTILES]:
+        _add(Metric(f"{_key}_sched_{_stat}_ms", f"{_label} {_what} from schedule", "ms", ".0f", "lower", "client",
+                    f"{_what} of {_label} measured from the request's scheduled arrival instead of its send: "
+                    "the send lateness added, so a client that falls behind cannot hide queueing"))
+for _stat, _what in (("p50", "P50"), ("p99", "P99"), ("max", "max")):
+    _add(Metric(f"send_lateness_{_stat}_ms", f"send lateness {_what}", "ms", ".1f", "lower", "client",
+                f"{_what} over the round's requests of actual send minus scheduled arrival (open loop)"))
+
+# A replayed trace: does the replay reproduce it?
+_add(
+    Metric("trace_prompt_tokens", "trace prompt tokens", "tok", ".0f", None, "kit",
+           "the trace's input lengths summed over the round's answered requests"),
+    Metric("prompt_tokens_vs_trace", "prompt tokens against the trace", "share", "+.2%", None, "kit",
+           "prompt tokens the server counted (usage) / the trace's input lengths - 1, answered requests"),
+    Metric("offered_rate", "offered rate", "req/s", ".2f", None, "kit",
+           "requests / the span of their scheduled arrivals (open loop): the load the round asked for"),
+)
+
 # Per start, not per round.
 _add(Metric("startup_s", "startup", "s", ".0f", "lower", "kit", "launch of vLLM until /health answers 200"))
+_add(
+    Metric("capacity_rps", "capacity", "req/s", ".2f", "higher", "kit",
+           "the highest load, in requests/s, whose round met every SLO bound with no failed request "
+           "(capacity.py: a probe at the bracket's ends, then a bisection; 0 when even the lowest load missed)"),
+    Metric("capacity_load", "capacity (search units)", "", ".3g", "higher", "kit",
+           "the capacity in the search's own unit: the trace's speed, the Poisson rate or the concurrency"),
+)
 
 
 # Names earlier runs recorded that no longer mean what their label said: they are dropped
@@ -192,15 +220,15 @@ def get(name: str) -> Metric:
 
 
 # What the report's headline table shows, in this order.
-HEADLINE = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
+HEADLINE = ("capacity_rps", "ttft_sched_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
             "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
             "expected_prefix_hit_rate", "preemptions", "kv_usage_peak",
             "gpu_mem_peak_frac")
 # One figure per metric in the report's heatmap grid.
-HEATMAPS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",
+HEATMAPS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",
             "kv_usage_peak", "preemptions", "long_prefills", "running_peak",
             "mfu", "hbm_bandwidth_use", "gpu_mem_peak_frac")
-TRENDS = ("ttft_p90_ms", "itl_p90_ms", "output_throughput")
+TRENDS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "output_throughput")
 # Shown per request class / turn / rate step.
 GROUP_METRICS = ("requests", "failed", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
                  "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")

@@ -111,6 +111,14 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
     """The report's answer: the point to run under the study's SLO, what it cannot be
     told apart from, what the runner-up trades; and each point against each SLO bound."""
     from . import decision
+    answer = report.capacity_answer(r)
+    if answer:  # a capacity study: answered by the load each config sustains within the SLO
+        print(answer)
+        from IPython.display import display
+        fidelity = report.fidelity_table(r)
+        if fidelity is not None:
+            display(fidelity)
+        return report.capacity_table(r)
     slo = r.slo
     print(decision.recommend(r.rounds, r.intervals, slo).text())
     if not slo:

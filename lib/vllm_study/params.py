@@ -149,10 +149,44 @@ class Load(_Strict):
         return self
 
 
+TRACE_FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
+
+
+class TraceSpec(_Strict):
+    """A replayed trace: which file, which window of it, how fast. `file` is a path or
+    the name of a window the kit ships (traces.SHIPPED: mooncake_conversation,
+    mooncake_synthetic, azure_conv, azure_code). The window is `requests` requests from
+    `start_s` on, or all requests within `duration_s` of `start_s`. `speed` scales time:
+    2 sends the window in half its real time (twice the rate)."""
+    file: str
+    format: Literal[TRACE_FORMATS] | None = Field(None, description="mooncake | azure | burstgpt | jsonl; "
+                                                  "may be left out for a shipped window")
+    start_s: float = Field(0.0, ge=0)
+    requests: int | None = Field(None, ge=1)
+    duration_s: float | None = Field(None, gt=0)
+    speed: float = Field(1.0, gt=0)
+    block_tokens: int | None = Field(None, ge=1, description="tokens per prefix block id (jsonl `prefix`); "
+                                     "Mooncake's are 512")
+
+    @model_validator(mode="after")
+    def _window(self):
+        if self.requests is not None and self.duration_s is not None:
+            raise ValueError("trace: give the window as `requests` or as `duration_s`, not both")
+        from .traces import SHIPPED
+        if self.format is None:
+            if self.file not in SHIPPED:
+                raise ValueError(f"trace.format is needed for {self.file!r} (not a shipped window: "
+                                 f"{', '.join(SHIPPED)}); one of {', '.join(TRACE_FORMATS)}")
+            self.format = SHIPPED[self.file].format
+        return self
+
+
 class Workload(_Strict):
     # eviction: mixed traffic named for the Prefix Reuse Budget: shared-prefix chats (class
     # shared) among long distinct prompts (class cold, long_fraction of them) that evict them
-    kind: Literal["shared_prefix", "multi_turn", "mixed", "eviction", "random"] = "shared_prefix"
+    # trace: a replayed request trace (`trace`): its lengths, prefix blocks and arrival times
+    kind: Literal["shared_prefix", "multi_turn", "mixed", "eviction", "random", "trace"] = "shared_prefix"
+    trace: TraceSpec | None = None
     api: Literal["chat", "completions"] = "chat"
     system_prompt_tokens: int = Field(1600, ge=0)   # shared_prefix, mixed, multi_turn
     prefixes: int = Field(1, ge=1)                  # distinct shared prompts, round-robin
@@ -180,6 +214,12 @@ class Workload(_Strict):
                                  f"multiple of turns ({self.turns}): each conversation sends every turn")
             if self.load.kind != "closed":
                 raise ValueError("multi_turn runs closed loop: `concurrency` conversations at a time")
+        if (self.kind == "trace") != (self.trace is not None):
+            raise ValueError("workload.kind trace needs workload.trace (file, window, speed), and "
+                             "workload.trace needs kind: trace")
+        if self.kind == "trace" and self.load.kind != "closed":
+            raise ValueError("a trace brings its own arrival times: leave workload.load out (its speed is "
+                             "trace.speed; load.max_concurrency is not used either)")
         if self.load.kind == "ladder" and self.requests_per_round < len(self.load.rates):
             raise ValueError("load ladder: requests_per_round must be at least one per rate")
         return self
@@ -325,6 +365,31 @@ class Precision(_Strict):
         return self
 
 
+class Capacity(_Strict):
+    """How much load each server start sustains within the SLO: a probe at `hi`, then a
+    bisection (geometric: loads scale multiplicatively) until the bracket is at most
+    `precision` wide (hi/lo - 1) or `max_steps` rounds have run; `lo` is measured only
+    if every step above it missed (capacity.py). Each step is
+    one measured round on a fresh prefix cache; the capacity is the highest load whose
+    round met every SLO bound with no failed request. `over`: speed (a trace's time
+    scale), rate (Poisson req/s; for a trace, its speed is set to give that rate) or
+    concurrency (closed loop, requests in flight)."""
+    slo: SLO = {}   # the bounds a step must meet; empty: the study's `slo`
+    over: Literal["speed", "rate", "concurrency"]
+    lo: float = Field(gt=0)
+    hi: float = Field(gt=0)
+    precision: float = Field(0.05, gt=0)
+    max_steps: int = Field(8, ge=2)
+
+    @model_validator(mode="after")
+    def _bracket(self):
+        if self.lo >= self.hi:
+            raise ValueError(f"capacity: lo ({self.lo:g}) must be below hi ({self.hi:g})")
+        if self.over == "concurrency" and not (float(self.lo).is_integer() and float(self.hi).is_integer()):
+            raise ValueError("capacity over concurrency: lo and hi are requests in flight, whole numbers")
+        return self
+
+
 class Study(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
@@ -340,6 +405,7 @@ class Study(_Strict):
     order_seed: int = 0                         # seeds the shuffle of each block's run order
     server: Server = Server()
     slo: SLO = {}   # e.g. {ttft_p99_ms: 500, itl_p99_ms: 50}: goodput, attainment, the recommendation
+    capacity: Capacity | None = None            # optional: search each start's capacity under the SLO
     baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
                                  "compared with, e.g. vLLM's defaults")
 
@@ -357,6 +423,8 @@ class Study(_Strict):
         if ratios != ["off"] and self.engine_args.enable_prefix_caching is False:
             raise ValueError("scheduler.min_reuse_ratio needs prefix caching (the rule reads the cached share "
                              "of each prompt): remove enable_prefix_caching: false")
+        if self.capacity:
+            self._check_capacity()
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise ValueError(f"target names repeat: {names}")
@@ -373,6 +441,29 @@ class Study(_Strict):
             if len(set(map(repr, values))) != len(values):
                 raise ValueError(f"grid axis {axis!r} repeats a value: {values}")
         return self
+
+
+    def _check_capacity(self) -> None:
+        c, w = self.capacity, self.workload
+        if not c.slo and not self.slo:
+            raise ValueError("capacity needs an SLO to search under: set capacity.slo (or the study's slo), "
+                             "e.g. {ttft_p90_ms: 2000, itl_p99_ms: 150}")
+        if not c.slo:
+            c.slo = dict(self.slo)
+        if c.over == "speed" and w.kind != "trace":
+            raise ValueError("capacity over speed scales a trace's time: it needs workload.kind trace "
+                             "(or search over rate with load.kind poisson, or over concurrency)")
+        if c.over == "rate" and w.kind != "trace" and w.load.kind != "poisson":
+            raise ValueError("capacity over rate sets a Poisson rate: it needs workload.load.kind poisson "
+                             "(or a trace workload)")
+        if c.over == "concurrency" and (w.kind in ("trace", "multi_turn") or w.load.kind != "closed"):
+            raise ValueError("capacity over concurrency needs a closed-loop workload (load.kind closed, "
+                             "not a trace or multi_turn)")
+
+    @property
+    def steps_per_start(self) -> int:
+        """Measured rounds a start runs at most: the rounds, or the capacity search's steps."""
+        return self.capacity.max_steps if self.capacity else self.rounds
 
 
 def _did_you_mean(key: str, options) -> str:

@@ -20,16 +20,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from . import client, counters, hardware, loads, models, stats
+from . import capacity, client, counters, hardware, loads, models, stats
 from .executors import SlotLock, compile_cache_env
 from .grid import PointPlan
 from .machine import NvmlProbe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
-                      compress_log, now_utc, read_log, START)
+                      capacity_figures, compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from .server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
                      serve_command, stop_group_from_file)
+from .traces import read_trace
 from .workload import make_workload
 
 
@@ -166,12 +167,34 @@ class PointRun:
         """The tokenizer and the workload; returns the expected hit rate at `block`."""
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
-        self.workload = make_workload(self.tokenizer, self.study.workload)
+        w = self.study.workload
+        if w.kind == "trace":
+            self.workload = self._trace_workload()
+        else:
+            self.workload = make_workload(self.tokenizer, w)
         return self._expected_hit_rate(block) if block else None
+
+    def _trace_workload(self):
+        """The trace's window, less the requests longer than the server allows (counted in
+        start.json), as prompts of exact length and prefix structure."""
+        from .trace_workload import TraceWorkload
+        w = self.study.workload
+        trace = read_trace(w.trace)
+        limit = (self.point.effective.max_model_len if self.point.effective else None) \
+            or models.max_positions(self.study.model)
+        kept, dropped = trace.fit(limit) if limit else (trace, 0)
+        wl = TraceWorkload(self.tokenizer, api=w.api, seed=w.seed, trace=kept)
+        self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
+                             "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
+                             "max_model_len": limit, "skipped": trace.skipped, "inexact": wl.inexact,
+                             "rate": kept.rate, "duration_s": kept.duration_s}
+        return wl
 
     def _expected_hit_rate(self, block: int) -> float | None:
         """What a cache that never evicts would hit (the report puts it beside the measured
-        rate), for the workloads that share a prefix."""
+        rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
+        if self.study.workload.kind == "trace":
+            return self.workload.expected_hit_rate()
         if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
             return None
         return self.workload.expected_hit_rate(self.study.workload.requests_per_round, block)
@@ -293,20 +316,29 @@ class PointRun:
             self.url, self.model_name, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s,
             api_key=self.api_key, proxy=self.proxy))]
 
-    def _prepare_round(self):
+    def _prepare_round(self, load_value: float | None = None):
         """The round's requests and the coroutine that sends them, built before the
-        round's clock starts (tokenizing prompts is not the server's time)."""
+        round's clock starts (tokenizing prompts is not the server's time). load_value:
+        a capacity step's load, in capacity.over's unit, in place of the study's."""
         w = self.study.workload
         n, load = w.requests_per_round, w.load
+        over = self.study.capacity.over if load_value is not None else None
         common = dict(timeout_s=w.request_timeout_s, api_key=self.api_key, proxy=self.proxy)
         if w.kind == "multi_turn":  # turns are built as answers arrive
             return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
                                             w.concurrency, w.think_time_s, **common)
+        if w.kind == "trace":
+            speed = {"speed": load_value, "rate": (load_value or 0) / (self.workload.trace.rate or 1)}.get(
+                over, w.trace.speed)
+            return client.run_open_loop(self.url, self.model_name, w.api, self.workload.requests(),
+                                        self.workload.schedule(speed), **common)
         requests = self.workload.requests(n)
         if load.kind == "closed":
-            return client.run_closed_loop(self.url, self.model_name, w.api, requests, w.concurrency, **common)
+            c = int(load_value) if over == "concurrency" else w.concurrency
+            return client.run_closed_loop(self.url, self.model_name, w.api, requests, c, **common)
         if load.kind == "poisson":
-            times = loads.arrivals(n, load.rate, load.burstiness, w.seed)
+            rate = load_value if over == "rate" else load.rate
+            times = loads.arrivals(n, rate, load.burstiness, w.seed)
         else:
             times, step = loads.ladder(n, load.rates, load.burstiness, w.seed)
             requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
@@ -324,13 +356,14 @@ class PointRun:
             self._save()
 
     @_step
-    def run_round(self, index: int) -> RoundRecord | None:
+    def run_round(self, index: int, load: float | None = None) -> RoundRecord | None:
+        """One measured round; `load`: a capacity step's load (judged against the SLO)."""
         launch = self.record.launch
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
         before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
         pb_before = self._pb_snapshot()
-        sending = self._prepare_round()
+        sending = self._prepare_round(load)
         sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
                                         api_key=self.api_key, proxy=self.proxy)
         with sampler:
@@ -339,6 +372,8 @@ class PointRun:
             duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
         values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
+        if self.study.workload.kind == "trace":
+            values |= self.workload.fidelity(results)
         died = self.server is not None and not self.server.alive()
         if not died:
             if before is not None:
@@ -349,7 +384,10 @@ class PointRun:
         ok = not died and values["completed"] > 0
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
-                          metrics=values, groups=stats.group_records(results))
+                          metrics=values, groups=stats.group_records(results), load=load)
+        if load is not None:
+            rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo,
+                                                      None if ok else "the server died" if died else "round failed")
         self.rounds.append(rec)
         append_round(self.dir, rec, results)
         if died:
@@ -361,6 +399,9 @@ class PointRun:
         return rec
 
     def run_rounds(self, progress=None) -> None:
+        if self.study.capacity:
+            self.search_capacity(progress)
+            return
         for i in range(self.study.rounds):
             if self.failed:
                 break
@@ -368,6 +409,39 @@ class PointRun:
             if progress:
                 progress(i)
         self._mark("measured", save=True)
+
+    def search_capacity(self, progress=None) -> None:
+        """capacity.Search over this start's server, one round a step; the record is saved
+        after every step, so a start that dies mid-search keeps what it measured."""
+        c = self.study.capacity
+        search = capacity.Search(c.over, c.lo, c.hi, c.precision, c.max_steps)
+
+        def measure(load: float) -> capacity.Step:
+            if self.failed:
+                return capacity.Step(load, False, f"start failed: {self.record.reason}")
+            i = len(self.rounds)
+            rec = self.run_round(i, load)
+            if progress:
+                progress(i)
+            if rec is None:
+                return capacity.Step(load, False, self.record.reason or "round failed")
+            return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round)
+        result = search.run(measure)
+        result.requests_per_s = self._requests_per_s(result)
+        self.record.capacity = result
+        self._mark("measured", save=True)
+
+    def _requests_per_s(self, result: capacity.CapacityRecord) -> float | None:
+        """The capacity in requests/s: the offered rate of an open-loop search, the measured
+        throughput at the capacity of a closed-loop one."""
+        if result.load is None:
+            return None
+        if result.over == "speed":
+            return result.load * self.workload.trace.rate
+        if result.over == "rate":
+            return result.load
+        at = next((r for r in self.rounds if r.round == result.at_round), None)
+        return at.metrics.get("request_throughput") if at else None
 
     def finish(self) -> PointSummary:
         """Stop the server, close this start's record, and summarize the point over
@@ -381,7 +455,11 @@ class PointRun:
         if self.server:
             compress_log(self.dir)
         if not self.failed:
-            if self.record.rounds_ok < self.study.rounds:
+            if self.study.capacity:
+                self.record.status = "ok" if self.record.capacity else "failed"
+                if not self.record.capacity:
+                    self.record.reason = "the capacity search did not run"
+            elif self.record.rounds_ok < self.study.rounds:
                 self._fail(f"only {self.record.rounds_ok} of {self.study.rounds} rounds completed a request")
             else:
                 self.record.status = "ok"
@@ -419,6 +497,10 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
     ok_rounds = [r for r in rounds if r.status == "ok"]
     planned = study.replicates * study.rounds
     failed_starts = [s for s in starts if s.status == "failed"]
+    if study.capacity:  # one search a start: its figures are the round at its capacity
+        searched = {s.start: s.capacity for s in starts if s.status == "ok" and s.capacity}
+        rounds = [r for r in rounds if r.start in searched and r.round == searched[r.start].at_round]
+        ok_rounds, planned = rounds, study.replicates
     if len(ok_rounds) >= planned and not failed_starts:
         status = "ok"
     elif ok_rounds:
@@ -434,6 +516,9 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
     startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
     if startups:  # a figure per start, not per round
         estimates["startup_s"] = stats.estimate([[v] for v in startups])
+    if study.capacity and searched:
+        for name in ("capacity_rps", "capacity_load"):
+            estimates[name] = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
     summary = PointSummary(
         point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=study.replicates,
         starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,

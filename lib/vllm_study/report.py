@@ -380,3 +380,120 @@ def _diff_cell(d: analysis.Difference) -> str:
         return "no spread measured"
     fmt = (lambda v: f"{v:+.1%}") if d.relative else (lambda v: f"{v:+.3g}")
     return f"{fmt(d.estimate)} [{fmt(d.low)}, {fmt(d.high)}] {d.verdict()}"
+
+
+# -- capacity studies -------------------------------------------------------------
+def is_capacity_study(r: Run) -> bool:
+    return bool(r.manifest.params.get("capacity"))
+
+
+def _trace_info(r: Run) -> dict | None:
+    """A replayed trace's record (source, window, real rate), from the first start that has one."""
+    for s in r.summaries:
+        for st in r.folder.point(s.point).starts():
+            if st.trace:
+                return st.trace
+    return None
+
+
+def capacity_answer(r: Run) -> str | None:
+    """The capacity study's answer in words: the best config's capacity with its interval
+    (and as a multiple of the trace's real rate), the baseline's (vLLM's defaults where
+    the study names them so), and the difference, called an effect only when resolved."""
+    from . import decision
+    if not is_capacity_study(r):
+        return None
+    cap = r.manifest.params["capacity"]
+    bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in cap["slo"].items())
+    rec = decision.recommend(r.rounds, r.intervals, {})
+    if rec.point is None:
+        return f"No capacity was measured: {rec.reason}."
+    m = metrics.get("capacity_rps")
+    trace = _trace_info(r)
+    times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
+    lines = [f"{rec.point} sustains {_cell(r.interval(rec.point, 'capacity_rps'), m)} req/s{times} within the "
+             f"SLO ({bounds})."]
+    censored = _censored(r, rec.point)
+    if censored:
+        lines.append(censored)
+    base = r.manifest.params.get("baseline")
+    if base and base != rec.point and r.interval(base, "capacity_rps"):
+        data = analysis.MetricData.from_rounds(r.rounds, "capacity_rps")
+        d = analysis.difference(data, rec.point, base)
+        change = f"{d.estimate:+.0%} [{d.low:+.0%}, {d.high:+.0%}]" if d.relative else \
+            f"{d.estimate:+.2f} [{d.low:+.2f}, {d.high:+.2f}] req/s"
+        lines.append(f"The baseline {base} sustains {_cell(r.interval(base, 'capacity_rps'), m)} req/s: "
+                     f"{change}, " + ("a resolved gain." if d.resolved and d.estimate > 0 else
+                                      "a resolved loss." if d.resolved else "not resolved by this study."))
+    elif base == rec.point:
+        lines.append(f"That is the baseline ({base}) itself.")
+    if rec.tied:
+        lines.append("Not told apart from it by this study: " + ", ".join(rec.tied) + ".")
+    at = [f"{metrics.get(k).label} {_cell(r.interval(rec.point, k), metrics.get(k))} ms"
+          for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
+    if at:
+        lines.append("At its capacity: " + "; ".join(at) + ".")
+    return "\n".join(lines)
+
+
+def _censored(r: Run, point: str) -> str | None:
+    starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
+    above = sum(1 for c in starts if c.censored == "above")
+    below = sum(1 for c in starts if c.censored == "below")
+    cap = r.manifest.params["capacity"]
+    if above:
+        return (f"{above} of {len(starts)} starts met the SLO at the search's highest load ({cap['hi']:g}): "
+                "the capacity is at least that; raise capacity.hi to find it.")
+    if below:
+        return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap['lo']:g}): "
+                "their capacity counts as 0; lower capacity.lo.")
+    return None
+
+
+def capacity_table(r: Run) -> pd.DataFrame | None:
+    """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
+    bracket and steps, and the latencies at capacity."""
+    if not is_capacity_study(r):
+        return None
+    over = r.manifest.params["capacity"]["over"]
+    rows = []
+    for s in r.summaries:
+        starts = [st for st in r.folder.point(s.point).starts() if st.capacity]
+        brackets = "; ".join(f"s{st.start}: [{st.capacity.bracket[0]:.3g}, "
+                             f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
+                             f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
+                             for st in starts)
+        row = {"point": s.point, "status": status_label(s),
+               "capacity (req/s)": _cell(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
+               f"capacity ({over})": _cell(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
+               f"{over} bracket per start": brackets}
+        for k in ("ttft_sched_p90_ms", "itl_p99_ms", "prefix_cache_hit_rate"):
+            row[f"{metrics.get(k).title} at capacity"] = _cell(r.interval(s.point, k), metrics.get(k))
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("point") if rows else None
+
+
+FIDELITY = ("prompt_tokens_vs_trace", "expected_prefix_hit_rate", "prefix_cache_hit_rate", "send_lateness_p50_ms",
+            "send_lateness_p99_ms", "offered_rate")
+
+
+def fidelity_table(r: Run) -> pd.DataFrame | None:
+    """Does the replay reproduce the trace? Over every measured round of each point (each
+    capacity step included): prompt tokens against the trace's, the hit rate a never-evicting
+    cache would reach on the window against vLLM's, and how late the client sent."""
+    trace = _trace_info(r)
+    if trace is None:
+        return None
+    df = r.rounds[(r.rounds["group"] == "all") & (r.rounds["round_status"] == "ok")]
+    rows = []
+    for point, g in df.groupby("point", sort=False):
+        row = {"point": point, "rounds": len(g)}
+        for k in FIDELITY:
+            if k in g.columns and g[k].notna().any():
+                m = metrics.get(k)
+                row[m.title] = f"{m.format(g[k].median())} ({m.format(g[k].min())} to {m.format(g[k].max())})"
+        rows.append(row)
+    note = (f"trace {trace['source']}: {trace['requests']} requests kept, {trace['dropped_over_max_model_len']} "
+            f"longer than max_model_len={trace['max_model_len']} left out; real rate {trace['rate']:.2f} req/s")
+    print(note)
+    return pd.DataFrame(rows).set_index("point") if rows else None

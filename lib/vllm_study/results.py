@@ -29,6 +29,7 @@ import pandas as pd
 from pydantic import BaseModel, field_validator
 
 from . import metrics
+from .capacity import CapacityRecord
 from .grid import Effective, PointPlan, Unit
 from .machine import GpuInfo, Machine, Versions, describe, versions
 
@@ -93,6 +94,10 @@ class RoundRecord(BaseModel):
     errors: dict[str, int] = {}    # error kind -> requests
     metrics: dict[str, float | None]
     groups: list[GroupRecord] = []
+    # a capacity search's step: the load it ran at (capacity.over's unit) and its verdict
+    load: float | None = None
+    slo_met: bool | None = None
+    slo_why: str | None = None
 
     _check = field_validator("metrics")(_known_metrics)
 
@@ -145,6 +150,8 @@ class StartRecord(_Record):
     rounds_planned: int
     rounds_ok: int = 0
     expected_prefix_hit_rate: float | None = None
+    capacity: CapacityRecord | None = None      # the capacity search, where the study asks for one
+    trace: dict[str, Any] | None = None         # a replayed trace: source, window, requests kept and dropped
     warnings: list[str] = []
     # Unix times of this start's steps (TIMELINE): what the kit spends between them is
     # its own overhead (benchmarks/point_overhead.py); spawn..stopped is the server's life.
@@ -324,9 +331,19 @@ class RunFolder:
         rows = []
         for s in self.summaries():
             base = {"point": s.point, **s.values, "point_status": s.status}
-            for r in self.point(s.point).rounds():
+            folder = self.point(s.point)
+            # a start that failed mid-search has no capacity: it is a failed start
+            searches = {st.start: st.capacity for st in folder.starts() if st.capacity and st.status == "ok"}
+            capacity_study = any(st.capacity for st in folder.starts())
+            for r in folder.rounds():
                 head = {**base, "start": r.start, "block": r.block, "round": r.round, "round_status": r.status}
-                rows.append({**head, "group": "all", "group_value": "", **r.metrics})
+                extra = {}
+                if capacity_study:  # a capacity study: each step's load, and the capacity on the round measured at it
+                    cap = searches.get(r.start)
+                    at = cap is not None and cap.at_round == r.round
+                    head |= {"load": r.load, "slo_met": r.slo_met, "at_capacity": at}
+                    extra = capacity_figures(cap) if at else {}
+                rows.append({**head, "group": "all", "group_value": "", **r.metrics, **extra})
                 rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
         return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_COLUMNS)
 
@@ -334,6 +351,12 @@ class RunFolder:
         df = self.rounds_table()
         write_atomic(self.summary_csv, df.to_csv(index=False))
         return df
+
+
+def capacity_figures(cap: CapacityRecord) -> dict[str, float | None]:
+    """A start's capacity as metrics: 0 where even the search's lowest load missed."""
+    return {"capacity_rps": cap.requests_per_s if cap.load is not None else 0.0,
+            "capacity_load": cap.load if cap.load is not None else 0.0}
 
 
 class PointFolder:

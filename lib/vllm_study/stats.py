@@ -69,6 +69,19 @@ def round_metrics(results: list[dict], duration_s: float | None, slo=None) -> di
     out |= _dist("itl", [g for r in ok for g in r["itl_s"]])
     out |= _dist("tpot", [t for t in map(tpot_s, ok) if t is not None])
     out |= _dist("e2e", [r["e2e_s"] for r in ok])
+    due = [r for r in results if r.get("due_time") is not None]
+    if due:  # open loop: from the schedule, and how late the sends were
+        late = [r["send_time"] - r["due_time"] for r in ok if r.get("due_time") is not None]
+        sched = [r for r in ok if r.get("due_time") is not None]
+        out |= {k: v for k, v in _dist("ttft_sched", [r["ttft_s"] + r["send_time"] - r["due_time"]
+                                                      for r in sched]).items() if "_std_" not in k}
+        out |= {k: v for k, v in _dist("e2e_sched", [r["e2e_s"] + r["send_time"] - r["due_time"]
+                                                     for r in sched]).items() if "_std_" not in k}
+        lat = _dist("send_lateness", late)
+        out |= {f"send_lateness_{s}_ms": lat[f"send_lateness_{s}_ms"] for s in ("p50", "p99")}
+        out["send_lateness_max_ms"] = max(late) * 1000 if late else None
+        span = max(r["due_time"] for r in due) - min(r["due_time"] for r in due)
+        out["offered_rate"] = (len(due) - 1) / span if span > 0 else None
     out_tokens = sum(r["output_tokens"] or 0 for r in ok)
     in_tokens = sum(r["prompt_tokens"] or 0 for r in ok)
     out["output_tokens"], out["prompt_tokens"] = out_tokens, in_tokens

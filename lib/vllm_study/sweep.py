@@ -242,7 +242,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     todo = [u for u in order if not unit_finished(run, u, retry_failed)]
     if resume and todo:
         run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
-    print(f"run: {run.path}\n{len(points)} points x {study.replicates} server start(s) x {study.rounds} rounds, "
+    print(f"run: {run.path}\n{len(points)} points x {study.replicates} server start(s) x {rounds_label(study)}, "
           f"engine {engine}; {len(order) - len(todo)} of {len(order)} starts already finished")
     for p in points:
         for w in p.warnings:
@@ -333,7 +333,7 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
     from .executors import Dispatcher
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
-    with tqdm(total=len(todo) * study.rounds, unit="round", dynamic_ncols=True, miniters=1) as bar:
+    with tqdm(total=len(todo) * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
         lock = threading.Lock()
 
         def work(u: Unit, slot, release):
@@ -345,7 +345,9 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                 # the watcher counted the rounds that landed here; a Ray task's arrive at once;
                 # a failed start's missing rounds count as done
                 on_disk = len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS))
-                bar.update(study.rounds if runner.kind == "ray" else max(0, study.rounds - on_disk))
+                # (a capacity search that stopped short of max_steps: its unused steps count as done)
+                per = study.steps_per_start
+                bar.update(per if runner.kind == "ray" else max(0, per - on_disk))
                 if rec is not None and rec.status == "failed":
                     tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
                 elif s.status == "failed":
@@ -425,6 +427,13 @@ def render_report(run: RunFolder, slo: str = "") -> Path:
     return out
 
 
+def rounds_label(study: Study) -> str:
+    c = study.capacity
+    if c:
+        return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (up to {c.max_steps} rounds)"
+    return f"{study.rounds} rounds"
+
+
 def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
@@ -432,7 +441,7 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     from .timing import estimate_minutes
     gpus = describe().gpus
     minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
-    print(f"study {study.name}: {len(points)} points x {study.replicates} start(s) x {study.rounds} rounds, "
+    print(f"study {study.name}: {len(points)} points x {study.replicates} start(s) x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/timing.py)")
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")

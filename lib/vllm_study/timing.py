@@ -40,7 +40,11 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
     w = study.workload
     out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
     uncached = w.question_tokens if isinstance(w.question_tokens, int) else 64
-    if w.kind in ("mixed", "eviction"):
+    if w.kind == "trace":  # every prompt uncached: a bound for a rough model
+        trace = _trace(study)
+        uncached = sum(r.input_tokens for r in trace.requests) / max(len(trace.requests), 1)
+        out = sum(r.output_tokens for r in trace.requests) / max(len(trace.requests), 1)
+    elif w.kind in ("mixed", "eviction"):
         long = w.long_prompt_tokens if isinstance(w.long_prompt_tokens, int) else w.long_prompt_tokens.longest()
         uncached += w.long_fraction * long
     elif w.kind == "random":
@@ -48,9 +52,26 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
     return 2 * params * uncached / flops + out * _step_s(2 * params, peaks[1] if peaks else None)
 
 
+def _trace(study: Study):
+    from .traces import read_trace
+    return read_trace(study.workload.trace)
+
+
 def round_s(study: Study, latency_s: float) -> float:
+    """One round at the study's load; a capacity search's steps at the geometric middle
+    of its bracket."""
     w, load = study.workload, study.workload.load
     n = w.requests_per_round
+    c = study.capacity
+    mid = (c.lo * c.hi) ** 0.5 if c else None
+    if w.kind == "trace":
+        trace = _trace(study)
+        speed = {"speed": mid, "rate": mid / (trace.rate or 1) if mid else None}.get(c.over if c else "", w.trace.speed)
+        return trace.duration_s / speed + latency_s
+    if c and c.over == "rate":
+        return n / mid + latency_s
+    if c and c.over == "concurrency":
+        return math.ceil(n / mid) * latency_s
     if load.kind == "poisson":
         return n / load.rate + latency_s
     if load.kind == "ladder":
@@ -71,7 +92,7 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
         start = CPU_START_S
     if study.targets:
         start = 0.0
-    measure = KIT_S_PER_START + study.rounds * round_s(study, latency) + \
+    measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
     starts = n_points * study.replicates
     ahead = study.server.start_ahead and not study.targets

@@ -1,0 +1,106 @@
+"""Trace replay and the capacity search against a real vLLM (the CPU build): the shipped
+Azure window replayed at a searched speed, and a trace with prefix blocks whose hit
+rate vLLM must reproduce."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+from e2e_support import UNI, kv_bytes, measure, plan_of, sweep, tiny, write
+from procs import group_gone
+
+from vllm_study import capacity
+from vllm_study.results import RunFolder
+
+SLO = {"ttft_p90_ms": 1500, "itl_p99_ms": 1000}
+
+TRACE_STUDY = tiny(
+    name="e2e-trace-capacity",
+    engine_args={"max_model_len": 2048, "enable_prefix_caching": True, "enforce_eager": True,
+                 "kv_cache_memory_bytes": kv_bytes(32768)},
+    grid={"max_num_batched_tokens": [512]},
+    # Azure's code trace: 2k-token prompts and short answers, what a 2-layer model on two
+    # cores can be pushed past its SLO with in a few seconds a step
+    workload={"kind": "trace", "trace": {"file": "azure_code", "requests": 12}, "warmup_requests": 2},
+    slo=SLO,
+    capacity={"over": "speed", "lo": 0.5, "hi": 16, "precision": 0.25, "max_steps": 5},
+    replicates=1, server={"extra_cli_args": UNI})
+
+
+@pytest.mark.e2e
+def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
+    results = tmp_path / "results"
+    r = sweep(write(tmp_path, TRACE_STUDY), "--results", results)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "a capacity search over speed 0.5..16" in r.stdout
+    (path,) = results.iterdir()
+    run = RunFolder(path)
+    (summary,) = run.summaries()
+    assert summary.status == "ok", summary.reasons
+    (start,) = run.point(summary.point).starts()
+    cap, trace = start.capacity, start.trace
+    rounds = run.point(summary.point).rounds()
+
+    # the window: 12 requests of the shipped trace, those over max_model_len left out and counted
+    assert trace["format"] == "azure" and trace["requests"] + trace["dropped_over_max_model_len"] == 12
+    assert trace["requests"] >= 6 and trace["rate"] > 0
+
+    # every step is a round on disk with its load and verdict, and the verdict follows the SLO
+    assert [s["load"] for s in cap.steps] == [r.load for r in rounds]
+    assert 2 <= len(rounds) <= 5
+    for rec in rounds:
+        met, _ = capacity.judge(rec.metrics, SLO)
+        assert rec.slo_met == met, (rec.load, rec.slo_why)
+        m = rec.metrics
+        # exact prompts: what vLLM counted is what the trace says, request by request
+        assert m["prompt_tokens_vs_trace"] == 0.0
+        assert m["prompt_tokens"] == m["trace_prompt_tokens"]
+        # latency from the schedule includes the send lateness, which the client kept small
+        assert m["ttft_sched_p90_ms"] >= m["ttft_p50_ms"] and m["send_lateness_p99_ms"] < 200
+        # the offered rate is the trace's real rate times the step's speed
+        assert m["offered_rate"] == pytest.approx(trace["rate"] * rec.load, rel=1e-6)
+    # the capacity is the highest load that met, below the lowest that missed
+    met = [r.load for r in rounds if r.slo_met]
+    missed = [r.load for r in rounds if not r.slo_met]
+    assert cap.load == (max(met) if met else None)
+    if met and missed:
+        assert cap.bracket == (max(met), min(missed)) and max(met) < min(missed)
+        assert cap.requests_per_s == pytest.approx(cap.load * trace["rate"])
+        assert summary.estimates["capacity_rps"].median == pytest.approx(cap.requests_per_s)
+    # the report answers with the capacity
+    nb = json.loads((path / "report.ipynb").read_text())
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert f"{summary.point} sustains" in text and "within the SLO" in text
+    df = pd.read_csv(run.summary_csv)
+    assert df["at_capacity"].sum() == 1 + df[df["at_capacity"] & (df["group"] != "all")].shape[0]
+    assert group_gone(start.launch.server_pgid)
+
+
+@pytest.mark.e2e
+def test_a_trace_with_prefix_blocks_gets_the_hit_rate_it_allows(tmp_path):
+    """Requests that share their first k block ids share exactly k blocks of tokens as vLLM
+    sees them: sent one after another (nothing evicted, each answered before the next),
+    vLLM's measured hit rate is the one the block ids allow, to the token."""
+    block = 128  # vLLM's CPU block size: the trace's blocks are whole vLLM blocks
+    rows = [  # each request ends in a block of its own, so none is a full copy of an earlier one
+        {"t_s": 0.0, "input_tokens": 3 * block + 40, "output_tokens": 4, "prefix": [0, 1, 2, 3]},
+        {"t_s": 1.5, "input_tokens": 2 * block + 10, "output_tokens": 4, "prefix": [0, 1, 7]},
+        {"t_s": 3.0, "input_tokens": 4 * block + 90, "output_tokens": 4, "prefix": [0, 1, 2, 8, 9]},
+        {"t_s": 4.5, "input_tokens": 1 * block + 50, "output_tokens": 4, "prefix": [10, 11]},
+        {"t_s": 6.0, "input_tokens": 2 * block + 60, "output_tokens": 4, "prefix": [10, 12, 13]},
+    ]
+    f = tmp_path / "trace.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    study = tiny(workload={"kind": "trace", "warmup_requests": 1,
+                           "trace": {"file": str(f), "format": "jsonl", "block_tokens": block}},
+                 engine_args={**tiny()["engine_args"], "block_size": block}, rounds=1)
+    run, summary = measure(plan_of(study), tmp_path / "s1")
+    assert summary.status == "ok", summary.reasons
+    (rec,) = run.rounds
+    # hits: request 2 reuses ids 0-1, request 3 ids 0-2, request 5 id 10
+    expected = (2 * block + 3 * block + 1 * block) / sum(r["input_tokens"] for r in rows)
+    assert rec.metrics["expected_prefix_hit_rate"] == pytest.approx(expected)
+    assert rec.metrics["prefix_cache_hit_rate"] == pytest.approx(expected)
+    assert rec.metrics["prompt_tokens_vs_trace"] == 0.0
+    assert group_gone(run.record.launch.server_pgid)

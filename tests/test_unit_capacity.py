@@ -1,0 +1,122 @@
+"""The capacity search on SLO functions with a known capacity, the SLO verdict of a
+round, and the study checks of `capacity:`."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_study import capacity
+from vllm_study.params import StudyError, study_from_dict
+
+
+def _measure(true_capacity: float, log: list[float]):
+    """A server whose SLO holds exactly up to true_capacity."""
+    def measure(load: float) -> capacity.Step:
+        log.append(load)
+        met = load <= true_capacity
+        return capacity.Step(load, met, "" if met else f"ttft_p90_ms over at {load:g}", round=len(log) - 1)
+    return measure
+
+
+@pytest.mark.parametrize("true_capacity", [1.03, 1.7, 2.5, 3.99, 7.2])
+def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity):
+    log: list[float] = []
+    rec = capacity.Search("speed", 1.0, 8.0, precision=0.05, max_steps=12).run(_measure(true_capacity, log))
+    lo, hi = rec.bracket
+    assert lo <= true_capacity < hi
+    assert hi / lo - 1 <= 0.05
+    assert rec.load == lo and rec.censored is None
+    # the round measured at the capacity is the step that ran at it
+    assert log[rec.at_round] == rec.load
+    # a probe at hi, bisections (log2(log(8)/log(1.05)) rounded up), and lo where none met
+    assert len(log) <= capacity.planned_steps(1.0, 8.0, 0.05, 12) == 2 + math.ceil(math.log2(math.log(8) / math.log(1.05)))
+
+
+def test_max_steps_stops_the_search_with_the_bracket_it_reached():
+    log: list[float] = []
+    rec = capacity.Search("rate", 1.0, 64.0, precision=0.01, max_steps=4).run(_measure(5.0, log))
+    assert len(log) == 4
+    lo, hi = rec.bracket
+    assert lo <= 5.0 < hi and hi / lo > 1.01  # not converged: the bracket says how far it got
+    assert rec.load == lo
+
+
+def test_capacity_below_lo_and_above_hi_are_censored_not_guessed():
+    log: list[float] = []
+    below = capacity.Search("speed", 2.0, 8.0, 0.05, 5).run(_measure(1.0, log))
+    assert below.load is None and below.censored == "below" and below.bracket == (0.0, 2.0)
+    assert log[0] == 8.0 and log[-1] == 2.0 and len(log) == 5  # lo is kept for the last step
+    assert log[below.at_round] == 2.0  # its latencies are the report's "at capacity"
+    log.clear()
+    above = capacity.Search("speed", 2.0, 8.0, 0.05, 8).run(_measure(100.0, log))
+    assert above.load == 8.0 and above.censored == "above" and above.bracket == (8.0, None)
+    assert log == [8.0]  # the slow low loads are never run
+
+
+def test_lo_is_measured_only_when_nothing_above_it_met():
+    log: list[float] = []
+    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
+    assert 1.0 in log and rec.load is not None and rec.bracket[0] <= 1.2 < rec.bracket[1]
+    log.clear()
+    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(5.0, log))
+    assert 1.0 not in log and rec.bracket[0] <= 5.0 < rec.bracket[1]
+
+
+def test_concurrency_is_searched_in_whole_numbers_until_neighbours():
+    log: list[float] = []
+    rec = capacity.Search("concurrency", 1, 64, precision=0.05, max_steps=20).run(_measure(13, log))
+    assert all(float(x).is_integer() for x in log)
+    assert rec.bracket == (13, 14) and rec.load == 13
+
+
+def test_a_failed_step_is_a_miss_and_the_search_goes_on_below_it():
+    """Errors at high load (timeouts) must never read as a pass."""
+    def measure(load):
+        if load > 4:
+            return capacity.Step(load, False, "12 of 40 requests failed")
+        return capacity.Step(load, True, "")
+    rec = capacity.Search("rate", 1.0, 16.0, 0.1, 10).run(measure)
+    assert rec.load <= 4 < rec.bracket[1]
+    assert any("failed" in s["why"] for s in rec.steps)
+
+
+def test_judge_uses_latency_from_the_schedule_where_the_round_had_one():
+    values = {"requests": 10, "completed": 10, "failed": 0, "ttft_p90_ms": 900.0, "ttft_sched_p90_ms": 2500.0,
+              "itl_p99_ms": 100.0}
+    met, why = capacity.judge(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150})
+    assert not met and "ttft_sched_p90_ms 2500 > 2000" in why
+    closed = {k: v for k, v in values.items() if "sched" not in k}
+    assert capacity.judge(closed, {"ttft_p90_ms": 2000, "itl_p99_ms": 150}) == (True, "")
+    assert capacity.judge({**closed, "failed": 2}, {"ttft_p90_ms": 2000})[0] is False
+    assert capacity.judge(closed, {"ttft_p90_ms": 2000}, "the server died") == (False, "the server died")
+    met, why = capacity.judge(closed, {"tpot_p50_ms": 20})
+    assert not met and "not measured" in why
+
+
+def _study(**over):
+    base = {"name": "c", "grid": {"max_num_batched_tokens": [512]}, "slo": {"ttft_p90_ms": 2000},
+            "workload": {"load": {"kind": "poisson", "rate": 2}},
+            "capacity": {"over": "rate", "lo": 1, "hi": 8}}
+    for k, v in over.items():
+        base[k] = v
+    return base
+
+
+def test_capacity_takes_the_study_slo_when_it_names_none():
+    s = study_from_dict(_study())
+    assert s.capacity.slo == {"ttft_p90_ms": 2000}
+    assert s.steps_per_start == 8
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"slo": {}}, "capacity needs an SLO"),
+    ({"capacity": {"over": "rate", "lo": 8, "hi": 2}}, "lo (8) must be below hi (2)"),
+    ({"capacity": {"over": "speed", "lo": 1, "hi": 2}}, "needs workload.kind trace"),
+    ({"capacity": {"over": "concurrency", "lo": 1, "hi": 2}}, "closed-loop"),
+    ({"workload": {}, "capacity": {"over": "concurrency", "lo": 1.5, "hi": 8}}, "whole numbers"),
+    ({"capacity": {"over": "rate", "lo": 1, "hi": 8, "slo": {"ttft_p91_ms": 5}}}, "ttft_p91_ms"),
+])
+def test_bad_capacity_settings_are_refused_with_the_fix(change, message):
+    with pytest.raises(StudyError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        study_from_dict(_study(**change))
