@@ -186,7 +186,7 @@ class PointRun:
         wl = TraceWorkload(self.tokenizer, api=w.api, seed=w.seed, trace=kept)
         self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
                              "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
-                             "max_model_len": limit, "skipped": trace.skipped, "inexact": wl.inexact,
+                             "max_model_len": limit, "skipped": kept.skipped, "inexact": wl.inexact,
                              "rate": kept.rate, "duration_s": kept.duration_s}
         return wl
 
