@@ -406,6 +406,8 @@ class Study(_Strict):
     server: Server = Server()
     slo: SLO = {}   # e.g. {ttft_p99_ms: 500, itl_p99_ms: 50}: goodput, attainment, the recommendation
     capacity: Capacity | None = None            # optional: search each start's capacity under the SLO
+    gpu_hour_price: float | None = Field(None, gt=0, description="what one GPU-hour costs (any currency): "
+                                         "the report gives each config's cost per million output tokens at capacity")
     baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
                                  "compared with, e.g. vLLM's defaults")
 

@@ -86,8 +86,9 @@ def describe(r: Run) -> str:
         + (f"; dtype {m.cpu_dtype['dtype']}: {m.cpu_dtype['reason']}" if m.cpu_dtype else ""),
         f"GPU: {gpus or m.machine.no_gpu_reason}",
         f"grid: {json.dumps(p['grid'])}" if p.get("grid") else f"targets: {[t['name'] for t in p['targets']]}",
-        f"{p['replicates']} server start(s) per point x {p['rounds']} rounds; workload {w['kind']} via {w['api']}, "
-        f"load {w['load']['kind']}, {w['requests_per_round']} requests/round",
+        f"{p['replicates']} server start(s) per point x {_per_start(p)}; workload {w['kind']} via {w['api']}, "
+        + (_trace_line(w["trace"]) if w.get("trace") else
+           f"load {w['load']['kind']}, {w['requests_per_round']} requests/round"),
         "fixed engine args: " + json.dumps({k: v for k, v in p["engine_args"].items() if v is not None},
                                            sort_keys=True),
     ]
@@ -99,6 +100,20 @@ def describe(r: Run) -> str:
                      "(manifest.json: overlaps); whether a neighbour moved a number: `python -m vllm_study "
                      "compare <this study under --executor local> <this run>`")
     return "\n".join(lines)
+
+
+def _per_start(p: dict) -> str:
+    c = p.get("capacity")
+    if not c:
+        return f"{p['rounds']} rounds"
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in c["slo"].items())
+    return f"a capacity search over {c['over']} {c['lo']:g}..{c['hi']:g} (at most {c['max_steps']} rounds) under {bounds}"
+
+
+def _trace_line(t: dict) -> str:
+    window = f"{t['requests']} requests" if t.get("requests") else \
+        f"{t['duration_s']:g} s" if t.get("duration_s") else "the whole file"
+    return f"trace {t['file']} ({t['format']}), {window} from {t.get('start_s', 0):g} s, speed {t.get('speed', 1):g}"
 
 
 def _cell(iv: dict | None, m: metrics.Metric) -> str:
@@ -433,7 +448,25 @@ def capacity_answer(r: Run) -> str | None:
           for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
     if at:
         lines.append("At its capacity: " + "; ".join(at) + ".")
+    cost = cost_per_million(r, rec.point)
+    if cost:
+        lines.append(f"Cost at capacity: {cost} per million output tokens "
+                     f"(at {r.manifest.params['gpu_hour_price']:g} a GPU-hour).")
     return "\n".join(lines)
+
+
+def cost_per_million(r: Run, point: str) -> str | None:
+    """price x GPUs / output tokens per hour at capacity, x 1e6, with the interval that
+    the output throughput's interval maps to (a higher throughput is a lower cost)."""
+    price = r.manifest.params.get("gpu_hour_price")
+    iv = r.interval(point, "output_throughput")
+    if not price or not iv or not iv["value"]:
+        return None
+    gpus = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
+    per = lambda tok_s: price * gpus / (tok_s * 3600) * 1e6  # noqa: E731
+    if np.isfinite(iv["ci_low"]) and iv["ci_low"] > 0:
+        return f"{per(iv['value']):.3g} [{per(iv['ci_high']):.3g}, {per(iv['ci_low']):.3g}]"
+    return f"{per(iv['value']):.3g}"
 
 
 def _censored(r: Run, point: str) -> str | None:
@@ -467,8 +500,10 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
                "capacity (req/s)": _cell(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
                f"capacity ({over})": _cell(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}
-        for k in ("ttft_sched_p90_ms", "itl_p99_ms", "prefix_cache_hit_rate"):
+        for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
             row[f"{metrics.get(k).title} at capacity"] = _cell(r.interval(s.point, k), metrics.get(k))
+        if r.manifest.params.get("gpu_hour_price"):
+            row["cost per 1M output tokens"] = cost_per_million(r, s.point) or ""
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else None
 
