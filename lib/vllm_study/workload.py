@@ -238,6 +238,10 @@ def make_workload(tokenizer, w):
                              classes=classes, **shared)
     if w.kind == "multi_turn":
         return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
+    if w.kind == "trace":  # the whole window; the point leaves out what its server cannot take (Trace.fit)
+        from .trace_workload import TraceWorkload
+        from .traces import read_trace
+        return TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=read_trace(w.trace))
     return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)
 
 
@@ -245,15 +249,18 @@ def check_template(tokenizer, w) -> tuple[list[str], list[str]]:
     """Can this tokenizer's chat template render what workload `w` sends? Returns
     (problems that stop the study, warnings), each with its fix."""
     problems, warnings = [], []
+    no_template = ["the tokenizer has no chat template, so vLLM cannot serve chat requests for it; use "
+                   "workload.api: completions, or a model folder whose tokenizer_config.json has one"]
+    if w.kind == "trace" and w.api == "chat" and not getattr(tokenizer, "chat_template", None):
+        return no_template, []  # (a trace workload renders its frame as it is made)
     try:
         wl = make_workload(tokenizer, w)
     except TemplateError as e:
         return [str(e)], []
-    if w.api != "chat":
+    if w.api != "chat" or w.kind == "trace":  # a trace's frame was checked as its workload was made
         return problems, warnings
     if not getattr(tokenizer, "chat_template", None):
-        return ["the tokenizer has no chat template, so vLLM cannot serve chat requests for it; use "
-                "workload.api: completions, or a model folder whose tokenizer_config.json has one"], []
+        return no_template, []
     system = _text(wl._pieces, 64, random.Random(0))
     try:
         wl._render(system if w.system_prompt_tokens else None, " alpha beta")
