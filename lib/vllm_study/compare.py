@@ -20,7 +20,7 @@ import pandas as pd
 from . import analysis, metrics, report
 from .analysis import Difference
 
-METRICS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
+METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
 
 
 def difference(a: analysis.MetricData, b: analysis.MetricData, point: str) -> Difference:

@@ -99,14 +99,17 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     lines = [f"# {m.study}: {point}", "", f"    vllm serve {model} --config {cfg_name}", "",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
-             f"- workload: {m.params['workload']['kind']}, load {_load(m.params['workload']['load'])}",
+             f"- workload: {m.params['workload']['kind']}, " + (report._trace_line(m.params["workload"]["trace"])
+                                                                if m.params["workload"].get("trace") else
+                                                                f"load {_load(m.params['workload']['load'])}"),
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     s = next(x for x in r.summaries if x.point == point)
     method = r.intervals[r.intervals["point"] == point]["method"]
     lines[-1:-1] = [f"- status: {report.status_label(s)}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
                     f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
     if point == rec.point:
-        lines += ["Why this point:", "", rec.text(), ""]
+        # a capacity study is justified by the load each config sustains within the SLO
+        lines += ["Why this point:", "", report.capacity_answer(r) or rec.text(), ""]
     else:
         lines += [f"Chosen by hand; the report recommends {rec.point}.", ""]
     lines += ["| metric | value [95% interval] |", "|---|---|"]
