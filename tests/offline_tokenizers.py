@@ -98,3 +98,25 @@ def model_folder(tok: PreTrainedTokenizerFast, dest: Path, card: str = "tiny-qwe
         {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id}))
     tok.save_pretrained(dest)
     return dest
+
+
+class WithBos:
+    """The Qwen tokenizer as one that adds a BOS token (as Llama's does) when asked to
+    add special tokens (vLLM's /v1/completions asks; a rendered chat prompt does not)."""
+    BOS = 151643
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+    def __call__(self, *a, **kw):
+        return self._tok(*a, **kw)
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self._tok.encode(text, add_special_tokens=False)
+        return [self.BOS] + ids if add_special_tokens else ids

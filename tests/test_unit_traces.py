@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import pytest
+from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
 from vllm_study import traces, workload
@@ -372,40 +373,19 @@ def test_blocks_depend_on_seed_and_id_only(tok, mooncake_rows):
     assert a[0].messages != c[0].messages and a[0].prompt_tokens == c[0].prompt_tokens
 
 
-class _WithBos:
-    """The Qwen tokenizer as one that adds a BOS token (as Llama's does) for completions."""
-    BOS = 151643
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def __len__(self):
-        return len(self._tok)
-
-    def __call__(self, *a, **kw):
-        return self._tok(*a, **kw)
-
-    def encode(self, text, add_special_tokens=True):
-        ids = self._tok.encode(text, add_special_tokens=False)
-        return [self.BOS] + ids if add_special_tokens else ids
-
-
 def test_small_blocks_and_a_bos_token(tok):
     """Blocks smaller than the chat lead-in (14 tokens), and a completions BOS: the
     rendered block boundaries are still the trace's."""
     B = 8
     t = _trace([(0, 40, 2, [0, 1, 2, 3, 4]), (1, 30, 2, [0, 1, 2, 9]), (2, 45, 2, [0, 1, 7, 8, 10, 11])], block=B)
     for w in (TraceWorkload(tok, api="chat", seed=0, trace=t),
-              TraceWorkload(_WithBos(tok), api="completions", seed=0, trace=t)):
+              TraceWorkload(WithBos(tok), api="completions", seed=0, trace=t)):
         ids = [w._ids(r.messages, r.prompt) for r in w.requests()]
         assert [len(i) for i in ids] == [40, 30, 45]
         # request 1's 4th block holds 1 content token in chat (then the tail): compare that one
         assert ids[0][:3 * B] == ids[1][:3 * B] and ids[0][3 * B:25] != ids[1][3 * B:25]
         assert ids[0][:2 * B] == ids[2][:2 * B] and ids[0][2 * B:3 * B] != ids[2][2 * B:3 * B]
-    assert w._lead == [_WithBos.BOS]
+    assert w._lead == [WithBos.BOS]
 
 
 @pytest.mark.parametrize("family", ["llama3_style", "mistral_style"])

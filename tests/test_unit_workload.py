@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
 from vllm_study import models
@@ -144,29 +145,10 @@ def test_workload_fits_the_params_template_allowance(tok):
     assert _template_overhead(tok) <= 32
 
 
-class _WithBos:
-    """The Qwen tokenizer as one that adds a BOS token (as Llama's does) when asked to
-    add special tokens."""
-    BOS = 151643
-
-    def __init__(self, tok):
-        self._tok = tok
-
-    def __getattr__(self, name):
-        return getattr(self._tok, name)
-
-    def __len__(self):
-        return len(self._tok)
-
-    def encode(self, text, add_special_tokens=True):
-        ids = self._tok.encode(text, add_special_tokens=False)
-        return [self.BOS] + ids if add_special_tokens else ids
-
-
 def test_completions_count_the_bos_token_and_chat_does_not(tok):
     """vLLM's /v1/completions tokenizes the prompt with special tokens (a BOS where the
     tokenizer has one); a chat prompt is rendered by the template and not given another."""
-    bos = _WithBos(tok)
+    bos = WithBos(tok)
     comp = _workload(bos, "completions").request(0)
     assert comp.prompt_tokens == SYS + QUESTION + 1
     chat = _workload(bos, "chat").request(0)
@@ -186,7 +168,7 @@ def test_shared_prefix_tokens_is_the_common_prefix_of_rendered_prompts(tok):
     common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
     assert chat.shared_prefix_tokens(chat.system_prompt) <= common
     # a BOS is shared too
-    bos = _workload(_WithBos(tok), "completions")
+    bos = _workload(WithBos(tok), "completions")
     assert bos.shared_prefix_tokens(bos.system_prompt) == SYS + 1
 
 
