@@ -71,9 +71,11 @@ Requests from a separate stream, excluded from every statistic.
 Each round: reset the prefix cache, snapshot `/metrics`, build the round's requests,
 then start the clock and send them under the study's load model while sampling KV
 usage and running requests (and the GPU through NVML), stop the clock, snapshot again.
+With `capacity:` in the study, each round is a step of the capacity search at its own
+load, judged against the SLO; the search and its bracket are recorded in `start.json`.
 """),
     code('''
-run.run_rounds(progress=pn.round_progress(plan.study.rounds))
+run.run_rounds(progress=pn.round_progress(plan.study.steps_per_start))
 pn.rounds_table(run)
 '''),
     md("""

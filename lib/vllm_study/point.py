@@ -80,7 +80,7 @@ class PointRun:
         self.record = StartRecord(point=self.point.id, start=start, block=block, started_utc=now_utc(),
                                   launch=Launch(), host=platform.node(), gpus=self.nvml.describe(),
                                   no_gpu_reason=None if self.nvml.available else self.nvml.why,
-                                  rounds_planned=self.study.rounds, warnings=list(self.point.warnings))
+                                  rounds_planned=self.study.steps_per_start, warnings=list(self.point.warnings))
         self._save()
 
     # -- bookkeeping --------------------------------------------------------
