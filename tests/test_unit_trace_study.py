@@ -87,3 +87,14 @@ def test_an_slo_naming_an_unknown_metric_is_refused():
     with pytest.raises(StudyError, match="ttft_p95_ms: not a latency bound"):
         study_from_dict(_study({"file": "azure_conv"}, slo={"ttft_p95_ms": 2000},
                                capacity={"over": "speed", "lo": 0.5, "hi": 4}))
+
+
+def test_a_relative_trace_path_is_resolved_where_the_study_is_loaded(tmp_path, monkeypatch):
+    """The point notebook runs in the notebooks folder: the path it reads must be absolute."""
+    _jsonl(tmp_path, [json.dumps({"t_s": 0, "input_tokens": 10, "output_tokens": 2})])
+    monkeypatch.chdir(tmp_path)
+    s = study_from_dict(_study({"file": "t.jsonl", "format": "jsonl"}))
+    assert s.workload.trace.file == str(tmp_path / "t.jsonl")
+    monkeypatch.chdir("/")
+    (p,) = expand(s, "cpu")  # read from another folder
+    assert p.id == "mbt=512"

@@ -178,6 +178,10 @@ class TraceSpec(_Strict):
                 raise ValueError(f"trace.format is needed for {self.file!r} (not a shipped window: "
                                  f"{', '.join(SHIPPED)}); one of {', '.join(TRACE_FORMATS)}")
             self.format = SHIPPED[self.file].format
+        if self.file not in SHIPPED:
+            # the point notebook runs in another folder: a path relative to where the study was
+            # loaded must still name the same file there
+            self.file = str(Path(self.file).expanduser().resolve())
         return self
 
 
