@@ -448,8 +448,8 @@ class Study(_Strict):
                 raise ValueError(f"grid axis {axis!r} repeats a value: {values}")
         return self
 
-
     def _check_capacity(self) -> None:
+        """What a capacity search needs of the study: an SLO, and a load it can turn."""
         c, w = self.capacity, self.workload
         if not c.slo and not self.slo:
             raise ValueError("capacity needs an SLO to search under: set capacity.slo (or the study's slo), "
