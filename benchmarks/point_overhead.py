@@ -187,7 +187,8 @@ def main() -> int:
         gap = df["gap_before_s"].median()
         print(f"median per start: vLLM start-up {df['vllm_startup_s'].median():.1f} s, measuring "
               f"{df['measuring_s'].median():.1f} s, kit inside the notebook {kit:.1f} s (imports "
-              f"{df['kit_imports_s'].median():.1f} s, launch beside vLLM's start-up {df['kit_launch_s'].median():.1f} s), "
+              f"{df['kit_imports_s'].median():.1f} s, launch beside vLLM's start-up "
+              f"{df['kit_launch_s'].median():.1f} s), "
               f"gap between starts "
               f"{gap:.1f} s" + ("" if pd.notna(gap) else " (one start per slot)"))
     return 0

@@ -23,8 +23,8 @@ def test_a_two_point_study_runs_as_ray_tasks(tmp_path):
                  workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
     params = tmp_path / "study.yaml"
     params.write_text(yaml.safe_dump(study, sort_keys=False))
-    r = subprocess.run([sys.executable, "-m", "vllm_study", "sweep", str(params), "--results", str(tmp_path / "results"),
-                        "--executor", "ray", "--parallel", "2", "--no-report"],
+    r = subprocess.run([sys.executable, "-m", "vllm_study", "sweep", str(params),
+                        "--results", str(tmp_path / "results"), "--executor", "ray", "--parallel", "2", "--no-report"],
                        cwd=REPO, capture_output=True, text=True, timeout=1500)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert "executor ray: 2 server start(s) at a time" in r.stdout

@@ -30,7 +30,8 @@ def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity)
     # the round measured at the capacity is the step that ran at it
     assert log[rec.at_round] == rec.load
     # a probe at hi, bisections (log2(log(8)/log(1.05)) rounded up), and lo where none met
-    assert len(log) <= capacity.planned_steps(1.0, 8.0, 0.05, 12) == 2 + math.ceil(math.log2(math.log(8) / math.log(1.05)))
+    planned = 2 + math.ceil(math.log2(math.log(8) / math.log(1.05)))
+    assert len(log) <= capacity.planned_steps(1.0, 8.0, 0.05, 12) == planned
 
 
 def test_max_steps_stops_the_search_with_the_bracket_it_reached():

@@ -248,7 +248,8 @@ def test_acquire_without_waiting_takes_a_free_slot_and_leaves_a_busy_one(tmp_pat
     path = tmp_path / ".slot-gpus-0.lock"
     first, second = SlotLock(path), SlotLock(path)
     assert first.acquire(wait=False) and first.held
-    assert not second.acquire(wait=False) and not second.held and second.fd is None  # busy: nothing held, nothing leaked
+    # busy: nothing held, nothing leaked
+    assert not second.acquire(wait=False) and not second.held and second.fd is None
     first.release()
     assert second.acquire(wait=False)
     second.release()

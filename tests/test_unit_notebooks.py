@@ -3,12 +3,16 @@ the parameter invisible, and the sweep would refuse to run), what the sweep pass
 declared, and no stored outputs (executed copies live under results/ only)."""
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import papermill as pm
 import pytest
 
 from vllm_study.sweep import POINT_PARAMS, REPORT_PARAMS, notebook
+
+GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "write_notebooks.py"
 
 
 @pytest.mark.parametrize("name, needed", [("point.ipynb", POINT_PARAMS), ("report.ipynb", REPORT_PARAMS),
@@ -28,3 +32,15 @@ def test_parameters_are_declared_and_readable(name, needed):
 def test_no_stored_outputs(name):
     cells = json.loads(notebook(name).read_text())["cells"]
     assert all(not c.get("outputs") for c in cells if c["cell_type"] == "code")
+
+
+def test_the_committed_notebooks_are_what_their_generator_writes(tmp_path):
+    """tools/write_notebooks.py is the notebooks' source: an edit made to a notebook alone
+    would be lost at the next re-write (run the tool after changing its cell lists)."""
+    spec = importlib.util.spec_from_file_location("write_notebooks", GENERATOR)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for name, cells in gen.NOTEBOOKS.items():
+        gen.write(cells, name, tmp_path)
+        assert (tmp_path / name).read_text() == notebook(name).read_text(), \
+            f"notebooks/{name} differs from what tools/write_notebooks.py writes: run it and commit the result"

@@ -704,7 +704,8 @@ def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     i = flags_on.index("--scheduler-cls")
     assert flags_on[i + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
     cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])
-    assert cfg == {"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 250}}  # no path: it would key the compile cache
+    # no path: it would key the compile cache
+    assert cfg == {"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 250}}
     assert "--scheduler-cls" not in flags_off
 
 
@@ -735,6 +736,7 @@ def test_start_ahead_is_off_unless_asked_and_an_older_null_reads_as_off():
 
 
 def test_start_ahead_with_vllm_info_lines_hidden_is_refused_before_anything_starts():
-    with pytest.raises(StudyError, match="start_ahead holds a server at its engine's INFO line.*VLLM_LOGGING_LEVEL=WARNING"):
+    with pytest.raises(StudyError,
+                       match="start_ahead holds a server at its engine's INFO line.*VLLM_LOGGING_LEVEL=WARNING"):
         study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]},
                          "server": {"start_ahead": True, "env": {"VLLM_LOGGING_LEVEL": "WARNING"}}})

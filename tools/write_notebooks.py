@@ -235,16 +235,18 @@ metric this run measured.
 ]
 
 
-def write(cells, name):
+NOTEBOOKS = {"point.ipynb": POINT, "report.ipynb": REPORT, "explore.ipynb": EXPLORE}
+
+
+def write(cells, name, folder: Path = HERE):
     nb = new_notebook(cells=cells, metadata={
         "kernelspec": {"display_name": "Python 3", "language": "python", "name": "python3"},
         "language_info": {"name": "python"}})
     for c in nb.cells:  # stable ids: a re-write changes no line that did not change
         c.id = f"{name.split('.')[0]}-{nb.cells.index(c)}"
-    nbformat.write(nb, HERE / name)
+    nbformat.write(nb, Path(folder) / name)
 
 
 if __name__ == "__main__":
-    write(POINT, "point.ipynb")
-    write(REPORT, "report.ipynb")
-    write(EXPLORE, "explore.ipynb")
+    for name, cells in NOTEBOOKS.items():
+        write(cells, name)

@@ -92,7 +92,8 @@ class MetricData:
     rounds: dict[tuple[str, int], list[float]]  # (point, start) -> rounds
 
     @classmethod
-    def from_rounds(cls, rounds: pd.DataFrame, metric: str, group: tuple[str, str] | None = None) -> "MetricData | None":
+    def from_rounds(cls, rounds: pd.DataFrame, metric: str,
+                    group: tuple[str, str] | None = None) -> "MetricData | None":
         df = ok_rounds(rounds, group)
         if df.empty or metric not in df.columns or df[metric].isna().all():
             return None

@@ -76,13 +76,18 @@ for _key, (_label, _defn, _digits) in LATENCIES.items():
 _add(
     Metric("requests", "requests", "", ".0f", None, "client", "requests sent in the round"),
     Metric("completed", "completed", "", ".0f", "higher", "client", "requests answered with at least one token"),
-    Metric("failed", "failed", "", ".0f", "lower", "client", "requests that ended in an error (by kind in the round record)"),
+    Metric("failed", "failed", "", ".0f", "lower", "client",
+           "requests that ended in an error (by kind in the round record)"),
     Metric("duration_s", "round duration", "s", ".2f", None, "client",
            "first send to last finish: the round's requests are built before its clock starts"),
-    Metric("prompt_tokens", "prompt tokens", "tok", ".0f", None, "client", "prompt tokens of answered requests, from usage"),
-    Metric("output_tokens", "output tokens", "tok", ".0f", None, "client", "output tokens of answered requests, from usage"),
-    Metric("request_throughput", "requests/s", "req/s", ".2f", "higher", "client", "answered requests / round duration"),
-    Metric("output_throughput", "output tokens/s", "tok/s", ".0f", "higher", "client", "output tokens / round duration"),
+    Metric("prompt_tokens", "prompt tokens", "tok", ".0f", None, "client",
+           "prompt tokens of answered requests, from usage"),
+    Metric("output_tokens", "output tokens", "tok", ".0f", None, "client",
+           "output tokens of answered requests, from usage"),
+    Metric("request_throughput", "requests/s", "req/s", ".2f", "higher", "client",
+           "answered requests / round duration"),
+    Metric("output_throughput", "output tokens/s", "tok/s", ".0f", "higher", "client",
+           "output tokens / round duration"),
     Metric("total_token_throughput", "total tokens/s", "tok/s", ".0f", "higher", "client",
            "(prompt + output tokens) / round duration"),
     Metric("goodput", "goodput", "req/s", ".2f", "higher", "client",
@@ -92,7 +97,8 @@ _add(
     # /metrics deltas over the round (counters are cumulative)
     Metric("prefix_cache_queries", "prefix-cache queries", "tok", ".0f", None, "server",
            "delta of vllm:prefix_cache_queries_total"),
-    Metric("prefix_cache_hits", "prefix-cache hits", "tok", ".0f", None, "server", "delta of vllm:prefix_cache_hits_total"),
+    Metric("prefix_cache_hits", "prefix-cache hits", "tok", ".0f", None, "server",
+           "delta of vllm:prefix_cache_hits_total"),
     Metric("prefix_cache_hit_rate", "prefix-cache hit rate", "share", ".3f", "higher", "server",
            "delta of vllm:prefix_cache_hits_total / delta of vllm:prefix_cache_queries_total"),
     Metric("expected_prefix_hit_rate", "hit rate if nothing were evicted", "share", ".3f", None, "kit",
@@ -111,7 +117,8 @@ _add(
     Metric("tokens_per_output_step", "tokens per step with output", "tok", ".1f", None, "server",
            "computed tokens / steps with output: above the tokens of an average engine step wherever "
            "steps ran prefill chunks alone"),
-    Metric("server_prompt_tokens", "server prompt tokens", "tok", ".0f", None, "server", "delta of vllm:prompt_tokens_total"),
+    Metric("server_prompt_tokens", "server prompt tokens", "tok", ".0f", None, "server",
+           "delta of vllm:prompt_tokens_total"),
     Metric("server_generation_tokens", "server output tokens", "tok", ".0f", None, "server",
            "delta of vllm:generation_tokens_total"),
     Metric("server_ttft_mean_ms", "vLLM's TTFT mean", "ms", ".1f", "lower", "server",
@@ -155,7 +162,8 @@ _add(
     Metric("hbm_bandwidth_use", "memory bandwidth use", "share", ".1%", None, "server",
            "bytes moved per second over the round / the GPU's datasheet HBM bandwidth; bytes from "
            "vLLM's estimate, else the weights once per engine step (a lower bound)"),
-    Metric("gpu_mem_peak_bytes", "GPU memory peak", "bytes", ".3g", None, "nvml", "peak NVML memory used, sampled every 0.5 s"),
+    Metric("gpu_mem_peak_bytes", "GPU memory peak", "bytes", ".3g", None, "nvml",
+           "peak NVML memory used, sampled every 0.5 s"),
     Metric("gpu_mem_peak_frac", "GPU memory peak", "share", ".2f", None, "nvml",
            "peak NVML memory used / total; flat near gpu_memory_utilization, because vLLM reserves memory "
            "up front (KV usage is the load-dependent signal)"),
@@ -220,7 +228,8 @@ def get(name: str) -> Metric:
 
 
 # What the report's headline table shows, in this order.
-HEADLINE = ("capacity_rps", "ttft_sched_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
+HEADLINE = ("capacity_rps", "ttft_sched_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
+            "tpot_p50_ms", "e2e_p50_ms",
             "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
             "expected_prefix_hit_rate", "preemptions", "kv_usage_peak",
             "gpu_mem_peak_frac")

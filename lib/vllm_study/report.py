@@ -60,7 +60,8 @@ def parse_slo(text: str) -> dict[str, float]:
     try:
         bounds = {k.strip(): float(v) for k, v in (re.split("[=:]", part, maxsplit=1) for part in text.split(","))}
     except ValueError:
-        raise ValueError(f"SLO {text!r}: write it as metric=bound pairs, e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
+        raise ValueError(f"SLO {text!r}: write it as metric=bound pairs, "
+                         "e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
     return _check_slo(bounds)
 
 
@@ -107,7 +108,8 @@ def _per_start(p: dict) -> str:
     if not c:
         return f"{p['rounds']} rounds"
     bounds = ", ".join(f"{k} <= {v:g}" for k, v in c["slo"].items())
-    return f"a capacity search over {c['over']} {c['lo']:g}..{c['hi']:g} (at most {c['max_steps']} rounds) under {bounds}"
+    return (f"a capacity search over {c['over']} {c['lo']:g}..{c['hi']:g} (at most {c['max_steps']} rounds) "
+            f"under {bounds}")
 
 
 def _trace_line(t: dict) -> str:
