@@ -57,8 +57,11 @@ def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
         # exact prompts: what vLLM counted is what the trace says, request by request
         assert m["prompt_tokens_vs_trace"] == 0.0
         assert m["prompt_tokens"] == m["trace_prompt_tokens"]
-        # latency from the schedule includes the send lateness, which the client kept small
-        assert m["ttft_sched_p90_ms"] >= m["ttft_p50_ms"] and m["send_lateness_p99_ms"] < 200
+        # latency from the schedule is the latency from the send plus the send's lateness (a
+        # request is not sent before it is due: asyncio may wake a clock tick early, hence
+        # the 1 ms), so it is at least the latter and at most the worst lateness above it
+        assert -1 <= m["send_lateness_p50_ms"] <= m["send_lateness_p99_ms"] <= m["send_lateness_max_ms"]
+        assert m["ttft_p90_ms"] - 1 <= m["ttft_sched_p90_ms"] <= m["ttft_p90_ms"] + m["send_lateness_max_ms"] + 1
         # the offered rate is the trace's real rate times the step's speed
         assert m["offered_rate"] == pytest.approx(trace["rate"] * rec.load, rel=1e-6)
     # the capacity is the highest load that met, below the lowest that missed
