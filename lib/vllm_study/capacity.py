@@ -119,6 +119,16 @@ def planned_steps(lo: float, hi: float, precision: float, max_steps: int, intege
     return min(max_steps, 2 + bisections)
 
 
+def trace_speed(over: str | None, load: float | None, trace_rate: float, default: float) -> float:
+    """A trace's time scale for a capacity step: the load itself over speed; over rate, the
+    speed that offers that many requests/s; otherwise (no step) the study's own speed."""
+    if over == "speed":
+        return load
+    if over == "rate":
+        return load / trace_rate
+    return default
+
+
 def bound_key(bound: str, values: dict) -> str:
     """The round figure a bound is judged on: ttft_p90_ms -> ttft_sched_p90_ms where the
     round measured latencies from a schedule."""

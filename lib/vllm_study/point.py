@@ -328,8 +328,7 @@ class PointRun:
             return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
                                             w.concurrency, w.think_time_s, **common)
         if w.kind == "trace":
-            speed = {"speed": load_value, "rate": (load_value or 0) / (self.workload.trace.rate or 1)}.get(
-                over, w.trace.speed)
+            speed = capacity.trace_speed(over, load_value, self.workload.trace.rate, w.trace.speed)
             return client.run_open_loop(self.url, self.model_name, w.api, self.workload.requests(),
                                         self.workload.schedule(speed), **common)
         requests = self.workload.requests(n)

@@ -332,9 +332,10 @@ class RunFolder:
         for s in self.summaries():
             base = {"point": s.point, **s.values, "point_status": s.status}
             folder = self.point(s.point)
+            starts = folder.starts()
             # a start that failed mid-search has no capacity: it is a failed start
-            searches = {st.start: st.capacity for st in folder.starts() if st.capacity and st.status == "ok"}
-            capacity_study = any(st.capacity for st in folder.starts())
+            searches = {st.start: st.capacity for st in starts if st.capacity and st.status == "ok"}
+            capacity_study = any(st.capacity for st in starts)
             for r in folder.rounds():
                 head = {**base, "start": r.start, "block": r.block, "round": r.round, "round_status": r.status}
                 extra = {}

@@ -71,12 +71,11 @@ def round_metrics(results: list[dict], duration_s: float | None, slo=None) -> di
     out |= _dist("e2e", [r["e2e_s"] for r in ok])
     due = [r for r in results if r.get("due_time") is not None]
     if due:  # open loop: from the schedule, and how late the sends were
-        late = [r["send_time"] - r["due_time"] for r in ok if r.get("due_time") is not None]
         sched = [r for r in ok if r.get("due_time") is not None]
-        out |= {k: v for k, v in _dist("ttft_sched", [r["ttft_s"] + r["send_time"] - r["due_time"]
-                                                      for r in sched]).items() if "_std_" not in k}
-        out |= {k: v for k, v in _dist("e2e_sched", [r["e2e_s"] + r["send_time"] - r["due_time"]
-                                                     for r in sched]).items() if "_std_" not in k}
+        late = [r["send_time"] - r["due_time"] for r in sched]
+        for name, key in (("ttft_sched", "ttft_s"), ("e2e_sched", "e2e_s")):  # (no std: the registry has none)
+            d = _dist(name, [r[key] + lag for r, lag in zip(sched, late)])
+            out |= {k: v for k, v in d.items() if "_std_" not in k}
         lat = _dist("send_lateness", late)
         out |= {f"send_lateness_{s}_ms": lat[f"send_lateness_{s}_ms"] for s in ("p50", "p99")}
         out["send_lateness_max_ms"] = max(late) * 1000 if late else None

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-from . import hardware, models
+from . import capacity, hardware, models
 from .params import Study
 
 CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
@@ -66,7 +66,7 @@ def round_s(study: Study, latency_s: float) -> float:
     mid = (c.lo * c.hi) ** 0.5 if c else None
     if w.kind == "trace":
         trace = _trace(study)
-        speed = {"speed": mid, "rate": mid / (trace.rate or 1) if mid else None}.get(c.over if c else "", w.trace.speed)
+        speed = capacity.trace_speed(c.over if c else None, mid, trace.rate, w.trace.speed)
         return trace.duration_s / speed + latency_s
     if c and c.over == "rate":
         return n / mid + latency_s
