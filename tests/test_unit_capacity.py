@@ -3,6 +3,7 @@ round, and the study checks of `capacity:`."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -121,3 +122,22 @@ def test_capacity_takes_the_study_slo_when_it_names_none():
 def test_bad_capacity_settings_are_refused_with_the_fix(change, message):
     with pytest.raises(StudyError, match=message.replace("(", r"\(").replace(")", r"\)")):
         study_from_dict(_study(**change))
+
+
+H200_RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T153023Z-h200-mooncake-capacity-158c29e"
+
+
+def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_zero():
+    """The committed H200 run: vLLM's default (8192, caching on) missed ITL P99 at speed 0.5
+    in both starts, so its capacity is below 0.5 x 3.73 req/s and the gain a lower bound."""
+    from vllm_study import report
+    r = report.Run.load(H200_RUN)
+    answer = report.capacity_answer(r)
+    assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer
+    assert "itl_p99_ms 202 > 150" in answer and "below 1.87 req/s" in answer
+    # the best point's interval low (4.81 req/s) less the lowest load's rate
+    assert "at least +2.95 req/s more" in answer and "0.00 [" not in answer
+    table = report.capacity_table(r)
+    assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
+    assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "below 0.5"
+    assert table.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")

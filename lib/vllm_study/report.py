@@ -434,7 +434,10 @@ def capacity_answer(r: Run) -> str | None:
     if censored:
         lines.append(censored)
     base = r.manifest.params.get("baseline")
-    if base and base != rec.point and r.interval(base, "capacity_rps"):
+    below = _baseline_below(r, base) if base and base != rec.point else None
+    if below:
+        lines.append(below + _gain_over_below(r, rec.point, base))
+    elif base and base != rec.point and r.interval(base, "capacity_rps"):
         data = analysis.MetricData.from_rounds(r.rounds, "capacity_rps")
         d = analysis.difference(data, rec.point, base)
         change = f"{d.estimate:+.0%} [{d.low:+.0%}, {d.high:+.0%}]" if d.relative else \
@@ -485,6 +488,45 @@ def _censored(r: Run, point: str) -> str | None:
     return None
 
 
+def _lowest_load(r: Run) -> tuple[str, float | None]:
+    """The search's lowest load in words, and as requests/s where the load fixes the rate."""
+    cap = r.manifest.params["capacity"]
+    lo, over = cap["lo"], cap["over"]
+    trace = _trace_info(r)
+    if over == "speed" and trace and trace.get("rate"):
+        return f"speed {lo:g} ({lo * trace['rate']:.2f} req/s)", lo * trace["rate"]
+    if over == "rate":
+        return f"{lo:g} req/s", lo
+    return f"{over} {lo:g}", None
+
+
+def _baseline_below(r: Run, point: str) -> str | None:
+    """Where every start of a point missed the SLO at the search's lowest load, say so with
+    why each missed: its capacity is not 0 but unmeasured below the bracket."""
+    starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
+    if not starts or any(c.censored != "below" for c in starts):
+        return None
+    lo = r.manifest.params["capacity"]["lo"]
+    why = "; ".join(sorted({s["why"] for c in starts for s in c.steps if s["load"] == lo and s.get("why")}))
+    words, _ = _lowest_load(r)
+    return (f"The baseline {point} met the SLO at no load tried: each of its {len(starts)} starts missed at the "
+            f"lowest, {words}: {why}.")
+
+
+def _gain_over_below(r: Run, best: str, base: str) -> str:
+    """The gain over a baseline below the bracket is a lower bound: the best point's
+    interval low less the lowest load's rate."""
+    words, lo_rps = _lowest_load(r)
+    iv = r.interval(best, "capacity_rps")
+    if lo_rps is None or not iv or not np.isfinite(iv["ci_low"]):
+        return f" Its capacity is below {words}; lower capacity.lo to measure it."
+    more = iv["ci_low"] - lo_rps
+    if more <= 0:
+        return f" Its capacity is below {lo_rps:.2f} req/s; the gain is not resolved (lower capacity.lo to measure it)."
+    return (f" Its capacity is below {lo_rps:.2f} req/s, so {best} sustains at least {more:+.2f} req/s more "
+            f"({iv['ci_low'] / lo_rps:.1f} x or more: its interval's low end over that rate), a resolved gain.")
+
+
 def capacity_table(r: Run) -> pd.DataFrame | None:
     """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
     bracket and steps, and the latencies at capacity."""
@@ -498,9 +540,14 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
                              f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
                              f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
+        ok = [st.capacity for st in starts if st.status == "ok"]
+        below = bool(ok) and all(c.censored == "below" for c in ok)  # unmeasured, not 0
+        words, lo_rps = _lowest_load(r)
         row = {"point": s.point, "status": status_label(s),
-               "capacity (req/s)": _cell(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
-               f"capacity ({over})": _cell(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
+               "capacity (req/s)": (f"below {lo_rps:.2f}" if lo_rps else f"below {words}") if below else
+               _cell(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
+               f"capacity ({over})": f"below {r.manifest.params['capacity']['lo']:g}" if below else
+               _cell(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
             row[f"{metrics.get(k).title} at capacity"] = _cell(r.interval(s.point, k), metrics.get(k))
