@@ -28,10 +28,14 @@ def study(**over) -> dict:
 
 
 def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict | None = None,
-             start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0) -> RunFolder:
+             start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0,
+             died: dict[str, tuple[int, int]] | None = None) -> RunFolder:
     """values[point id][metric] = the point's true value; each start scatters around it by
     start_sd and each round by round_sd (log-normal), the rest of the registry's latency
-    metrics are left out. Every start ok unless values[point] is empty (a failed point)."""
+    metrics are left out. Every start ok unless values[point] is empty (a failed point), or
+    died[point] = (start, round): that start's server died in that round (0-based), which
+    failed, and its later rounds never ran."""
+    died = died or {}
     s = study_from_dict(study(**(study_over or {})))
     points = expand(s, "cpu")
     rng = np.random.default_rng(seed)
@@ -51,18 +55,24 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
             sdir = folder.start_dir(k)
             sdir.mkdir(parents=True)
             shift = rng.normal(0, start_sd)
+            dies = died[p.id][1] if died.get(p.id, (0,))[0] == k else None
             for i in range(s.rounds if truth else 0):
                 m = {name: v * float(np.exp(shift + rng.normal(0, round_sd))) for name, v in truth.items()}
                 m |= {"requests": 16.0, "completed": 16.0, "failed": 0.0}
                 assert set(m) <= set(metrics.REGISTRY)
-                rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok", utc="2026-01-01T00:00:00",
-                                  metrics=m)
+                rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok" if dies != i else "failed",
+                                  utc="2026-01-01T00:00:00", metrics=m if dies != i else {})
                 with open(sdir / "rounds.jsonl", "a") as f:
                     f.write(rec.model_dump_json() + "\n")
-            StartRecord(point=p.id, start=k, block=k, status="ok" if truth else "failed",
-                        reason=None if truth else "server did not start: a test failure", started_utc="x",
-                        host="test", launch=Launch(startup_s=30.0 if truth else None),
-                        rounds_planned=s.rounds, rounds_ok=s.rounds if truth else 0).save(sdir / "start.json")
+                if dies == i:
+                    break
+            ok = bool(truth) and dies is None
+            reason = None if ok else f"server died during round {dies + 1}" if truth else \
+                "server did not start: a test failure"
+            StartRecord(point=p.id, start=k, block=k, status="ok" if ok else "failed", reason=reason,
+                        started_utc="x", host="test", launch=Launch(startup_s=30.0 if truth else None),
+                        rounds_planned=s.rounds, rounds_ok=(s.rounds if dies is None else dies) if truth else 0
+                        ).save(sdir / "start.json")
         summarize(folder, plan)
     run.write_summary_csv()
     return run

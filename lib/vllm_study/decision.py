@@ -8,7 +8,7 @@ interval of their difference excludes zero.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -49,8 +49,16 @@ class Recommendation:
     runner_up: str | None
     trade: str                   # what the runner-up gives and takes, in words
     reason: str                  # why this point (or why none)
+    left_out: list[str] = field(default_factory=list)  # "point (status)": not every planned round completed
 
     def text(self) -> str:
+        out = self._text()
+        if self.left_out:
+            out += ("\nLeft out, as not every planned start and round of theirs completed (see the failures "
+                    "table): " + ", ".join(self.left_out) + ".")
+        return out
+
+    def _text(self) -> str:
         if self.point is None:
             return self.reason
         m = metrics.get(self.metric)
@@ -65,15 +73,29 @@ class Recommendation:
 
 def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, float]) -> Recommendation:
     """The point with the highest goodput among those that meet (or may meet) the SLO;
-    without an SLO, the highest output throughput. Ties are the points whose difference
-    from it is not resolved."""
+    without an SLO, the highest output throughput; in a capacity study, the highest
+    capacity. Only points whose every planned start and round completed are candidates
+    (a point whose server died mid-run has figures from fewer rounds, or none at its
+    load). Under open-loop load, output throughput is not a ranking: the arrival rate
+    fixes it until a point saturates. Ties are the points whose difference from the best
+    is not resolved."""
     measured = set(intervals["metric"]) if not intervals.empty else set()
     by_capacity = "capacity_rps" in measured
     judge = "capacity_rps" if by_capacity else "goodput" if slo and "goodput" in measured else "output_throughput"
     data = analysis.MetricData.from_rounds(rounds, judge)
+    left_out = _incomplete(rounds)
+    none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
+                                         [f"{p} ({st})" for p, st in left_out.items()])
     if data is None:
-        return Recommendation(None, judge, None, None, None, [], None, "", "nothing was measured")
-    candidates = list(data.starts)
+        return none("nothing was measured")
+    candidates = [p for p in data.starts if p not in left_out]
+    if not candidates:
+        return none("no point completed every planned start and round: finish the run with "
+                    "`python -m vllm_study sweep --resume <run>` (add --retry-failed to run failed starts again)")
+    if judge == "output_throughput" and _open_loop(rounds):
+        return none("no recommendation by output tokens/s: under open-loop load (requests arrive at a set rate) "
+                    "the arrival rate fixes it until a point saturates. Rank by goodput with an `slo:`, or "
+                    "search each point's capacity within the SLO with `capacity:`")
     what = {"capacity_rps": "capacity", "goodput": "goodput"}.get(judge, "output throughput")
     reason = f"the highest {what}; no SLO is set"
     if by_capacity:  # every step was judged against the SLO already: capacity is the load that met it
@@ -109,7 +131,21 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                           float(data.back(centers[best] - half)) if np.isfinite(half) else None,
                           float(data.back(centers[best] + half)) if np.isfinite(half) else None,
                           [p for _, p in sorted(tied, reverse=True)], runner,
-                          trade(rounds, runner, best) if runner else "", reason)
+                          trade(rounds, runner, best) if runner else "", reason,
+                          [f"{p} ({st})" for p, st in left_out.items()])
+
+
+def _incomplete(rounds: pd.DataFrame) -> dict[str, str]:
+    """Points whose summary status is not ok (partial, failed, running), with it."""
+    if rounds.empty or "point_status" not in rounds.columns:
+        return {}
+    status = rounds.groupby("point", sort=False)["point_status"].first()
+    return {p: str(st) for p, st in status.items() if st != "ok"}
+
+
+def _open_loop(rounds: pd.DataFrame) -> bool:
+    """Rounds sent on a schedule (Poisson, a ladder, a trace) carry the rate they offered."""
+    return "offered_rate" in rounds.columns and bool(rounds["offered_rate"].notna().any())
 
 
 TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms")
