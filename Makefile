@@ -11,7 +11,10 @@ PARAMS ?= params/default.yaml
 # nbval: each committed report is re-executed and its tables (cells tagged
 # nbval-check-output) must reproduce. The point notebook runs in the end-to-end sweep
 # tests through papermill, against real vLLM CPU servers.
+# They run on a copy (.nbval/): executing a notebook where it lies redraws its figures,
+# and make test must leave the checkout as it found it.
 REF_REPORTS := $(shell git ls-files 'results/*/report.ipynb' 2>/dev/null)
+NBVAL_COPY := .nbval
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 .PHONY: env study test test-fast dry-run clean-env
@@ -39,7 +42,9 @@ dry-run: env
 
 test: env
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests $(REF_REPORTS)
+	rm -rf $(NBVAL_COPY) && mkdir $(NBVAL_COPY) && git ls-files -z results | xargs -0 -r cp --parents -t $(NBVAL_COPY)
+	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests \
+		$(addprefix $(NBVAL_COPY)/,$(REF_REPORTS))
 
 # Unit tests only: no vLLM server is started.
 test-fast: env

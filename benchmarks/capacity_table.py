@@ -22,7 +22,7 @@ def steps_table(r: report.Run) -> pd.DataFrame:
             rounds = {x.round: x for x in r.folder.point(s.point).rounds() if x.start == st.start}
             for k, x in sorted(rounds.items()):
                 m = x.metrics
-                rows.append({"point": s.point, "start": st.start, "step": k, "load": x.load, "met": x.slo_met,
+                rows.append({"point": s.point, "start": st.start, "step": k + 1, "load": x.load, "met": x.slo_met,
                              "TTFT P90 from schedule (ms)": m.get("ttft_sched_p90_ms"),
                              "ITL P99 (ms)": m.get("itl_p99_ms"),
                              "round (s)": m.get("duration_s"), "why missed": x.slo_why or ""})

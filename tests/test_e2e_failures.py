@@ -58,7 +58,7 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     summary = run.finish()
     assert [r.status for r in run.rounds] == ["ok", "failed"]
     assert run.rounds[1].metrics["failed"] > 0
-    assert run.record.status == "failed" and run.record.reason.startswith("server died during round 1")
+    assert run.record.status == "failed" and run.record.reason.startswith("server died during round 2 of 3: ")
     assert "killed by SIGKILL" in run.record.reason and "\x1b[" not in run.record.reason
     assert summary.status == "partial" and summary.rounds_ok == 1
     assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]

@@ -123,3 +123,9 @@ def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_
     # its start-up leaves the hold out
     assert second.launch.startup_s == pytest.approx(t2["ready"] - t2["spawn"] - (t2["slot"] - t2["held"]), abs=1)
     assert run.manifest().overlaps == []  # life on the slot: never two at once
+    # the progress bar names the start that measures, not the one preparing beside it: each
+    # bar line that counts the first start's rounds (0/4, 1/4) names the first start
+    a, b = (f"{u.point} #{u.start}" for u in order)
+    lines = [ln for ln in done.stderr.replace("\r", "\n").splitlines() if "round" in ln and "/4 [" in ln]
+    assert any(ln.startswith(a) for ln in lines) and any(ln.startswith(b) for ln in lines), lines
+    assert not [ln for ln in lines if ln.startswith(b) and ("| 0/4" in ln or "| 1/4" in ln)], lines

@@ -103,6 +103,7 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
     r = sweep(study, "--results", tmp_path / "results")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "the study failed: no point measured a round" in r.stdout
+    assert "2 of 2 starts FAILED" in r.stderr  # the bar ends at 2/2 rounds, but says what that hides
     (path,) = (tmp_path / "results").iterdir()
     run = RunFolder(path)
     assert [s.status for s in run.summaries()] == ["failed", "failed"]

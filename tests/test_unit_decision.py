@@ -73,7 +73,7 @@ def test_export_writes_a_serve_config_and_its_evidence(run, tmp_path):
     assert cfg["enable-prefix-caching"] is True and cfg["dtype"] == "float32"
     assert "custom-histogram-buckets" not in cfg
     text = note.read_text()
-    assert "vllm serve" in cfg_path.read_text().splitlines()[1] and "ttft_p90_ms <= 500" in text
+    assert f"--config {cfg_path.name}" in cfg_path.read_text().splitlines()[1] and "ttft_p90_ms <= 500" in text
     assert "| TTFT P90 (ms) |" in text and "[" in text
     with pytest.raises(ValueError, match="is not a point"):
         export.export(run.path, point="mbt=1__kv=1MiB", out=tmp_path / "out")
@@ -93,7 +93,7 @@ def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):
     assert ttft.at[A, "verdict"] == "worse" and ttft.at[A, "change"] == pytest.approx(1.0, abs=0.2)
     assert ttft.at[C, "verdict"] == "better"
     assert ttft.at[B, "verdict"] == "not resolved" and ttft.at[D, "verdict"] == "not resolved"
-    t, line = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
+    _, t, line = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
     assert "worse" in t.loc[A, "TTFT P90"] and (tmp_path / "cmp" / "compare.png").stat().st_size > 5000
     moved = df[df["verdict"] != "not resolved"]
     assert line.startswith(f"{len(df) - len(moved)} of {len(df)} point x metric pairs agree")

@@ -1,7 +1,8 @@
 """Run-level statistics: each point's value with a 95% interval, comparisons between
 points, which points cannot be told apart from the best, and the study's noise floor.
 
-The model, per metric: a server start's value is the median of its rounds; a point's
+The model, per metric: a server start's value is the median of its rounds (on the metric's
+scale: with two rounds on the log scale, their geometric mean); a point's
 value is the mean of its starts' values; starts of a point scatter around it with a
 spread that is common to the run's points (one-way random effects, pooled variance).
 Latency and throughput noise is multiplicative (a restart moved TTFT P90 by +25-55% on

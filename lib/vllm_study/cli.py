@@ -29,6 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="re-render a run folder's summary.csv, report notebook and report.html")
     rep.add_argument("run", type=Path)
     rep.add_argument("--slo", default="", help="an SLO for this report, e.g. ttft_p90_ms=2500,itl_p90_ms=100")
+    rep.add_argument("--overwrite", action="store_true",
+                     help="a run whose report git tracks: render into it (by default into a copy, so the "
+                          "checkout stays clean)")
     ex = sub.add_parser("export", help="write a `vllm serve --config` file for a point, with its evidence")
     ex.add_argument("run", type=Path)
     which = ex.add_mutually_exclusive_group()
@@ -67,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
             run = RunFolder(args.run)
             from .report import parse_slo
             parse_slo(args.slo)  # a bad SLO is refused before the notebook runs
+            run = sw_mod.report_folder(run, args.overwrite)
             sw_mod.render_report(run, args.slo)
             return _conclude(run)
         if not args.params and not args.resume:
@@ -114,7 +118,8 @@ def _decide(args) -> int:
             return 0
         from .compare import run
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
-            side_by_side, line = run(args.run_a, args.run_b, args.out)
+            head, side_by_side, line = run(args.run_a, args.run_b, args.out)
+            print(head + "\n")
             print(side_by_side.to_string())
             print(line)
         return 0

@@ -7,15 +7,19 @@ its justification.
 
 writes `<study>.<point>.serve.yaml` (vLLM's config-file format: flag names without the
 dashes in front) and `<study>.<point>.md` (the numbers with their intervals, the SLO,
-the run, vLLM version, GPU, model) into --out.
+the run, vLLM version, GPU, model) into --out. The command beside them is the one a
+start of the point ran (start.json's launch: model folder or id, load format, the
+environment the kit set), less its port and the flags the config file now holds.
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import yaml
 
-from . import decision, metrics, report
+from . import decision, metrics, models, report, server
+from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .results import RunFolder
 
 # The real checkpoints whose architectures the kit's cards stand for (dummy weights).
@@ -24,6 +28,11 @@ CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qw
                "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct"}
 # What the kit adds to measure (counters.budget_buckets, hardware.py): not serving settings.
 MEASUREMENT_ONLY = {"custom-histogram-buckets", "enable-mfu-metrics"}
+# The loopback address and free port the kit picked for one start (server.serve_command).
+PER_START_FLAGS = {"host", "port"}
+# Variables the kit set for one start's place, not for the engine (point.py): its slot's
+# GPUs and compile cache, the plugin's counter file, a start ahead's ready timeout.
+PER_START_ENV = {"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, "VLLM_ENGINE_READY_TIMEOUT_S"}
 
 
 def parse_flags(args: list[str]) -> dict:
@@ -63,13 +72,59 @@ def serve_config(r: report.Run, point: str) -> dict:
 
 
 def model_name(r: report.Run) -> tuple[str, str]:
-    """(what to serve, a note on it)."""
+    """(the real model to serve in production, a note on what was measured)."""
     m = r.manifest.params["model"]
     if m.get("path"):
         return m["path"], ("measured with dummy weights of this model's config" if m.get("dummy_weights")
                            else "measured with these weights")
-    real = CARD_MODELS.get(m["card"], m["card"])
-    return real, f"measured with dummy weights of the {m['card']} architecture: serve the real checkpoint"
+    real = CARD_MODELS.get(m["card"])
+    if real is None:  # the kit's own small card: no checkpoint has its weights
+        return m["card"], f"measured with dummy weights of the kit's {m['card']} architecture"
+    return real, (f"measured with dummy weights of the {m['card']} architecture: for real answers serve {real} "
+                  "in place of the card's folder, without --load-format dummy")
+
+
+def _drop_flags(argv: list[str], keys: set[str]) -> list[str]:
+    """argv less each `--key [value]`, `--key=value` and `--no-key` whose key is in keys
+    (values taken as parse_flags takes them)."""
+    out, i = [], 0
+    while i < len(argv):
+        tok = argv[i]
+        key, eq, _ = tok[2:].partition("=")
+        if tok.startswith("--") and (key in keys or key.removeprefix("no-") in keys):
+            takes_value = not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--")
+            i += 2 if takes_value else 1
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, str], str]:
+    """(argv, environment, where they come from) that start `point` as it was measured,
+    with `--config` left to the caller. The launch a start of the point recorded (the
+    summary's: its first start that came up) wins; a run that recorded none gets what
+    server.py would build for its plan on this machine."""
+    s = next(x for x in r.summaries if x.point == point)
+    study_env = dict(r.manifest.params.get("server", {}).get("env") or {})  # the study's own: part of what ran
+    if s.launch and s.launch.command:
+        cmd, env = s.launch.command, {**study_env, **s.launch.kit_env}
+        source = "the launch a start of this point recorded (start.json)"
+    else:
+        plan = r.folder.point(point).plan()
+        model, dummy = models.resolve(plan.study.model)
+        cmd = server.serve_command(model, 0, plan.point.engine_args.cli(), plan.study.model.served_name, dummy,
+                                   plan.study.server.extra_cli_args)
+        env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
+        source = "rebuilt by this kit, here (no start of this point recorded its launch)"
+    argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
+    return argv, {k: v for k, v in env.items() if k not in PER_START_ENV}, source
+
+
+def shell_command(argv: list[str], env: dict[str, str], cfg_name: str) -> str:
+    """One line for a POSIX shell: `VAR=value ... argv --config cfg_name`."""
+    assigns = [f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())]  # quoted whole, VAR=... would not assign
+    return " ".join(assigns + [shlex.join(argv + ["--config", cfg_name])])
 
 
 def export(run: str | Path, point: str | None = None, out: Path = Path("."),
@@ -85,18 +140,22 @@ def export(run: str | Path, point: str | None = None, out: Path = Path("."),
     stem = f"{r.manifest.study}.{point}"
     cfg_path, note_path = out / f"{stem}.serve.yaml", out / f"{stem}.md"
     model, model_note = model_name(r)
+    argv, env, source = launch(r, point, cfg)
+    command = shell_command(argv, env, cfg_path.name)
+    # the config file cannot hold the environment or the model: the command line does
     header = (f"# vllm serve config exported from {r.folder.path.name}, point {point}\n"
-              f"# vllm serve {model} --config {cfg_path.name}\n# evidence: {note_path.name}\n")
+              f"# {command}\n# evidence: {note_path.name}\n")
     cfg_path.write_text(header + yaml.safe_dump(cfg, sort_keys=True))
-    note_path.write_text(_justification(r, point, rec, slo, model, model_note, cfg_path.name))
+    note_path.write_text(_justification(r, point, rec, slo, model, model_note, command, source))
     return cfg_path, note_path
 
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,
-                   model_note: str, cfg_name: str) -> str:
+                   model_note: str, command: str, source: str) -> str:
     m, v = r.manifest, r.manifest.versions
     gpus = ", ".join(g.name for g in m.machine.gpus) or f"none ({m.machine.cpu.model}, engine {m.engine})"
-    lines = [f"# {m.study}: {point}", "", f"    vllm serve {model} --config {cfg_name}", "",
+    lines = [f"# {m.study}: {point}", "", f"    {command}", "",
+             f"- command: {source}, less its port (pick one with --port) and the flags the config holds",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
              f"- workload: {m.params['workload']['kind']}, " + (report._trace_line(m.params["workload"]["trace"])

@@ -13,6 +13,7 @@ instead of lining up with a grid axis.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 from typing import Any
 
@@ -180,6 +181,39 @@ def _with_cpu_dtype(args: EngineArgs, engine: str) -> tuple[EngineArgs, str | No
     return args.model_copy(update={"dtype": choice.dtype}), choice.reason
 
 
+# Without a KV size vLLM's CPU build reserves gpu_memory_utilization (0.92) of the node's
+# RAM and refuses to start where less is free (vllm/v1/worker/cpu_worker.py). The kit's
+# default where a CPU study sets none: a quarter of the RAM free now, at most vLLM's old
+# CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB; each start zero-fills it, ~2 s a GiB on two
+# busy cores), in 256 MiB steps so it rarely moves.
+CPU_KV_CAP, CPU_KV_STEP = 4 * 2**30, 256 * 2**20
+CPU_KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+def cpu_kv_default(study: Study, engine: str, available: int | None = None) -> tuple[int, str] | None:
+    """(bytes, note) where a CPU study leaves its memory unsized; None where it sizes it
+    (kv_cache_memory_bytes or gpu_memory_utilization in engine_args, the grid or
+    extra_cli_args, or VLLM_CPU_KVCACHE_SPACE in server.env or this environment)."""
+    if engine != "cpu" or study.targets:
+        return None
+    if any(k in study.grid or getattr(study.engine_args, k) is not None
+           for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
+        return None
+    if any(a.split("=", 1)[0].replace("_", "-") in CPU_KV_FLAGS for a in study.server.extra_cli_args):
+        return None
+    if {**os.environ, **study.server.env}.get("VLLM_CPU_KVCACHE_SPACE"):
+        return None
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    size = max(CPU_KV_STEP, min(CPU_KV_CAP, available // 4) // CPU_KV_STEP * CPU_KV_STEP)
+    return size, (f"the KV cache size is not set: vLLM's CPU build would then reserve 0.92 of the RAM and "
+                  f"fail where less is free, so the kit sets engine_args.kv_cache_memory_bytes: {size} "
+                  f"({fmt_value('kv_cache_memory_bytes', size)}: a quarter of the {available / 2**30:.1f} GiB "
+                  f"free, at most {fmt_value('kv_cache_memory_bytes', CPU_KV_CAP)}), recorded in the run's "
+                  "study.yaml; set it yourself (or sweep it in the grid) to choose")
+
+
 def point_id(values: dict) -> str:
     return "__".join(f"{AXIS_ABBREV.get(a, a)}={fmt_value(a, v)}" for a, v in values.items())
 
@@ -202,6 +236,9 @@ def expand(study: Study, engine: str) -> list[Point]:
     columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}
     axes = list(columns)
     supported = max_positions(study.model)
+    kv = cpu_kv_default(study, engine)
+    if kv:  # into the study itself: study.yaml, the manifest's params and --resume keep this size
+        study.engine_args = study.engine_args.model_copy(update={"kv_cache_memory_bytes": kv[0]})
     points, problems = [], []
     for combo in itertools.product(*(columns[a] for a in axes)):
         values = dict(zip(axes, combo))
@@ -230,7 +267,7 @@ def expand(study: Study, engine: str) -> list[Point]:
         effective.dtype_reason = dtype_reason
         problems += [f"  point {pid}: {e}" for e in errs]
         points.append(Point(id=pid, values=values, engine_args=args, prefix_budget=budget, effective=effective,
-                            warnings=warns + _alignment(study, args, effective)))
+                            warnings=([kv[1]] if kv else []) + warns + _alignment(study, args, effective)))
     if study.baseline and study.baseline not in {p.id for p in points}:
         problems.append(f"  baseline {study.baseline!r} is not a point of the grid; its points are: "
                         + ", ".join(p.id for p in points))

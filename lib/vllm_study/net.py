@@ -9,8 +9,10 @@ name it, so a user who relied on it sees why the target is unreachable.
 """
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
+from http import HTTPStatus
 from urllib.parse import urlsplit
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -55,3 +57,23 @@ def one_line(body: str, limit: int = 160) -> str:
 def http_error_reason(status: int, url: str, body: str) -> str:
     return f"HTTP {status} from {url}: {one_line(body) or '(empty body)'}"
 
+
+def short_answer(status: int, body: str, content_type: str = "") -> str:
+    """An HTTP answer in a few words: 'HTTP 404 Not Found, an HTML page' or a JSON error's
+    message. An HTML error page's text repeats its title as its heading (Python's own:
+    'Error response Error response ...'); its status line says more."""
+    try:
+        head = f"HTTP {status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        head = f"HTTP {status}"
+    if "html" in content_type.lower() or body.lstrip().startswith("<"):
+        return f"{head}, an HTML page"
+    try:  # vLLM: {"message": ...}; OpenAI: {"error": {"message": ...}}; FastAPI: {"detail": ...}
+        j = json.loads(body)
+        err = j.get("error")
+        body = str(j.get("message") or (err.get("message") if isinstance(err, dict) else err) or j.get("detail")
+                   or body)
+    except (ValueError, AttributeError):
+        pass
+    text = one_line(body, 80)
+    return f"{head}: {text}" if text else head

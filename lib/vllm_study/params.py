@@ -487,6 +487,9 @@ def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
     return out
 
 
+MINIMAL_STUDY = "  name: my-study\n  grid:\n    max_num_batched_tokens: [512, 2048]\n"
+
+
 def _read_layers(path: Path, seen: tuple = ()) -> dict:
     """A file may name a base file with `extends:`, resolved against the including
     file's folder; the including file's keys override the base's."""
@@ -499,9 +502,12 @@ def _read_layers(path: Path, seen: tuple = ()) -> dict:
                              f"(`extends` is resolved against that file's folder, {seen[-1].parent})")
         raise StudyError(f"params file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
         raise StudyError(f"{path}: not valid YAML: {e}") from e
+    if data is None:  # empty or only comments: "name: required key is missing" would not say so
+        raise StudyError(f"{path}: the file is empty (or holds only comments). A study needs at least a "
+                         f"name and a grid:\n{MINIMAL_STUDY}see params/default.yaml for a complete one")
     if not isinstance(data, dict):
         raise StudyError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
     base = data.pop("extends", None)

@@ -390,7 +390,8 @@ class PointRun:
         self.rounds.append(rec)
         append_round(self.dir, rec, results)
         if died:
-            self._fail(f"server died during round {index}: "
+            # rounds are numbered from 0 in the records, from 1 in words
+            self._fail(f"server died during round {index + 1} of {self.record.rounds_planned}: "
                        f"{failure_reason(read_log(self.dir), self.server.proc.returncode)}")
         elif ok:
             self.record.rounds_ok += 1

@@ -234,7 +234,7 @@ class Manifest(_Record):
         return max(sum(b <= when for b in begins) - 1, 0)
 
 
-def _git(*args: str, cwd: Path) -> str | None:
+def git_output(*args: str, cwd: Path) -> str | None:
     try:
         return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -250,10 +250,10 @@ def git_state(repo: Path) -> GitState:
     if env:  # named by whoever shipped the tree: it wins over a .git that may have come along stale
         dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
         return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
-    sha = _git("rev-parse", "HEAD", cwd=repo)
+    sha = git_output("rev-parse", "HEAD", cwd=repo)
     if sha is None:
         return GitState(sha=None, dirty=None, source="none")
-    status = _git("status", "--porcelain", "--untracked-files=no", cwd=repo)
+    status = git_output("status", "--porcelain", "--untracked-files=no", cwd=repo)
     return GitState(sha=sha, dirty=bool(status) if status is not None else None)
 
 

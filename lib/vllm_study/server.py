@@ -99,6 +99,11 @@ def cpu_uni_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
 
 # (pattern in the log, reason recorded). First match wins, so specific before general.
 _FAILURES = [
+    # the CPU engine reserves gpu_memory_utilization (0.92 unless set) of the RAM when no KV size is set
+    (r"is less than desired CPU memory utilization", "not enough free RAM for the CPU engine's "
+     "gpu_memory_utilization share: set kv_cache_memory_bytes"),
+    (r"on kv cache allocation is less than requested memory for kv",
+     "kv_cache_memory_bytes above the free RAM: lower it"),
     (r"No available memory for the cache blocks", "no memory left for the KV cache at this "
      "gpu_memory_utilization (weights and activations took it all)"),
     (r"(CUDA out of memory|OutOfMemoryError|out of memory)", "out of memory"),
@@ -118,6 +123,10 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # A vLLM log line at ERROR level, or the last line of a Python traceback (also behind a
 # process prefix such as "(EngineCore pid=12) ").
 _ERROR_LINE = re.compile(r"\b(ERROR|CRITICAL)\b|(^|\) )\s*[\w.]*(Error|Exception|Interrupt): ")
+# An exception's own line ("ValueError: ..."), also behind vLLM's "ERROR <time> [file:line] ":
+# what a failure says, where ERROR lines also hold every frame of its traceback.
+_EXCEPTION_LINE = re.compile(r"(^|[)\]] )\s*[\w.]*(Error|Exception|Interrupt): ")
+QUOTE_CAP = 2000  # characters of log quoted in a reason: vLLM's memory errors alone run ~600
 
 
 def exit_status(returncode: int | None) -> str:
@@ -138,8 +147,9 @@ def without_colours(text: str) -> str:
 
 def failure_reason(log_text: str, returncode: int | None = None) -> str:
     """One line: a known cause (out of memory, KV cache too small, ...) with the log
-    line that shows it; otherwise how the process ended and its last error lines.
-    Colour codes are removed; the kit's own first line (the command) is skipped."""
+    line that shows it; otherwise how the process ended and its last exception lines
+    (the root cause and what re-raised it), else its last ERROR lines. Colour codes are
+    removed; the kit's own first line (the command) is skipped."""
     lines = [without_colours(ln).rstrip() for ln in log_text.splitlines() if not ln.startswith("# ")]
     text = "\n".join(lines)
     ended = f" ({exit_status(returncode)})" if returncode is not None else ""
@@ -147,12 +157,26 @@ def failure_reason(log_text: str, returncode: int | None = None) -> str:
         m = re.search(pattern, text)
         if m:
             line = next((ln for ln in lines if m.group(0) in ln), m.group(0))
-            return f"{reason}{ended} | {line.strip()[-600:]}"
-    errors = [ln.strip() for ln in lines[-200:] if _ERROR_LINE.search(ln)]
+            return f"{reason}{ended} | {_quote([line.strip()])}"
+    tail = [ln.strip() for ln in lines[-200:]]
+    errors = [ln for ln in tail if _EXCEPTION_LINE.search(ln)] or [ln for ln in tail if _ERROR_LINE.search(ln)]
     head = f"server {exit_status(returncode)}" if returncode is not None else "server exited"
     if errors:
-        return f"{head} | " + " / ".join(e[-300:] for e in errors[-2:])
+        return f"{head} | " + _quote(errors)
     return f"{head} | no error in its log (stopped from outside?)" if lines else f"{head} with an empty log"
+
+
+def _quote(lines: list[str], cap: int = QUOTE_CAP) -> str:
+    """The last lines that fit in `cap` characters, each whole and joined by " / ": a
+    line cut at its front loses what it is about. A single line longer than the cap keeps
+    its head (the exception's type and the start of its message)."""
+    kept, size = [], 0
+    for ln in reversed(lines):
+        size += len(ln) + 3
+        if kept and size > cap:
+            break
+        kept.insert(0, ln)
+    return " / ".join(kept) if len(kept[0]) <= cap else kept[0][:cap] + " ..."
 
 
 # The engine core logs this (INFO, vllm/v1/engine/core.py, 0.26 and 0.32) just before it

@@ -10,9 +10,11 @@ import importlib.resources
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -27,8 +29,8 @@ from .grid import Point, PointPlan, Unit, expand, run_order
 from .machine import cpu_dtype, describe, resolve_engine, versions
 from .params import Study, StudyError, load_study
 from .point import summarize
-from .results import (LOG, NOTEBOOK, ROUNDS, START, Manifest, RunFolder, StartRecord, git_state, now_utc,
-                      on_gpu, read_rounds, write_atomic)
+from .results import (LOG, NOTEBOOK, ROUNDS, START, Manifest, RunFolder, StartRecord, git_output, git_state,
+                      now_utc, on_gpu, read_rounds, write_atomic)
 from .server import pgid_path, stop_group_from_file
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout; only for git and the fallback below
@@ -64,15 +66,24 @@ def study_engine(study: Study, requested: str | None) -> str:
 
 def prepare(study: Study, engine: str) -> list[Point]:
     """Everything checked before anything starts: the grid against vLLM's rules, the
-    model, its tokenizer and chat template. Raises StudyError listing what to fix."""
+    model, its tokenizer and chat template, each endpoint target. Raises StudyError
+    listing what to fix; prints what will not stop the study but changes what it
+    measures (a target's rounds that start warm, missing server counters)."""
     points = expand(study, engine)
-    problems = [f for f in doctor.study_findings(study) if f.status == doctor.FAIL]
-    if problems:
-        raise StudyError("the study cannot run on this machine:\n" + "\n".join(
-            f"  {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "") for f in problems))
+    found = doctor.study_findings(study, stop_at_target_fail=True)
+    _refuse([f for f in found if f.status == doctor.FAIL])
+    for f in found:
+        if f.status == doctor.WARN:  # said here, before it starts, not only in start.json
+            print(f)
     check_parameters(notebook("point.ipynb"), POINT_PARAMS)
     check_parameters(notebook("report.ipynb"), REPORT_PARAMS)
     return points
+
+
+def _refuse(problems: list) -> None:
+    if problems:
+        raise StudyError("the study cannot run on this machine:\n" + "\n".join(
+            f"  {f.check}: {f.detail}" + (f"\n    fix: {f.fix}" if f.fix else "") for f in problems))
 
 
 def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
@@ -98,25 +109,31 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
 
 
 # -- one unit -------------------------------------------------------------------
-def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event) -> None:
+def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event, label: str = "") -> None:
     """Follow the point notebook (another process) through its files: advance the bar as
-    rounds land; call on_started once its server is spawned and has the slot (a server
-    started ahead: once it is let go at its engine's init; an endpoint target: once its
-    rounds are over), or once it has ended."""
-    seen = 0
+    rounds land, and name this start on it once it measures (with start-ahead, the slot's
+    next start prepares meanwhile: the bar names the one measuring); call on_started once
+    its server is spawned and has the slot (a server started ahead: once it is let go at
+    its engine's init; an endpoint target: once its rounds are over), or once it has ended."""
+    seen, named = 0, False
     while not stop.wait(0.5):
         if bar is not None:
             n = len(read_rounds(start_dir / ROUNDS))
             if n > seen:
                 bar.update(n - seen)
                 seen = n
+        if on_started is None and (named or bar is None):
+            continue
+        try:
+            rec = StartRecord.load_if(start_dir / START)
+        except ValueError:  # caught mid-write; read it again next time
+            rec = None
+        if rec is None:
+            continue
+        if bar is not None and not named and "warmup" in rec.timeline:
+            bar.set_description(label, refresh=True)
+            named = True
         if on_started is not None:
-            try:
-                rec = StartRecord.load_if(start_dir / START)
-            except ValueError:  # caught mid-write; read it again next time
-                rec = None
-            if rec is None:
-                continue
             t = rec.timeline
             if {"spawn", "slot"} <= t.keys() or "measured" in t or rec.status != "running":
                 on_started()
@@ -159,8 +176,9 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
               "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
     out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
-    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop), daemon=True) \
-        if bar is not None or on_started is not None else None
+    label = f"{unit.point} #{unit.start}" + (f" on GPUs {gpus}" if gpus else "")
+    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop, label),
+                               daemon=True) if bar is not None or on_started is not None else None
     if watcher:
         watcher.start()
     try:
@@ -335,10 +353,12 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
     # several rounds after a fast first one, and the bar would sit still for minutes).
     with tqdm(total=len(todo) * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
         lock = threading.Lock()
+        failed = []
 
         def work(u: Unit, slot, release):
-            with lock:
-                bar.set_description(f"{u.point} #{u.start}" + (f" on GPUs {slot}" if slot else ""))
+            if runner.kind == "ray":  # elsewhere the start's watcher names it once it measures
+                with lock:
+                    bar.set_description(f"{u.point} #{u.start}")
             s = runner(u, slot, bar, release)
             rec = run.point(u.point).start(u.start)
             with lock:
@@ -352,6 +372,11 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                     tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
                 elif s.status == "failed":
                     tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
+                if (rec is not None and rec.status == "failed") or s.status == "failed":
+                    # a failed start's rounds that never ran count as done, so the bar can end at
+                    # 100%; its postfix says how many starts that hides
+                    failed.append(u)
+                    bar.set_postfix_str(f"{len(failed)} of {len(todo)} starts FAILED", refresh=True)
 
         left, lengths = Dispatcher(runner.slots, work, t0, max_minutes, lengths).run(todo)
     if left:
@@ -415,6 +440,20 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     return extra
 
 
+def report_folder(run: RunFolder, overwrite: bool = False) -> RunFolder:
+    """Where `report` renders: the run itself, unless git tracks its report (a committed
+    run) and overwrite is not asked; then a copy in the system temp folder, so that
+    re-rendering (summary.csv, the notebook's timestamps, figures) leaves the checkout
+    clean and later runs are not stamped with uncommitted changes."""
+    if overwrite or git_output("ls-files", "--error-unmatch", "report.ipynb", cwd=run.path) is None:
+        return run
+    copy = Path(tempfile.mkdtemp(prefix="vllm-study-report-")) / run.path.name
+    shutil.copytree(run.path, copy)
+    print(f"{run.path} is committed (git tracks its report): rendering into {copy}; "
+          "`report --overwrite` renders into the run itself", file=sys.stderr)
+    return RunFolder(copy)
+
+
 def render_report(run: RunFolder, slo: str = "") -> Path:
     """summary.csv, report.ipynb and report.html; `slo` replaces the study's SLO for
     the report (e.g. to ask a finished study a new question)."""
@@ -452,4 +491,11 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
             print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:
             print(f"  warning: {w}")
+    # the targets are asked (about a second) as the sweep will ask them; the model is not loaded here
+    found = doctor.target_findings(study)
+    if found:
+        print("\ntargets:")
+        for f in found:
+            print(f)
+    _refuse([f for f in found if f.status == doctor.FAIL])
     return points

@@ -1,0 +1,95 @@
+"""export's command starts the point as it was measured (the recorded launch: model folder,
+load format, the kit's environment); compare says what differs between two studies,
+which points it left out, and calls no change an effect across different workloads."""
+from __future__ import annotations
+
+import shlex
+
+import yaml
+
+from synthetic_run import make_run
+from vllm_study import compare, export, models, server
+from vllm_study.machine import vllm_distribution
+from vllm_study.params import ModelSpec
+from vllm_study.point import summarize
+
+A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
+UNI = ["--distributed-executor-backend", "uni"]
+
+
+def _values(points, hit=0.5, ttft=300.0) -> dict:
+    return {p: {"output_throughput": 100.0, "ttft_p90_ms": ttft, "tpot_p50_ms": 20.0, "itl_p90_ms": 25.0,
+                "prefix_cache_hit_rate": hit} for p in points}
+
+
+def _exported_command(note) -> list[str]:
+    """The command line the .md shows (indented under its title), as a shell splits it."""
+    return shlex.split(note.read_text().splitlines()[2])
+
+
+def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit_env(tmp_path):
+    run = make_run(tmp_path / "r", _values([A, B, C, D]), {"server": {"extra_cli_args": UNI}})
+    folder = run.point(B)
+    plan = folder.plan()
+    # what point.py records for a start: serve_command's argv and the variables the kit set
+    command = server.serve_command("/models/tiny-qwen2", 40123, plan.point.engine_args.cli(), "tiny", True,
+                                   UNI + ["--custom-histogram-buckets", "[1, 256]"])
+    kit_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}
+    for st in folder.starts():
+        st.launch = st.launch.model_copy(update={"command": command, "kit_env": kit_env})
+        st.save(folder.start_dir(st.start) / "start.json")
+    summarize(folder, plan)
+
+    cfg_path, note = export.export(run.path, point=B, out=tmp_path / "out")
+    line = _exported_command(note)
+    assert line[:2] == ["OMP_NUM_THREADS=1", "VLLM_ENABLE_V1_MULTIPROCESSING=0"]  # the slot's GPU is not the config
+    head = command[:command.index("--host")]  # interpreter, entry point, the model folder served
+    assert line[2:] == head + ["--load-format", "dummy", "--config", cfg_path.name]
+    assert "/models/tiny-qwen2" in head
+    assert cfg_path.read_text().splitlines()[1] == "# " + note.read_text().splitlines()[2].strip()
+    cfg = yaml.safe_load(cfg_path.read_text())
+    assert cfg["distributed-executor-backend"] == "uni" and cfg["max-num-batched-tokens"] == 256
+    assert "custom-histogram-buckets" not in cfg and "load-format" not in cfg
+    assert "the launch a start of this point recorded" in note.read_text()
+
+
+def test_export_without_a_recorded_launch_builds_it_as_the_server_would(tmp_path):
+    run = make_run(tmp_path / "r", _values([A, B, C, D]), {"server": {"extra_cli_args": UNI}})
+    cfg_path, note = export.export(run.path, point=A, out=tmp_path / "out")
+    line = _exported_command(note)
+    folder, _ = models.resolve(ModelSpec(card="tiny-qwen2"))
+    assert folder in line and line[line.index("--load-format") + 1] == "dummy"
+    assert line[-2:] == ["--config", cfg_path.name] and "--port" not in line
+    if vllm_distribution() != "vllm":  # the CPU build needs these for the uni backend (server.cpu_uni_env)
+        assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in line and any(t.startswith("OMP_NUM_THREADS=") for t in line)
+    assert "no start of this point recorded its launch" in note.read_text()
+
+
+def test_compare_across_different_workloads_lists_them_and_calls_nothing_an_effect(tmp_path):
+    ra = make_run(tmp_path / "a", _values([A, B, C, D]), seed=1)
+    other = {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 64, "concurrency": 8,
+             "requests_per_round": 100}
+    rb = make_run(tmp_path / "b", _values([A, B], hit=0.9),
+                  {"workload": other, "grid": {"max_num_batched_tokens": [256],
+                                               "kv_cache_memory_bytes": [16777216, 134217728]}}, seed=2)
+    df = compare.compare(ra.path, rb.path)
+    hit = df[df["metric"] == "prefix_cache_hit_rate"].set_index("point")
+    assert hit.at[A, "verdict"] == "higher" and hit.at[A, "change"] > 0.4  # resolved, yet no "better"
+    assert not df["verdict"].isin(["better", "worse"]).any() and (df["workload"] == "different").all()
+    head, table, line = compare.run(ra.path, rb.path)
+    assert "* workload.output_tokens: 16 -> 64" in head and "* workload.requests_per_round:" in head
+    assert "* workload.concurrency:" in head and "the workloads differ" in head
+    assert f"left out, measured in A only: {C}, {D}" in head and "B only" not in head
+    assert line.startswith("across different workloads") and "resolved" not in line.split(":", 1)[1]
+    assert "better" not in line and "worse" not in line and "higher" in table.loc[A, "prefix-cache hit rate"]
+
+
+def test_compare_of_the_same_workload_lists_other_differences_and_keeps_its_verdicts(tmp_path):
+    ra = make_run(tmp_path / "a", _values([A, B, C, D]), seed=1)
+    rb = make_run(tmp_path / "b", _values([A, B, C, D], ttft=600.0),
+                  {"engine_args": {"max_model_len": 4096, "enable_prefix_caching": True, "dtype": "float32"}},
+                  seed=2)
+    head, _, line = compare.run(ra.path, rb.path)
+    assert "  engine_args.max_model_len: 2048 -> 4096" in head and "workloads differ" not in head
+    assert "left out" not in head
+    assert f"resolved (B vs A): {A} TTFT P90 +" in line and "worse" in line
