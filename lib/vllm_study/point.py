@@ -469,7 +469,7 @@ class PointRun:
 
 
 def _send_to_finish(results: list[dict]) -> float | None:
-    """The round's clock (DESIGN.md): first send to last finish, read from the requests'
+    """The round's clock (metrics.py: duration_s): first send to last finish, read from the requests'
     own timestamps, so starting the sender's event loop is not counted."""
     ends = [r["end_time"] for r in results if r.get("end_time") is not None]
     return max(ends) - min(r["send_time"] for r in results) if ends else None

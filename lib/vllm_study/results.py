@@ -190,10 +190,6 @@ class PointSummary(_Record):
     estimates: dict[str, Estimate] = {}
     groups: dict[str, dict[str, Estimate]] = {}   # "class=long" -> metric -> estimate
 
-    @property
-    def complete(self) -> bool:
-        return self.status == "ok"
-
 
 # -- the run -----------------------------------------------------------------
 class GitState(BaseModel):
@@ -422,14 +418,6 @@ def append_round(start_dir: Path, record: RoundRecord, requests: list[dict]) -> 
     with gzip.open(Path(start_dir) / REQUESTS, "at") as f:
         for r in requests:
             f.write(json.dumps({**r, "start": record.start, "round": record.round}) + "\n")
-
-
-def read_requests(start_dir: Path) -> list[dict]:
-    f = Path(start_dir) / REQUESTS
-    if not f.exists():
-        return []
-    with gzip.open(f, "rt") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
 
 
 def compress_log(start_dir: Path) -> None:
