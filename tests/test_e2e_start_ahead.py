@@ -111,6 +111,11 @@ def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_
     assert first.status == second.status == "ok"
     assert not first.launch.started_ahead  # the slot was free
     assert second.launch.started_ahead and "held" in second.timeline
+    # it imported on cores of its own at nice 19, and had every core and its priority back once released
+    from vllm_study.server import background_cpus
+    assert second.launch.ahead_cpus == background_cpus() and first.launch.ahead_cpus is None
+    if os.geteuid() == 0:  # raising a priority back needs CAP_SYS_NICE
+        assert second.launch.ahead_priority_restored
     # the same environment, held or not, so both share one torch.compile cache key
     assert first.launch.kit_env == second.launch.kit_env
     assert first.launch.kit_env["VLLM_ENGINE_READY_TIMEOUT_S"] == "86400"

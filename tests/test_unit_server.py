@@ -502,3 +502,30 @@ def test_a_held_start_whose_server_dies_at_its_init_line_fails_with_the_logs_rea
     with pytest.raises(ServerStartError, match="ValueError: no GPU"):
         s.start(hold=lambda: time.sleep(0.2))
     assert group_gone(s.proc.pid)
+
+
+def test_a_server_started_ahead_imports_on_its_own_cores_at_the_lowest_priority_and_gets_them_back():
+    """background_cpus and place_group on a real process group (a shell and its child)."""
+    import os
+    import subprocess
+    import time
+
+    from vllm_study.server import AHEAD_NICE, background_cpus, group_pids, place_group
+    assert background_cpus({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}) == [14, 15]
+    assert background_cpus({0, 1}) == [1] and background_cpus({3}) == [3]
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)
+    try:
+        time.sleep(0.3)
+        pids = group_pids(proc.pid)
+        assert proc.pid in pids and len(pids) == 2  # the shell and its sleep
+        cpus = background_cpus()
+        place_group(proc.pid, cpus, AHEAD_NICE)
+        assert all(os.sched_getaffinity(p) == set(cpus) and os.getpriority(os.PRIO_PROCESS, p) == AHEAD_NICE
+                   for p in pids)
+        restored = place_group(proc.pid, os.sched_getaffinity(0), 0)
+        if restored:  # raising a priority back needs CAP_SYS_NICE; the affinity comes back either way
+            assert all(os.getpriority(os.PRIO_PROCESS, p) == 0 for p in pids)
+        assert all(os.sched_getaffinity(p) == os.sched_getaffinity(0) for p in pids)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()

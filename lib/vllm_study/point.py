@@ -252,6 +252,11 @@ class PointRun:
             reason = None
         except ServerStartError as e:
             reason = e.reason
+        self.record.launch.ahead_cpus = self.server.ahead_cpus
+        self.record.launch.ahead_priority_restored = self.server.priority_restored
+        if self.server.priority_restored is False:
+            self.record.warnings.append("started ahead at nice 19, and its priority could not be raised back once "
+                                        "released (that needs CAP_SYS_NICE): it measured at nice 19")
         if self.server.hold_missed:
             self.record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
             self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "

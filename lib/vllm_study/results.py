@@ -116,6 +116,8 @@ class Launch(BaseModel):
     hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
     slot_wait_s: float | None = None            # waiting for the slot's previous server to stop
     started_ahead: bool = False                 # spawned before its slot was free, held at its engine's init
+    ahead_cpus: list[int] | None = None         # started ahead: the cores it imported on, at nice 19
+    ahead_priority_restored: bool | None = None  # its normal priority back once released (needs CAP_SYS_NICE)
     kit_env: dict[str, str] = {}                # variables the kit set for vLLM (not server.env's)
 
 

@@ -9,6 +9,9 @@ A server can be started ahead of its GPU slot (`hold`): it spawns and imports wh
 the slot's previous server still measures, and its process group is frozen (SIGSTOP)
 the moment its engine logs that it initializes, before it touches the GPU; it
 continues (SIGCONT) once `hold` returns, i.e. once the previous server has stopped.
+While it imports it runs on a few cores of its own at the lowest priority
+(background_cpus), so it takes no CPU from the server that measures; released, it gets
+every core and its normal priority back.
 """
 from __future__ import annotations
 
@@ -225,6 +228,48 @@ def _health(url: str) -> bool:
         return False
 
 
+AHEAD_NICE = 19  # the lowest priority: a measured server on the same cores always goes first
+
+
+def background_cpus(allowed: set[int] | None = None) -> list[int]:
+    """The cores a server started ahead imports on: the last eighth of this process's
+    cores (at least one; all of them on a one-core machine). The measured server's own
+    processes are not pinned, but at normal priority they win those cores too."""
+    cpus = sorted(allowed if allowed is not None else os.sched_getaffinity(0))
+    return cpus[-max(1, len(cpus) // 8):]
+
+
+def group_pids(pgid: int) -> list[int]:
+    """The live processes of a process group (vLLM's front end, engine core, workers)."""
+    import psutil
+    out = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p.pid)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def place_group(pgid: int, cpus: list[int] | set[int], nice: int) -> bool:
+    """Every process of the group onto `cpus` at `nice`; False where the priority could
+    not be set (raising it back needs CAP_SYS_NICE): the affinity is set either way."""
+    ok = True
+    for pid in group_pids(pgid):
+        try:
+            os.sched_setaffinity(pid, cpus)
+        except (ProcessLookupError, PermissionError, OSError):
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, nice)
+        except PermissionError:
+            ok = False
+        except ProcessLookupError:
+            continue
+    return ok
+
+
 class VllmServer:
     """One vLLM server; `with VllmServer(...) as s:` starts, waits, and always stops."""
 
@@ -240,6 +285,8 @@ class VllmServer:
         self.startup_s: float | None = None  # spawn to healthy, less the time held
         self.held_s: float | None = None     # frozen at the engine's init, waiting for `hold`
         self.hold_missed = False             # healthy before ENGINE_INIT_LINE was seen
+        self.ahead_cpus: list[int] | None = None     # where a server started ahead imported
+        self.priority_restored: bool | None = None  # its normal priority back once released
 
     @staticmethod
     def ahead_env(env: dict[str, str]) -> dict[str, str]:
@@ -268,6 +315,10 @@ class VllmServer:
         # The group id on disk at once: whoever outlives this process (the sweep, after
         # a kernel crash or an interrupt mid-start) can still stop exactly this group.
         self.pgid_file.write_text(str(self.proc.pid))
+        if hold:  # set from here, not in a preexec_fn (unsafe in a process with threads);
+            # the processes it forks later (engine core, workers) inherit both
+            self.ahead_cpus = background_cpus()
+            place_group(self.proc.pid, self.ahead_cpus, AHEAD_NICE)
         watch = LogWatch(self.log_path, ENGINE_INIT_LINE) if hold else None
         held, next_health = 0.0, 0.0
         try:
@@ -306,6 +357,8 @@ class VllmServer:
         try:
             hold()
         finally:
+            # the slot is this server's now: every core and its normal priority, before it runs on
+            self.priority_restored = place_group(self.proc.pid, os.sched_getaffinity(0), 0)
             if freeze:
                 self._signal_group(signal.SIGCONT)
         return time.perf_counter() - t0
