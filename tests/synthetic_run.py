@@ -12,7 +12,7 @@ from vllm_study.grid import PointPlan, Unit, expand
 from vllm_study.machine import CpuInfo, Machine, Versions
 from vllm_study.params import study_from_dict
 from vllm_study.point import summarize
-from vllm_study.results import GitState, Launch, Manifest, RoundRecord, RunFolder, StartRecord
+from vllm_study.results import GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord
 
 CPU = CpuInfo(model="test CPU", machine="x86_64", cores=2, capability="AVX2", avx512=False, avx512_bf16=False,
               amx=False)
@@ -29,12 +29,17 @@ def study(**over) -> dict:
 
 def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict | None = None,
              start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0,
-             died: dict[str, tuple[int, int]] | None = None) -> RunFolder:
+             died: dict[str, tuple[int, int]] | None = None,
+             groups: dict[str, dict[str, dict[str, float]]] | None = None,
+             counts: dict[str, dict[str, list[float]]] | None = None) -> RunFolder:
     """values[point id][metric] = the point's true value; each start scatters around it by
     start_sd and each round by round_sd (log-normal), the rest of the registry's latency
     metrics are left out. Every start ok unless values[point] is empty (a failed point), or
     died[point] = (start, round): that start's server died in that round (0-based), which
-    failed, and its later rounds never ran."""
+    failed, and its later rounds never ran. groups[point]["class=shared"][metric]: a request
+    group's true value, scattered like the whole round's (the same start shift, its own
+    round noise). counts[point][metric]: exact per-round values of the whole round (e.g.
+    the budget's pb_deferred), round i of start k taking item (k-1)*rounds+i, cycled."""
     died = died or {}
     s = study_from_dict(study(**(study_over or {})))
     points = expand(s, "cpu")
@@ -59,9 +64,16 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
             for i in range(s.rounds if truth else 0):
                 m = {name: v * float(np.exp(shift + rng.normal(0, round_sd))) for name, v in truth.items()}
                 m |= {"requests": 16.0, "completed": 16.0, "failed": 0.0}
+                m |= {name: float(v[((k - 1) * s.rounds + i) % len(v)])
+                      for name, v in (counts or {}).get(p.id, {}).items()}
                 assert set(m) <= set(metrics.REGISTRY)
+                parts = [GroupRecord(key=label.split("=", 1)[0], value=label.split("=", 1)[1],
+                                     metrics={name: v * float(np.exp(shift + rng.normal(0, round_sd)))
+                                              for name, v in g.items()})
+                         for label, g in (groups or {}).get(p.id, {}).items()]
                 rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok" if dies != i else "failed",
-                                  utc="2026-01-01T00:00:00", metrics=m if dies != i else {})
+                                  utc="2026-01-01T00:00:00", metrics=m if dies != i else {},
+                                  groups=parts if dies != i else [])
                 with open(sdir / "rounds.jsonl", "a") as f:
                     f.write(rec.model_dump_json() + "\n")
                 if dies == i:

@@ -163,6 +163,7 @@ hit rate beside the one a never-evicting cache would reach. An axis that never b
 is named: the study cannot show its effect.
 """),
     code("ns.binding(r)", **CHECK),
+    code("ns.axis_effects(r)  # the scheduler axis per request class, with the budget's deferrals", **CHECK),
     md("""
 ## Endpoints side by side
 For a study of `targets` (running endpoints, e.g. a vLLM port and the same server behind

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--best", action="store_true", help="the report's recommendation (the default)")
     ex.add_argument("--out", type=Path, default=Path("."), help="folder for the config and its notes")
     ex.add_argument("--slo", default="", help="judge the points under this SLO instead of the study's")
+    ex.add_argument("--force", action="store_true",
+                    help="exit 0 where the point does not surely meet the SLO (by default: exit 3; the files "
+                         "are written either way)")
     cmp = sub.add_parser("compare", help="two runs side by side: per point and metric, the change with its interval")
     cmp.add_argument("run_a", type=Path)
     cmp.add_argument("run_b", type=Path)
@@ -110,11 +113,19 @@ def _decide(args) -> int:
     import pandas as pd
     try:
         if args.cmd == "export":
-            from .export import export
+            from .export import EXIT_SLO_NOT_MET, export_point
             from .report import parse_slo
-            cfg, note = export(args.run, args.point, args.out, parse_slo(args.slo))
-            print(f"{cfg}\n{note}\n")
-            print(note.read_text())
+            e = export_point(args.run, args.point, args.out, parse_slo(args.slo))
+            print(f"{e.config}\n{e.notes}\n")
+            print(e.notes.read_text())
+            if e.shortfall:
+                whose = "the SLO given with --slo" if e.slo_given else "the study's slo:"
+                print(f"{'warning' if args.force else 'error'}: {e.point} does not surely meet {whose} (its 95% "
+                      f"interval does not lie within every bound): {e.shortfall}. The files were written all "
+                      f"the same: {e.config} and {e.notes}"
+                      + (" (--force: exit 0)." if args.force else
+                         f"; exit {EXIT_SLO_NOT_MET} (--force exports it with exit 0)."), file=sys.stderr)
+                return 0 if args.force else EXIT_SLO_NOT_MET
             return 0
         from .compare import run
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):

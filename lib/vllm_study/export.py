@@ -4,6 +4,7 @@ its justification.
 
     python -m vllm_study export results/<run> --best        # the report's recommendation
     python -m vllm_study export results/<run> --point mbt=2048__gmu=0.90
+    python -m vllm_study export results/<run> --best --slo ttft_p90_ms=150   # exit 3 unless it surely meets it
 
 writes `<study>.<point>.serve.yaml` (vLLM's config-file format: flag names without the
 dashes in front) and `<study>.<point>.md` (the numbers with their intervals, the SLO,
@@ -14,6 +15,7 @@ environment the kit set), less its port and the flags the config file now holds.
 from __future__ import annotations
 
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -127,8 +129,47 @@ def shell_command(argv: list[str], env: dict[str, str], cfg_name: str) -> str:
     return " ".join(assigns + [shlex.join(argv + ["--config", cfg_name])])
 
 
+# `python -m vllm_study export` exits with this where an SLO applies (given with --slo, else
+# the study's `slo:`) and the exported point does not surely meet it (--force: 0)
+EXIT_SLO_NOT_MET = 3
+
+
+@dataclass
+class Exported:
+    config: Path
+    notes: Path
+    point: str
+    slo: dict[str, float]          # the SLO the point was judged on (empty: none)
+    slo_given: bool                # given at export time, not the study's
+    shortfall: str | None          # why the point does not surely meet the SLO; None: it does, or no SLO
+
+
+def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
+    """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
+    within (misses it, or not resolved: the interval straddles it; or not measured).
+    None where it meets every bound, or no SLO is set."""
+    parts = []
+    for metric, bound in (slo or {}).items():
+        t = decision.slo_table(r.intervals[r.intervals["point"] == point], {metric: bound})
+        verdict = t.at[point, "SLO"] if point in t.index else "not measured"
+        if verdict == "meets":
+            continue
+        m, iv = metrics.get(metric), r.interval(point, metric)
+        sign = ">=" if m.better == "higher" else "<="
+        parts.append(f"{metric} {sign} {bound:g}: {verdict}" + (f" ({report._cell(iv, m)} {m.unit})" if iv else ""))
+    return "; ".join(parts) or None
+
+
 def export(run: str | Path, point: str | None = None, out: Path = Path("."),
            slo: dict[str, float] | None = None) -> tuple[Path, Path]:
+    e = export_point(run, point, out, slo)
+    return e.config, e.notes
+
+
+def export_point(run: str | Path, point: str | None = None, out: Path = Path("."),
+                 slo: dict[str, float] | None = None) -> Exported:
+    """export's files, and whether the point surely meets the SLO (the files are written
+    either way: the caller decides what a shortfall means)."""
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
     rec = decision.recommend(r.rounds, r.intervals, slo)
@@ -147,7 +188,7 @@ def export(run: str | Path, point: str | None = None, out: Path = Path("."),
               f"# {command}\n# evidence: {note_path.name}\n")
     cfg_path.write_text(header + yaml.safe_dump(cfg, sort_keys=True))
     note_path.write_text(_justification(r, point, rec, slo, model, model_note, command, source))
-    return cfg_path, note_path
+    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), slo_shortfall(r, point, slo))
 
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,

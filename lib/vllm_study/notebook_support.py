@@ -109,6 +109,28 @@ def binding(r: report.Run) -> pd.DataFrame:
     return report.binding_table(r)
 
 
+def axis_effects(r: report.Run, axis: str = "") -> pd.DataFrame | None:
+    """Beside the binding: an axis's effect per request group (by default the Prefix Reuse
+    Budget's min_reuse_ratio against off, for all requests and its shared and cold
+    classes), each change with its 95% interval and called an effect only where resolved;
+    for the budget, where it bound and its deferrals per point (median per round, range).
+    A study without the scheduler axis prints one line (or name another axis)."""
+    axis = axis or report.scheduler_axis(r) or ""
+    if not axis:
+        print("no scheduler axis in this study (scheduler.min_reuse_ratio lists one value or none): "
+              "no per-class effect of the budget to show")
+        return None
+    for note in report.axis_effect_notes(r, axis):
+        print(note)
+    deferrals = report.deferral_table(r) if axis == report.SCHEDULER_AXIS else None
+    if deferrals is not None:
+        from IPython.display import display
+        print("\nrequests the budget deferred per round at each of its points: median over measured rounds "
+              "(min to max)")
+        display(deferrals)
+    return report.axis_effect_table(r, axis)
+
+
 def versus_best(r: report.Run) -> pd.DataFrame | None:
     return report.comparison_table(r)
 

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from . import analysis, metrics
+from .grid import SCHEDULER_AXIS, fmt_value
 from .results import Manifest, PointSummary, RunFolder
 
 
@@ -36,7 +37,10 @@ class Run:
 
     @property
     def axes(self) -> list[str]:
-        return list(self.manifest.params.get("grid") or {})
+        """The grid's axes as the points have them: the study's grid, and the scheduler axis
+        that grid.expand adds where a study sweeps the Prefix Reuse Budget's ratios."""
+        grid = list(self.manifest.params.get("grid") or {})
+        return grid + [SCHEDULER_AXIS] if any(SCHEDULER_AXIS in s.values for s in self.summaries) else grid
 
     @property
     def slo(self) -> dict[str, float]:
@@ -342,6 +346,9 @@ def binding_notes(r: Run) -> list[str]:
             bound = sorted(p for p, v in running.items() if p in caps and v >= caps[p])
             notes.append(f"{axis} bound (running requests reached it) at: {', '.join(bound)}" if bound else
                          f"{axis} never bound: running requests stayed below max_num_seqs at every point")
+    budget = _scheduler_evidence(r)
+    if budget and not budget["bound"]:  # where it deferred somewhere, the axis-effects cell says where
+        notes.append(scheduler_binding(r))
     return notes
 
 
@@ -370,6 +377,235 @@ def _chunk_binding(r: Run, axis: str, longp: pd.Series) -> str:
     if not parts:
         return f"{axis} never bound: no prefill was longer than the chunk; this study cannot show its effect"
     return "; ".join(parts)
+
+
+# -- the scheduler axis: did the budget bind, and an axis's effect per request group ----
+def scheduler_axis(r: Run) -> str | None:
+    """min_reuse_ratio where the study sweeps the Prefix Reuse Budget (several values of
+    scheduler.min_reuse_ratio make it an axis of the points' values, beside the grid)."""
+    return SCHEDULER_AXIS if any(SCHEDULER_AXIS in s.values for s in r.summaries) else None
+
+
+def _same(a, b) -> bool:
+    return a == b or str(a) == str(b)
+
+
+def _budget_points(r: Run, axis: str) -> list[str]:
+    """Measured points that ran with the budget (min_reuse_ratio not off)."""
+    return [s.point for s in r.measured if axis in s.values and not _same(s.values[axis], "off")]
+
+
+def _scheduler_evidence(r: Run) -> dict | None:
+    """The budget's points, split by its counters over every measured round: bound (a
+    request deferred in some round), never (no request deferred in any round), unknown
+    (no counter recorded); None where the study has no scheduler axis or no budget point
+    was measured."""
+    axis = scheduler_axis(r)
+    points = _budget_points(r, axis) if axis else []
+    if not points:
+        return None
+    deferred = _per_point(r, "pb_deferred", "max")
+    return {"axis": axis, "points": points, "bound": sorted(p for p in points if p in deferred and deferred[p] > 0),
+            "never": sorted(p for p in points if p in deferred and deferred[p] <= 0),
+            "unknown": sorted(p for p in points if p not in deferred)}
+
+
+def scheduler_binding(r: Run) -> str | None:
+    """One sentence: where the budget bound (deferred a request in some round) and where
+    it never did (none in any round: there the study cannot show its effect)."""
+    ev = _scheduler_evidence(r)
+    if ev is None:
+        return None
+    axis, n = ev["axis"], len(ev["points"])
+    if not ev["bound"] and not ev["never"]:
+        return (f"{axis}: the budget's counters were not recorded at its {n} point(s), so the study cannot say "
+                "whether it bound")
+    if not ev["bound"]:
+        return (f"{axis} never bound: the budget deferred no request in any round at any of its {n} point(s) "
+                f"({', '.join(ev['never'])}); this study cannot show its effect")
+    parts = [f"{axis} bound at {len(ev['bound'])} of {n} budget point(s) (requests deferred in a round): "
+             + ", ".join(ev["bound"])]
+    if ev["never"]:
+        parts.append("it never bound (no request deferred in any round; no effect to show there) at: "
+                     + ", ".join(ev["never"]))
+    if ev["unknown"]:
+        parts.append("the budget's counters were not recorded at: " + ", ".join(ev["unknown"]))
+    return "; ".join(parts)
+
+
+DEFERRAL_COUNTS = (("deferred", "pb_deferred"), ("let in by the age bound", "pb_admitted_by_age"),
+                   ("let in while idle", "pb_admitted_idle"))
+DEFERRAL_TIMES = (("defer P50 (ms)", "pb_defer_ms_p50"), ("defer P99 (ms)", "pb_defer_ms_p99"))
+
+
+def _median_range(v: pd.Series, fmt: str) -> str:
+    return f"{format(v.median(), fmt)} ({format(v.min(), fmt)} to {format(v.max(), fmt)})"
+
+
+def deferral_table(r: Run) -> pd.DataFrame | None:
+    """Per point with the budget: requests deferred per round, and how many of those the
+    age bound and the idle rule let in, as the median over its measured rounds with the
+    range (min to max); the hold times likewise; whether it bound (never: it deferred no
+    request in any round). None without a scheduler axis."""
+    axis = scheduler_axis(r)
+    points = _budget_points(r, axis) if axis else []
+    if not points:
+        return None
+    df = analysis.ok_rounds(r.rounds)
+    rows = []
+    for p in points:
+        g = df[df["point"] == p]
+        row = {"point": p, axis: fmt_value(axis, next(s.values[axis] for s in r.measured if s.point == p))}
+        have = g["pb_deferred"].dropna() if "pb_deferred" in g.columns else pd.Series(dtype=float)
+        row["rounds"] = len(have)
+        for label, col in DEFERRAL_COUNTS:
+            v = g[col].dropna() if col in g.columns else pd.Series(dtype=float)
+            row[f"{label} per round"] = _median_range(v, "g") if len(v) else "not recorded"
+        for label, col in DEFERRAL_TIMES:
+            v = g[col].dropna() if col in g.columns else pd.Series(dtype=float)
+            row[label] = _median_range(v, ".0f") if len(v) else ""
+        row["bound"] = "not known" if have.empty else "yes" if have.max() > 0 else "never"  # in no round
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("point")
+
+
+EFFECT_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")       # per request group and for all
+WHOLE_ROUND_EFFECTS = ("output_throughput", "prefix_cache_hit_rate")  # the whole round's only
+
+
+def axis_values(r: Run, axis: str) -> list:
+    """An axis's values in the order the study lists them."""
+    p = r.manifest.params
+    if axis in (p.get("grid") or {}):
+        return list(p["grid"][axis])
+    if axis == SCHEDULER_AXIS:
+        ratios = (p.get("scheduler") or {}).get("min_reuse_ratio")
+        if isinstance(ratios, list):
+            return ratios
+    return list(dict.fromkeys(s.values[axis] for s in r.summaries if axis in s.values))
+
+
+def reference_value(r: Run, axis: str):
+    """What an axis's other values are set against: vLLM's own scheduler (off) for the
+    budget; else the baseline point's value; else the axis's first value."""
+    values = axis_values(r, axis)
+    if axis == SCHEDULER_AXIS and any(_same(v, "off") for v in values):
+        return "off"
+    base = next((s for s in r.summaries if s.point == r.manifest.params.get("baseline")), None)
+    if base is not None and axis in base.values:
+        return base.values[axis]
+    return values[0] if values else None
+
+
+def axis_pairs(r: Run, axis: str, reference=None) -> list[tuple[str, str]]:
+    """(point, the point it is set against): each point at another value of `axis` with
+    the point at the reference value whose other axes' values are the same."""
+    ref = reference_value(r, axis) if reference is None else reference
+    values = {s.point: s.values for s in r.summaries if axis in s.values}
+    at_ref = [q for q, v in values.items() if _same(v[axis], ref)]
+    pairs = []
+    for p, v in values.items():
+        if _same(v[axis], ref):
+            continue
+        twin = next((q for q in at_ref if all(_same(values[q].get(k), x) for k, x in v.items() if k != axis)), None)
+        if twin:
+            pairs.append((p, twin))
+    return pairs
+
+
+def request_groups(rounds: pd.DataFrame) -> list[tuple[str, tuple[str, str] | None]]:
+    """('all', None), then each request class, turn, rate step or prefix of the rounds
+    (label 'class=shared', group ('class', 'shared')), in the group table's order."""
+    if rounds.empty or "group" not in rounds.columns:
+        return [("all", None)]
+    groups = rounds.loc[rounds["group"] != "all", ["group", "group_value"]].drop_duplicates()
+    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=_group_order)
+    return [("all", None)] + [(lab, tuple(lab.split("=", 1))) for lab in labels]
+
+
+def _change_text(d: analysis.Difference) -> str:
+    if not np.isfinite(d.low):
+        return f"{d.estimate:+.1%} (no spread measured)" if d.relative else f"{d.estimate:+.3g} (no spread measured)"
+    if d.relative:
+        return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
+    return f"{d.estimate:+.3g} [{d.low:+.3g}, {d.high:+.3g}]"
+
+
+EFFECT_COLUMNS = ["point", "against", "group", "metric", "value", "reference value", "change", "verdict",
+                  "estimate", "low", "high", "relative", "resolved"]
+
+
+def axis_effect_frame(r: Run, axis: str, reference=None, names=EFFECT_METRICS,
+                      whole=WHOLE_ROUND_EFFECTS) -> pd.DataFrame:
+    """One row per (point, group, metric): each point at a non-reference value of `axis`
+    against its twin at the reference value (axis_pairs), for all requests and each
+    request group the rounds have (the budget's shared and cold classes, turns, rate
+    steps): both values [95% interval], the difference with its 95% interval (analysis.
+    difference: the start-to-start spread pooled over the run's points), its verdict, and
+    the point's axis values. `whole` metrics are the whole round's only."""
+    pairs = axis_pairs(r, axis, reference)
+    values = {s.point: s.values for s in r.summaries}
+    cols = list(dict.fromkeys(k for p, _ in pairs for k in values[p])) + EFFECT_COLUMNS
+    groups = request_groups(r.rounds)
+    found = {}
+    for label, group in groups:
+        for m in tuple(names) + (tuple(whole) if group is None else ()):
+            data = analysis.MetricData.from_rounds(r.rounds, m, group)
+            if data is not None:
+                found[label, m] = (data, data.noise(), analysis.point_intervals(r.rounds, [m], group))
+    rows = []
+    for p, ref in pairs:
+        for (label, m), (data, noise, iv) in found.items():
+            if p not in data.starts or ref not in data.starts:
+                continue
+            d = analysis.difference(data, p, ref, noise)
+            mm = metrics.get(m)
+            rows.append({**values[p], "point": p, "against": ref, "group": label, "metric": m,
+                         "value": _cell(_lookup(iv, p, m), mm), "reference value": _cell(_lookup(iv, ref, m), mm),
+                         "change": _change_text(d), "verdict": d.verdict(), "estimate": d.estimate, "low": d.low,
+                         "high": d.high, "relative": d.relative, "resolved": d.resolved})
+    return pd.DataFrame(rows, columns=cols)
+
+
+def axis_effect_table(r: Run, axis: str, reference=None) -> pd.DataFrame | None:
+    """Per point at a non-reference value of `axis` and request group: the point it is set
+    against, and per metric the change [95% interval] with its verdict (better or worse
+    only where the interval excludes 0: an effect; else not resolved)."""
+    f = axis_effect_frame(r, axis, reference)
+    if f.empty:
+        return None
+    f = f.assign(cell=[f"{c} {v}" for c, v in zip(f["change"], f["verdict"])])
+    order = [m for m in EFFECT_METRICS + WHOLE_ROUND_EFFECTS if m in set(f["metric"])]
+    t = f.pivot_table(index=["point", "group"], columns="metric", values="cell", aggfunc="first", sort=False)
+    t = t.reindex(columns=order).fillna("")
+    t.columns = [f"{metrics.get(m).label} change" for m in order]
+    against = f.drop_duplicates(["point", "group"]).set_index(["point", "group"])["against"]
+    t.insert(0, "against", against.reindex(t.index))
+    return t
+
+
+def axis_effect_notes(r: Run, axis: str, reference=None) -> list[str]:
+    """What the effects table shows, in words: what each point is set against, every
+    resolved effect (and only those called effects), and for the scheduler where the
+    budget bound."""
+    ref = reference_value(r, axis) if reference is None else reference
+    notes = [f"{axis}: each point against the point at {axis}={fmt_value(axis, ref)} with the same other values, "
+             "for all requests and per request group: the change [95% interval], called an effect only where "
+             "the interval excludes 0"]
+    if axis == SCHEDULER_AXIS:
+        notes.append(scheduler_binding(r) or f"{axis}: no point with the budget was measured")
+    f = axis_effect_frame(r, axis, reference)
+    if f.empty:
+        notes.append(f"{axis}: no measured point has a measured twin at {axis}={fmt_value(axis, ref)} "
+                     "to be set against")
+        return notes
+    effects = f[f["resolved"]]
+    if effects.empty:
+        notes.append(f"no effect of {axis} this study resolves, in any request group: every interval includes 0")
+    for row in effects.itertuples():
+        notes.append(f"effect at {row.point} against {row.against}, {row.group}: {metrics.get(row.metric).label} "
+                     f"{row.change} ({row.verdict})")
+    return notes
 
 
 # -- comparisons ----------------------------------------------------------------------
