@@ -10,7 +10,8 @@ from pathlib import Path
 import papermill as pm
 import pytest
 
-from vllm_study.sweep import POINT_PARAMS, REPORT_PARAMS, notebook
+from vllm_study.grid import Unit
+from vllm_study.sweep import POINT_PARAMS, REPORT_PARAMS, notebook, point_params
 
 GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "write_notebooks.py"
 
@@ -26,6 +27,12 @@ def test_parameters_are_declared_and_readable(name, needed):
     assigned = {line.split(":")[0].split("=")[0].strip() for line in "".join(cell["source"]).splitlines()
                 if line.strip() and not line.startswith("#")}
     assert assigned == declared
+
+
+def test_what_the_sweep_passes_the_point_notebook_is_what_it_checks(tmp_path):
+    given = point_params(tmp_path / "point.json", tmp_path / "s1", Unit(point="p", start=1, block=1), [0],
+                         tmp_path / ".slot.lock", tmp_path)
+    assert set(given) == POINT_PARAMS
 
 
 @pytest.mark.parametrize("name", ["point.ipynb", "report.ipynb", "explore.ipynb"])

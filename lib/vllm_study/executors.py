@@ -18,6 +18,7 @@ import fcntl
 import io
 import os
 import queue
+import shutil
 import tarfile
 import tempfile
 import threading
@@ -242,22 +243,68 @@ def _pack(folder: Path) -> bytes:
 
 def ray_start(plan_json: str, unit: dict, point_id: str) -> bytes:
     """A Ray task body: one server start in a scratch run folder on the worker; returns
-    the start folder packed. The worker needs the kit installed (the same environment)."""
+    the start folder packed. The worker needs the kit installed (the same environment).
+    Its papermill, kernel and server each run in a session of their own and would outlive
+    a killed worker: a guard process (orphan_guard) stops them and removes the scratch
+    folder if the worker dies. The scratch folder goes once the start folder is packed."""
     import ray
 
+    from . import orphan_guard
     from .sweep import run_unit
     scratch = Path(tempfile.mkdtemp(prefix="vllm-study-"))
-    folder = RunFolder(scratch).point(point_id)
-    folder.path.mkdir(parents=True)
-    folder.plan_path.write_text(plan_json)
-    u = Unit(**unit)
-    gpus = [int(g) for g in ray.get_gpu_ids()] or None
-    run_unit(RunFolder(scratch), u, gpus=gpus)
-    return _pack(folder.start_dir(u.start))
+    guard = orphan_guard.launch(scratch)
+    done = False
+    try:
+        folder = RunFolder(scratch).point(point_id)
+        folder.path.mkdir(parents=True)
+        folder.plan_path.write_text(plan_json)
+        u = Unit(**unit)
+        gpus = [int(g) for g in ray.get_gpu_ids()] or None
+        run_unit(RunFolder(scratch), u, gpus=gpus)
+        packed = _pack(folder.start_dir(u.start))
+        done = True
+        return packed
+    finally:
+        # done: nothing of the start runs any more, the guard just exits; else (the task
+        # raised, or was cancelled) it stops what is left of the start first
+        orphan_guard.release(guard, done)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def lost_start_reason(error: BaseException) -> str:
+    """Why a Ray start came back without its start folder, in one line."""
+    import ray.exceptions as rx
+
+    from .server import without_colours
+    died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError)
+    text = " ".join(ln.strip() for ln in without_colours(str(error)).splitlines() if ln.strip())
+    if isinstance(error, died):
+        return f"the Ray worker running this start died: {text}"[:500]
+    return f"the Ray task running this start failed: {type(error).__name__}: {text}"[:500]
+
+
+def record_lost_start(run: RunFolder, unit: Unit, rounds_planned: int, started_utc: str, reason: str) -> None:
+    """A failed start in the run folder for a Ray start that never came back (its worker
+    died, its node went away): its rounds are gone with the worker's scratch folder; the
+    report shows the reason and `--resume --retry-failed` runs it again."""
+    from .results import START, StartRecord, now_utc
+    dest = _fresh_start_dir(run, unit)
+    StartRecord(point=unit.point, start=unit.start, block=unit.block, status="failed", reason=reason,
+                started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",
+                rounds_planned=rounds_planned).save(dest / START)
+
+
+def _fresh_start_dir(run: RunFolder, unit: Unit) -> Path:
+    """The unit's start folder in the run, emptied of an earlier try's files (a start run
+    again with --retry-failed): none of them may be read as this try's."""
+    dest = run.point(unit.point).start_dir(unit.start)
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    return dest
 
 
 def unpack_start(run: RunFolder, unit: Unit, packed: bytes) -> None:
-    dest = run.point(unit.point).start_dir(unit.start)
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = _fresh_start_dir(run, unit)
     with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
         tar.extractall(dest, filter="data")

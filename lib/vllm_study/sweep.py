@@ -45,7 +45,7 @@ def notebook(name: str) -> Path:
         return REPO / "notebooks" / name
 
 
-POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus"}
+POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus", "slot_lock"}  # what point_params gives
 REPORT_PARAMS = {"run_dir", "slo"}
 
 
@@ -152,6 +152,15 @@ def _stop_leftover_server(start_dir: Path) -> None:
         tqdm.write(f"  stopped a server left running by {start_dir.parent.name}/{start_dir.name}")
 
 
+def point_params(plan: Path, sdir: Path, unit: Unit, gpus: list[int] | None, slot_lock: Path | None,
+                 nbdir: Path) -> dict:
+    """The point notebook's parameters (POINT_PARAMS). Paths are relative to the notebook's
+    folder (the kernel's cwd): the executed notebook then names no machine's folders."""
+    return {"point_file": os.path.relpath(plan, nbdir), "start": unit.start, "block": unit.block,
+            "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else "",
+            "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
+
+
 def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None,
              slot_lock: Path | None = None, on_started=None):
     """Execute the point notebook for one unit and return the point's summary. A notebook
@@ -169,11 +178,7 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     sdir = folder.start_dir(unit.start)
     sdir.mkdir(parents=True, exist_ok=True)
     nbdir = notebook("point.ipynb").parent
-    # Paths relative to the notebook's folder (the kernel's cwd): the executed notebook
-    # then names no machine's folders.
-    params = {"point_file": os.path.relpath(folder.plan_path, nbdir), "start": unit.start, "block": unit.block,
-              "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else "",
-              "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
+    params = point_params(folder.plan_path, sdir, unit, gpus, slot_lock, nbdir)
     out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
     label = f"{unit.point} #{unit.start}" + (f" on GPUs {gpus}" if gpus else "")
@@ -330,7 +335,10 @@ class Runner:
             # a GPU point takes tp GPUs; a CPU server wants two cores of its own
             width = max(1, int(have.get("GPU", 0)) // tp) if engine == "gpu" else max(1, int(have.get("CPU", 1)) // 2)
             self.slots = [None] * (parallel or width)
-            self.task = ray.remote(num_gpus=tp if engine == "gpu" else 0, num_cpus=1)(executors.ray_start)
+            # max_retries=0: a start whose worker died is a failed start, recorded as such
+            # (Ray's default, 3 retries, started it again unrecorded, beside its orphans)
+            self.task = ray.remote(num_gpus=tp if engine == "gpu" else 0, num_cpus=1,
+                                   max_retries=0)(executors.ray_start)
         else:
             raise StudyError(f"unknown executor {executor!r}: local, gpus or ray")
 
@@ -339,10 +347,19 @@ class Runner:
             return run_unit(self.run, unit, gpus=slot, bar=bar,
                             slot_lock=executors.slot_lock_path(self.run.path, slot), on_started=release)
         import ray
-        from .executors import unpack_start
         folder = self.run.point(unit.point)
-        packed = ray.get(self.task.remote(folder.plan_path.read_text(), unit.model_dump(), unit.point))
-        unpack_start(self.run, unit, packed)
+        started = now_utc()
+        try:
+            packed = ray.get(self.task.remote(folder.plan_path.read_text(), unit.model_dump(), unit.point))
+        except ray.exceptions.RayError as e:
+            # its worker died (the guard stopped what it ran) or the task raised: the start
+            # failed, as data; the sweep goes on with the other units
+            executors.record_lost_start(self.run, unit, self.study.steps_per_start, started,
+                                        executors.lost_start_reason(e))
+            tqdm.write(f"  {unit.point} start {unit.start} came back from Ray without its results; "
+                       f"once the sweep has ended, this runs it again:\n    {resume_hint(self.run)} --retry-failed")
+        else:
+            executors.unpack_start(self.run, unit, packed)
         return summarize(folder, folder.plan())
 
 
