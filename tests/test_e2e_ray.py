@@ -161,9 +161,10 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
     import ray
 
     from vllm_study import executors
+    from vllm_study.executors import ray_cluster
     from vllm_study.grid import expand
     from vllm_study.params import study_from_dict
-    from vllm_study.sweep import Runner, create_run, unit_finished
+    from vllm_study.sweep import create_run, unit_finished
 
     study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1))
     points = expand(study, "cpu")
@@ -171,7 +172,7 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
     dies, raises = (u for u in run.manifest().order)
     tries = tmp_path / "tries"
 
-    def task(plan_json: str, unit: dict, point_id: str) -> bytes:  # in place of executors.ray_start
+    def task(plan_json: str, unit: dict, point_id: str) -> bytes:  # in place of ray_cluster.ray_start
         import os
         import signal
         with open(tries, "a") as f:
@@ -180,9 +181,9 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError("the task's code raised")
 
-    monkeypatch.setattr(executors, "ray_start", task)
+    monkeypatch.setattr(ray_cluster, "ray_start", task)
     try:
-        runner = Runner(run, study, "cpu", points, "ray")
+        runner = executors.make("ray", run, study, "cpu", points)
         summaries = [runner(u, None, None) for u in (dies, raises)]
     finally:
         ray.shutdown()

@@ -289,7 +289,7 @@ def test_a_wrong_path_is_named_in_one_line(server, tmp_path):
 def _round(server, tmp_path, workload: dict):
     from transformers import AutoTokenizer
 
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     srv, model = server
     plan = plan_of(_target_study(srv.url, workload))
     run, summary = measure(plan, tmp_path / "s1")

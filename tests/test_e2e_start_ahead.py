@@ -18,7 +18,7 @@ import pytest
 from e2e_support import UNI, plan_of, sweep, tiny, write
 from procs import group_gone
 from vllm_study import models
-from vllm_study.executors import SlotLock
+from vllm_study.slots import SlotLock
 from vllm_study.results import RunFolder, read_log
 from vllm_study.server import ENGINE_INIT_LINE, VllmServer, _health, free_port, serve_command, without_colours
 

@@ -13,7 +13,7 @@ import pytest
 
 from e2e_support import REPO, kv_bytes, sweep, tiny, write
 from procs import group_gone
-from vllm_study.executors import SLOT_LOCKS
+from vllm_study.slots import SLOT_LOCKS
 from vllm_study.results import RunFolder, StartRecord
 
 # the second point's 512-token KV cache cannot hold one 2,048-token request: it must fail

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from vllm_study.executors import Dispatcher, SlotLock, UnitLengths, compile_cache_env, gpu_slots, slot_lock_path
+from vllm_study.executors import Dispatcher, UnitLengths
+from vllm_study.slots import SlotLock, compile_cache_env, gpu_slots, slot_lock_path
 from vllm_study.grid import Unit
 from vllm_study.server import free_port
 
@@ -100,13 +101,14 @@ def test_a_released_slot_takes_its_next_unit_while_the_last_one_finishes(tmp_pat
         sl = SlotLock(slot_lock_path(tmp_path, slot))
         sl.acquire()
         t_server = time.monotonic()
-        time.sleep(0.1)  # the server measures
+        # phases of 0.3 s: a loaded machine's thread wake-ups (0.1 s and more) stay inside them
+        time.sleep(0.3)  # the server measures
         release()        # measured: the slot's next unit may prepare
-        time.sleep(0.1)  # the server stops
+        time.sleep(0.3)  # the server stops
         with lock:
             events.append(("server", unit.point, key, t_server, time.monotonic()))
         sl.release()
-        time.sleep(0.1)  # results written after the lock is given back
+        time.sleep(0.3)  # results written after the lock is given back
         with lock:
             per_slot[key] -= 1
 
@@ -231,7 +233,7 @@ def test_unit_lengths_bound_a_kind_by_the_other_until_one_of_its_own_has_ended()
 def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"
-                               "from vllm_study.executors import SlotLock;"
+                               "from vllm_study.slots import SlotLock;"
                                f"SlotLock({str(path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:

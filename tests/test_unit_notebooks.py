@@ -11,7 +11,8 @@ import papermill as pm
 import pytest
 
 from vllm_study.grid import Unit
-from vllm_study.sweep import POINT_PARAMS, REPORT_PARAMS, notebook, point_params
+from vllm_study.sweep import REPORT_PARAMS
+from vllm_study.unit import POINT_PARAMS, notebook, point_params
 
 GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "write_notebooks.py"
 

@@ -15,11 +15,11 @@ from transformers import AutoTokenizer
 from vllm_study import models
 from vllm_study.models import build_model_dir
 from vllm_study.params import ModelSpec
+from vllm_study.build_workload import check_template
 from vllm_study.workload import (
     MAX_PIECES,
     SharedPrefixWorkload,
     TemplateError,
-    check_template,
     word_pieces,
 )
 
@@ -219,7 +219,7 @@ def _spec(**kw):
 
 
 def test_mixed_workload_long_documents_beside_short_chats(tok):
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     w = make_workload(tok, _spec(kind="mixed", long_fraction=0.1, system_prompt_tokens=200,
                                  long_prompt_tokens={"uniform": [6000, 8000]}, output_tokens=16))
     reqs = w.requests(200)
@@ -237,7 +237,7 @@ def test_mixed_workload_long_documents_beside_short_chats(tok):
 
 
 def test_random_workload_lengths_follow_their_distributions(tok):
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     w = make_workload(tok, _spec(kind="random", api="completions",
                                  input_tokens={"lognormal": {"mean": 300, "sd": 100}},
                                  output_tokens={"uniform": [8, 24]}))
@@ -251,7 +251,7 @@ def test_random_workload_lengths_follow_their_distributions(tok):
 
 
 def test_prefixes_set_the_expected_hit_rate(tok):
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     one = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32))
     four = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32, prefixes=4))
     assert len({r.messages[0]["content"] for r in four.requests(8)}) == 4
@@ -263,7 +263,7 @@ def test_prefixes_set_the_expected_hit_rate(tok):
 
 
 def test_multi_turn_resends_the_history(tok):
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     w = make_workload(tok, _spec(kind="multi_turn", turns=3, requests_per_round=6, system_prompt_tokens=100,
                                  question_tokens=20, output_tokens=8))
     t1 = w.turn(0, 0, [])
@@ -445,7 +445,7 @@ def test_eviction_workload_tags_shared_and_cold_and_expects_hits_only_from_share
     prompts (class cold); a never-evicting cache would hit the shared prefix of every
     shared request after the first, and nothing of a cold one."""
     from vllm_study.params import Workload
-    from vllm_study.workload import make_workload
+    from vllm_study.build_workload import make_workload
     w = make_workload(tok, Workload(kind="eviction", system_prompt_tokens=512, question_tokens=8, output_tokens=4,
                                     long_fraction=0.5, long_prompt_tokens={"uniform": [600, 800]}))
     reqs = w.requests(20)

@@ -109,7 +109,7 @@ def _model_findings(study) -> list[Finding]:
     except Exception as e:
         return [Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
                         "check model.card / model.path in the study")]
-    from .workload import check_template
+    from .build_workload import check_template
     kind = f"dummy weights of card {study.model.card}" if study.model.path is None else \
         ("dummy weights" if dummy else "its own weights")
     found = [Finding(OK, "model", f"{model} ({kind}); its tokenizer encodes 'Hello world!' as "

@@ -1,6 +1,6 @@
 """Stops a Ray start's processes when the worker running it dies.
 
-A Ray task (executors.ray_start) runs papermill, which runs the kernel, which runs the
+A Ray task (executors.ray_cluster.ray_start) runs papermill, which runs the kernel, which runs the
 vLLM server: each in a session of its own (start_new_session), so none of them dies with
 the worker. Killed (kill -9, Ray's memory monitor, a crash), the worker runs no cleanup
 and would leave the whole tree measuring beside whatever runs next on its GPUs.

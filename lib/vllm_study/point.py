@@ -21,17 +21,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from . import capacity, client, counters, hardware, loads, models, stats
-from .executors import SlotLock, compile_cache_env
 from .grid import PointPlan
 from .machine import NvmlProbe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       capacity_figures, compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from .slots import SlotLock, compile_cache_env
 from .server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
                      serve_command, stop_group_from_file)
 from .traces import read_trace
-from .workload import make_workload
+from .build_workload import make_workload
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -60,7 +60,7 @@ def _step(method):
 
 class PointRun:
     """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
-    `slot_lock`: the sweep's lock file for this start's GPUs (executors.SlotLock), taken
+    `slot_lock`: the sweep's lock file for this start's GPUs (slots.SlotLock), taken
     before the server starts and given back once it has stopped."""
 
     def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,

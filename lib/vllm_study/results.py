@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -221,7 +222,7 @@ class Manifest(_Record):
     warnings: dict[str, list[str]] = {}
     params: dict[str, Any]
     resumes: list[Resume] = []
-    executor: str = "local"                  # who ran the starts (executors.py)
+    executor: str = "local"                  # who ran the starts (executors/: EXECUTORS)
     overlaps: list[dict[str, Any]] = []      # starts that ran at the same time, with hosts and GPUs
     notes: list[str] = []   # provenance the fields above cannot hold (e.g. a converted run)
 
@@ -439,3 +440,8 @@ def read_log(start_dir: Path) -> str:
         with gzip.open(d / LOG_GZ, "rt", errors="replace") as f:
             return f.read()
     return ""
+
+
+def resume_hint(run: RunFolder) -> str:
+    """The command that finishes a stopped run."""
+    return f"{sys.executable} -m vllm_study sweep --resume {run.path}"

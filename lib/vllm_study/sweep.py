@@ -6,13 +6,9 @@ budget stops cleanly between units; `resume` runs what is not finished.
 from __future__ import annotations
 
 import datetime as dt
-import importlib.resources
-import json
-import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -28,24 +24,15 @@ from . import doctor, executors
 from .grid import Point, PointPlan, Unit, expand, run_order
 from .machine import cpu_dtype, describe, resolve_engine, versions
 from .params import Study, StudyError, load_study
+from .results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds, resume_hint,
+                      write_atomic)
+from .slots import SLOT_LOCKS
 from .point import summarize
-from .results import (LOG, NOTEBOOK, ROUNDS, START, Manifest, RunFolder, StartRecord, git_output, git_state,
-                      now_utc, on_gpu, read_rounds, write_atomic)
-from .server import pgid_path, stop_group_from_file
+from .unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
 
-REPO = Path(__file__).resolve().parents[2]  # a source checkout; only for git and the fallback below
+REPO = Path(__file__).resolve().parents[2]  # a source checkout: its git state
 
 
-def notebook(name: str) -> Path:
-    """A notebook shipped as vllm_study.notebooks. An editable install maps only `lib/`,
-    so there the source tree's notebooks/ folder is used."""
-    try:
-        return Path(str(importlib.resources.files("vllm_study.notebooks") / name))
-    except ModuleNotFoundError:
-        return REPO / "notebooks" / name
-
-
-POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus", "slot_lock"}  # what point_params gives
 REPORT_PARAMS = {"run_dir", "slo"}
 
 
@@ -108,117 +95,6 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
     return not (retry_failed and rec.status == "failed")
 
 
-# -- one unit -------------------------------------------------------------------
-def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event, label: str = "") -> None:
-    """Follow the point notebook (another process) through its files: advance the bar as
-    rounds land, and name this start on it once it measures (with start-ahead, the slot's
-    next start prepares meanwhile: the bar names the one measuring); call on_started once
-    its server is spawned and has the slot (a server started ahead: once it is let go at
-    its engine's init; an endpoint target: once its rounds are over), or once it has ended."""
-    seen, named = 0, False
-    while not stop.wait(0.5):
-        if bar is not None:
-            n = len(read_rounds(start_dir / ROUNDS))
-            if n > seen:
-                bar.update(n - seen)
-                seen = n
-        if on_started is None and (named or bar is None):
-            continue
-        try:
-            rec = StartRecord.load_if(start_dir / START)
-        except ValueError:  # caught mid-write; read it again next time
-            rec = None
-        if rec is None:
-            continue
-        if bar is not None and not named and "warmup" in rec.timeline:
-            bar.set_description(label, refresh=True)
-            named = True
-        if on_started is not None:
-            t = rec.timeline
-            if {"spawn", "slot"} <= t.keys() or "measured" in t or rec.status != "running":
-                on_started()
-                on_started = None
-
-
-# Set while an interrupted sweep stops its children: a notebook process that dies of
-# that stop is not a failed start (the start stays "running", for --resume to redo).
-STOPPING = threading.Event()
-
-
-def _stop_leftover_server(start_dir: Path) -> None:
-    """Safety net: if the notebook's kernel died (or was interrupted) without stopping its
-    server, stop the process group the server recorded (never anything found by name)."""
-    if stop_group_from_file(pgid_path(start_dir / LOG)):
-        tqdm.write(f"  stopped a server left running by {start_dir.parent.name}/{start_dir.name}")
-
-
-def point_params(plan: Path, sdir: Path, unit: Unit, gpus: list[int] | None, slot_lock: Path | None,
-                 nbdir: Path) -> dict:
-    """The point notebook's parameters (POINT_PARAMS). Paths are relative to the notebook's
-    folder (the kernel's cwd): the executed notebook then names no machine's folders."""
-    return {"point_file": os.path.relpath(plan, nbdir), "start": unit.start, "block": unit.block,
-            "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else "",
-            "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
-
-
-def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None,
-             slot_lock: Path | None = None, on_started=None):
-    """Execute the point notebook for one unit and return the point's summary. A notebook
-    that dies before recording an outcome has its error recorded as the outcome.
-    `slot_lock`: the lock its server waits for (executors.SlotLock); `on_started`: called
-    once its server is spawned and has the slot: the slot's next start then prepares
-    (papermill, kernel, imports, plan) and waits at the lock, or, started ahead
-    (server.start_ahead), also spawns its server, which imports and is held at its
-    engine's init until this one has stopped.
-
-    papermill runs in a process of its own: it changes the working directory of the
-    process it runs in while a notebook executes, which would break relative paths here
-    and races between units that run side by side (executor gpus)."""
-    folder = run.point(unit.point)
-    sdir = folder.start_dir(unit.start)
-    sdir.mkdir(parents=True, exist_ok=True)
-    nbdir = notebook("point.ipynb").parent
-    params = point_params(folder.plan_path, sdir, unit, gpus, slot_lock, nbdir)
-    out = (sdir / NOTEBOOK).resolve()
-    stop = threading.Event()
-    label = f"{unit.point} #{unit.start}" + (f" on GPUs {gpus}" if gpus else "")
-    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop, label),
-                               daemon=True) if bar is not None or on_started is not None else None
-    if watcher:
-        watcher.start()
-    try:
-        done = subprocess.run([sys.executable, "-m", "papermill", str(notebook("point.ipynb")), str(out),
-                               "--cwd", str(nbdir), "--no-progress-bar", "--kernel", "python3",
-                               "--parameters_yaml", yaml.safe_dump(params)], capture_output=True, text=True,
-                              # a terminal's Ctrl-C reaches the sweep alone, which stops the unit
-                              start_new_session=True)
-        rec = StartRecord.load_if(sdir / START)
-        if done.returncode != 0 and rec is not None and rec.status == "running" and not STOPPING.is_set():
-            # the notebook died before recording an outcome: its error is the outcome
-            rec.status, rec.reason = "failed", f"notebook error: {_notebook_error(out, done.stderr)}"[:500]
-            rec.save(sdir / START)
-    finally:
-        stop.set()
-        if watcher:
-            watcher.join()
-        _stop_leftover_server(sdir)
-    return summarize(folder, folder.plan())
-
-
-def _notebook_error(nb: Path, stderr: str) -> str:
-    """The error a papermill run stopped on: from the executed notebook where it was saved,
-    else the last line papermill printed."""
-    try:
-        for cell in json.loads(nb.read_text())["cells"]:
-            for o in cell.get("outputs", []):
-                if o.get("output_type") == "error":
-                    return f"{o['ename']}: {o['evalue']}"
-    except (OSError, ValueError, KeyError):
-        pass
-    lines = [ln for ln in stderr.splitlines() if ln.strip()]
-    return lines[-1] if lines else "papermill failed without a message"
-
-
 # -- the study ----------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -241,10 +117,6 @@ def _stop_children() -> None:
     _, alive = psutil.wait_procs(kids, timeout=10)
     for k in alive:
         k.kill()
-
-
-def resume_hint(run: RunFolder) -> str:
-    return f"{sys.executable} -m vllm_study sweep --resume {run.path}"
 
 
 def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
@@ -272,7 +144,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             print(f"  warning {p.id}: {w}")
     # SIGTERM (a scheduler, `kill`) ends the sweep the way Ctrl-C does: the current
     # unit's server is stopped, finished units stay, --resume completes the rest.
-    runner = Runner(run, study, engine, points, executor, ray_address, parallel)
+    runner = executors.make(executor, run, study, engine, points, ray_address, parallel)
     print(f"executor {executor}: {len(runner.slots)} server start(s) at a time")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     STOPPING.clear()
@@ -288,7 +160,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         STOPPING.set()
         _stop_children()
         for u in run.manifest().order:
-            _stop_leftover_server(run.point(u.point).start_dir(u.start))
+            stop_leftover_server(run.point(u.point).start_dir(u.start))
         for p in points:
             folder = run.point(p.id)
             if folder.starts():
@@ -299,7 +171,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
-        for lock_file in run.path.glob(executors.SLOT_LOCKS):
+        for lock_file in run.path.glob(SLOT_LOCKS):
             lock_file.unlink(missing_ok=True)
     record_overlaps(run, executor)
     if outcome.stop_note:
@@ -311,61 +183,8 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     return outcome
 
 
-class Runner:
-    """Runs one unit on one slot of the chosen executor (executors.py): a notebook here,
-    on this host's GPUs, or a Ray task whose start folder comes back to the run."""
-
-    def __init__(self, run: RunFolder, study: Study, engine: str, points: list[Point], executor: str,
-                 ray_address: str | None = None, parallel: int | None = None):
-        from . import executors
-        self.run, self.study, self.engine, self.kind = run, study, engine, executor
-        tp = max((p.engine_args.tensor_parallel_size or 1) for p in points) if points else 1
-        if executor == "local":
-            self.slots = [None]
-        elif executor == "gpus":
-            n = len(describe().gpus)
-            if engine != "gpu" or n == 0:
-                raise StudyError("executor gpus runs points on this host's GPUs, and NVML sees none here; "
-                                 "use --executor local (or ray for a cluster)")
-            self.slots = executors.gpu_slots(n, tp)[:parallel] if parallel else executors.gpu_slots(n, tp)
-        elif executor == "ray":
-            import ray
-            ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
-            have = ray.cluster_resources()
-            # a GPU point takes tp GPUs; a CPU server wants two cores of its own
-            width = max(1, int(have.get("GPU", 0)) // tp) if engine == "gpu" else max(1, int(have.get("CPU", 1)) // 2)
-            self.slots = [None] * (parallel or width)
-            # max_retries=0: a start whose worker died is a failed start, recorded as such
-            # (Ray's default, 3 retries, started it again unrecorded, beside its orphans)
-            self.task = ray.remote(num_gpus=tp if engine == "gpu" else 0, num_cpus=1,
-                                   max_retries=0)(executors.ray_start)
-        else:
-            raise StudyError(f"unknown executor {executor!r}: local, gpus or ray")
-
-    def __call__(self, unit: Unit, slot, bar: tqdm | None, release=None):
-        if self.kind != "ray":
-            return run_unit(self.run, unit, gpus=slot, bar=bar,
-                            slot_lock=executors.slot_lock_path(self.run.path, slot), on_started=release)
-        import ray
-        folder = self.run.point(unit.point)
-        started = now_utc()
-        try:
-            packed = ray.get(self.task.remote(folder.plan_path.read_text(), unit.model_dump(), unit.point))
-        except ray.exceptions.RayError as e:
-            # its worker died (the guard stopped what it ran) or the task raised: the start
-            # failed, as data; the sweep goes on with the other units
-            executors.record_lost_start(self.run, unit, self.study.steps_per_start, started,
-                                        executors.lost_start_reason(e))
-            tqdm.write(f"  {unit.point} start {unit.start} came back from Ray without its results; "
-                       f"once the sweep has ended, this runs it again:\n    {resume_hint(self.run)} --retry-failed")
-        else:
-            executors.unpack_start(self.run, unit, packed)
-        return summarize(folder, folder.plan())
-
-
 def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None,
-               runner: Runner, lengths: executors.UnitLengths | None = None) -> Outcome:
-    from .executors import Dispatcher
+               runner: executors.Executor, lengths: executors.UnitLengths | None = None) -> Outcome:
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
     with tqdm(total=len(todo) * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
@@ -373,7 +192,7 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
         failed = []
 
         def work(u: Unit, slot, release):
-            if runner.kind == "ray":  # elsewhere the start's watcher names it once it measures
+            if not runner.rounds_live:  # elsewhere the start's watcher names it once it measures
                 with lock:
                     bar.set_description(f"{u.point} #{u.start}")
             s = runner(u, slot, bar, release)
@@ -384,7 +203,7 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                 on_disk = len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS))
                 # (a capacity search that stopped short of max_steps: its unused steps count as done)
                 per = study.steps_per_start
-                bar.update(per if runner.kind == "ray" else max(0, per - on_disk))
+                bar.update(max(0, per - on_disk) if runner.rounds_live else per)
                 if rec is not None and rec.status == "failed":
                     tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
                 elif s.status == "failed":
@@ -395,7 +214,7 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                     failed.append(u)
                     bar.set_postfix_str(f"{len(failed)} of {len(todo)} starts FAILED", refresh=True)
 
-        left, lengths = Dispatcher(runner.slots, work, t0, max_minutes, lengths).run(todo)
+        left, lengths = executors.Dispatcher(runner.slots, work, t0, max_minutes, lengths).run(todo)
     if left:
         elapsed = time.monotonic() - t0
         note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "

@@ -56,7 +56,7 @@ def word_pieces(tokenizer) -> list[str]:
     return pieces
 
 
-def _text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
+def random_text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(n_tokens))
 
 
@@ -125,14 +125,14 @@ class SharedPrefixWorkload(_Base):
         super().__init__(tokenizer, api, seed)
         self.question_tokens, self.output_tokens = question_tokens, output_tokens
         # The prefixes depend on the seed alone, so every round and point shares them.
-        self.system_prompts = [_text(self._pieces, system_prompt_tokens,
+        self.system_prompts = [random_text(self._pieces, system_prompt_tokens,
                                      random.Random(seed) if p == 0 else self._rng("prefix", p))
                                for p in range(prefixes)]
         self.system_prompt = self.system_prompts[0]
 
     def request(self, index: int, stream: str = "measure") -> Request:
         rng = self._rng(stream, index)
-        question = _text(self._pieces, sample_length(self.question_tokens, rng), rng)
+        question = random_text(self._pieces, sample_length(self.question_tokens, rng), rng)
         p = index % len(self.system_prompts)
         tags = {"prefix": p} if len(self.system_prompts) > 1 else {}
         return self._request(index, self.system_prompts[p], question,
@@ -175,7 +175,7 @@ class MixedWorkload(SharedPrefixWorkload):
         if rng.random() >= self.long_fraction:
             r = super().request(index, stream)
             return replace(r, tags={**r.tags, "class": self.shared_class})
-        doc = _text(self._pieces, sample_length(self.long_prompt_tokens, rng), rng)
+        doc = random_text(self._pieces, sample_length(self.long_prompt_tokens, rng), rng)
         return self._request(index, None, doc, sample_length(self.output_tokens, rng), {"class": self.long_class})
 
     def prefix_of(self, r: Request) -> int | None:
@@ -192,7 +192,7 @@ class RandomWorkload(_Base):
 
     def request(self, index: int, stream: str = "measure") -> Request:
         rng = self._rng(stream, index)
-        text = _text(self._pieces, sample_length(self.input_tokens, rng), rng)
+        text = random_text(self._pieces, sample_length(self.input_tokens, rng), rng)
         return self._request(index, None, text, sample_length(self.output_tokens, rng), {})
 
 
@@ -207,7 +207,7 @@ class MultiTurnWorkload(SharedPrefixWorkload):
 
     def _question(self, stream: str, conversation: int, t: int) -> str:
         rng = self._rng(stream, conversation, t)
-        return _text(self._pieces, sample_length(self.question_tokens, rng), rng)
+        return random_text(self._pieces, sample_length(self.question_tokens, rng), rng)
 
     def turn(self, conversation: int, t: int, answers: list[str], stream: str = "measure") -> Request:
         """Turn t (0-based) of a conversation, given the answers to turns 0..t-1."""
@@ -223,56 +223,3 @@ class MultiTurnWorkload(SharedPrefixWorkload):
     def request(self, index: int, stream: str = "measure") -> Request:
         """First turns only (what warmup sends)."""
         return self.turn(index, 0, [], stream)
-
-
-def make_workload(tokenizer, w):
-    """The workload object for params.Workload `w`."""
-    common = dict(api=w.api, seed=w.seed)
-    shared = dict(system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
-                  output_tokens=w.output_tokens, prefixes=w.prefixes, **common)
-    if w.kind == "shared_prefix":
-        return SharedPrefixWorkload(tokenizer, **shared)
-    if w.kind in ("mixed", "eviction"):
-        classes = ("shared", "cold") if w.kind == "eviction" else ("short", "long")
-        return MixedWorkload(tokenizer, long_fraction=w.long_fraction, long_prompt_tokens=w.long_prompt_tokens,
-                             classes=classes, **shared)
-    if w.kind == "multi_turn":
-        return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
-    if w.kind == "trace":  # the whole window; the point leaves out what its server cannot take (Trace.fit)
-        from .trace_workload import TraceWorkload
-        from .traces import read_trace
-        return TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=read_trace(w.trace))
-    return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)
-
-
-def check_template(tokenizer, w) -> tuple[list[str], list[str]]:
-    """Can this tokenizer's chat template render what workload `w` sends? Returns
-    (problems that stop the study, warnings), each with its fix."""
-    problems, warnings = [], []
-    no_template = ["the tokenizer has no chat template, so vLLM cannot serve chat requests for it; use "
-                   "workload.api: completions, or a model folder whose tokenizer_config.json has one"]
-    if w.kind == "trace" and w.api == "chat" and not getattr(tokenizer, "chat_template", None):
-        return no_template, []  # (a trace workload renders its frame as it is made)
-    try:
-        wl = make_workload(tokenizer, w)
-    except TemplateError as e:
-        return [str(e)], []
-    if w.api != "chat" or w.kind == "trace":  # a trace's frame was checked as its workload was made
-        return problems, warnings
-    if not getattr(tokenizer, "chat_template", None):
-        return no_template, []
-    system = _text(wl._pieces, 64, random.Random(0))
-    try:
-        wl._render(system if w.system_prompt_tokens else None, " alpha beta")
-    except Exception as e:  # jinja2's TemplateError, or a raise_exception() in the template
-        return [f"the chat template fails on a {'system + ' if w.system_prompt_tokens else ''}user "
-                f"conversation ({type(e).__name__}: {e}); use workload.api: completions"
-                + (", or system_prompt_tokens: 0" if w.system_prompt_tokens else "")], []
-    if w.system_prompt_tokens and w.kind != "random":
-        shared = wl.shared_prefix_tokens(system)
-        alone = len(tokenizer.encode(system, add_special_tokens=False))
-        if shared < alone:
-            warnings.append(f"the chat template puts per-request text before the system prompt "
-                            f"(two requests share {shared} tokens, the 64-token system prompt alone is {alone}): "
-                            "prefix caching cannot reuse it; consider workload.api: completions")
-    return problems, warnings

@@ -11,82 +11,52 @@
 Every executor keeps the sweep's contract: units go out in the run's randomized block
 order, no new one starts once the time budget would be overrun, a failure is recorded
 as data, and SIGTERM stops what is running (the sweep's handler).
+
+An executor is one module of this package with one Executor subclass, named in
+EXECUTORS; the Dispatcher below hands it units, one per free slot, within the budget.
 """
 from __future__ import annotations
 
-import fcntl
-import io
-import os
+import importlib
 import queue
-import shutil
-import tarfile
-import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
-from .grid import Unit
-from .results import RunFolder
+from ..grid import Unit
+from ..params import StudyError
 
-
-def gpu_slots(n_gpus: int, tp: int) -> list[list[int]]:
-    """Disjoint GPU sets of `tp` GPUs each (GPUs left over stay idle)."""
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
-    if n_gpus < tp:
-        raise ValueError(f"a point needs {tp} GPU(s) (tensor_parallel_size) but this host has {n_gpus}")
-    return [list(range(i, i + tp)) for i in range(0, n_gpus - tp + 1, tp)]
+# name -> "module:class" in this package; imported when chosen (Ray only where it is asked for)
+EXECUTORS = {"local": "local:LocalExecutor", "gpus": "local:GpusExecutor", "ray": "ray_cluster:RayExecutor"}
 
 
-def compile_cache_env(slot: list[int] | None) -> dict[str, str]:
-    """Its own torch.compile cache per GPU slot: concurrent servers never write one
-    cache at once, and a slot's later starts still reuse what its earlier ones built."""
-    if slot is None:
-        return {}
-    root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
-    return {"VLLM_CACHE_ROOT": str(root / f"gpus-{'-'.join(map(str, slot))}")}
+class Executor:
+    """Runs one unit on one of its slots and returns the point's summary. `slots`: what
+    can run at once (a slot is a GPU set, or None); `rounds_live`: whether a unit's rounds
+    land in the run folder as they are measured (the progress bar follows them), or come
+    back with the unit."""
+    kind = ""
+    rounds_live = True
+
+    def __init__(self, run, study, engine: str, points: list, ray_address: str | None = None,
+                 parallel: int | None = None):
+        self.run, self.study, self.engine = run, study, engine
+        self.tp = max((p.engine_args.tensor_parallel_size or 1) for p in points) if points else 1
+        self.slots: list = [None]
+
+    def __call__(self, unit: Unit, slot, bar, release=None):
+        raise NotImplementedError
 
 
-class SlotLock:
-    """One server at a time on a slot, across processes. The sweep starts a start's
-    notebook (papermill, kernel, imports, plan) while the slot's previous start is still
-    running; the notebook takes this lock before its server touches the GPU (before it
-    spawns it, or, started ahead, while the server is held at its engine's init), and
-    the previous one gives it back once its own server has stopped. An flock: the OS
-    releases it if its holder dies."""
-
-    def __init__(self, path: str | Path):
-        self.path, self.fd = Path(path), None
-
-    def acquire(self, wait: bool = True) -> bool:
-        """Takes the slot, blocking until it is free; wait=False: only if it is free now.
-        Returns whether it is held (if not, nothing is)."""
-        fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            return False
-        self.fd = fd
-        return True
-
-    @property
-    def held(self) -> bool:
-        return self.fd is not None
-
-    def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor releases the flock
-            self.fd = None
-
-
-SLOT_LOCKS = ".slot-*.lock"  # in the run folder while a sweep runs (and in .gitignore)
-
-
-def slot_lock_path(run_dir: Path, slot: list[int] | None) -> Path:
-    return Path(run_dir) / SLOT_LOCKS.replace("*", "gpus-" + "-".join(map(str, slot)) if slot else "local")
+def make(name: str, run, study, engine: str, points: list, ray_address: str | None = None,
+         parallel: int | None = None) -> Executor:
+    """The executor called `name` (EXECUTORS), ready to run this study's units."""
+    if name not in EXECUTORS:
+        raise StudyError(f"unknown executor {name!r}: {', '.join(EXECUTORS)}")
+    module, cls = EXECUTORS[name].split(":")
+    return getattr(importlib.import_module(f".{module}", __name__), cls)(run, study, engine, points, ray_address,
+                                                                         parallel)
 
 
 @dataclass
@@ -233,78 +203,3 @@ class Dispatcher:
         return left, self.lengths
 
 
-# -- Ray ----------------------------------------------------------------------------
-def _pack(folder: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        tar.add(folder, arcname=".")
-    return buf.getvalue()
-
-
-def ray_start(plan_json: str, unit: dict, point_id: str) -> bytes:
-    """A Ray task body: one server start in a scratch run folder on the worker; returns
-    the start folder packed. The worker needs the kit installed (the same environment).
-    Its papermill, kernel and server each run in a session of their own and would outlive
-    a killed worker: a guard process (orphan_guard) stops them and removes the scratch
-    folder if the worker dies. The scratch folder goes once the start folder is packed."""
-    import ray
-
-    from . import orphan_guard
-    from .sweep import run_unit
-    scratch = Path(tempfile.mkdtemp(prefix="vllm-study-"))
-    guard = orphan_guard.launch(scratch)
-    done = False
-    try:
-        folder = RunFolder(scratch).point(point_id)
-        folder.path.mkdir(parents=True)
-        folder.plan_path.write_text(plan_json)
-        u = Unit(**unit)
-        gpus = [int(g) for g in ray.get_gpu_ids()] or None
-        run_unit(RunFolder(scratch), u, gpus=gpus)
-        packed = _pack(folder.start_dir(u.start))
-        done = True
-        return packed
-    finally:
-        # done: nothing of the start runs any more, the guard just exits; else (the task
-        # raised, or was cancelled) it stops what is left of the start first
-        orphan_guard.release(guard, done)
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def lost_start_reason(error: BaseException) -> str:
-    """Why a Ray start came back without its start folder, in one line."""
-    import ray.exceptions as rx
-
-    from .server import without_colours
-    died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError)
-    text = " ".join(ln.strip() for ln in without_colours(str(error)).splitlines() if ln.strip())
-    if isinstance(error, died):
-        return f"the Ray worker running this start died: {text}"[:500]
-    return f"the Ray task running this start failed: {type(error).__name__}: {text}"[:500]
-
-
-def record_lost_start(run: RunFolder, unit: Unit, rounds_planned: int, started_utc: str, reason: str) -> None:
-    """A failed start in the run folder for a Ray start that never came back (its worker
-    died, its node went away): its rounds are gone with the worker's scratch folder; the
-    report shows the reason and `--resume --retry-failed` runs it again."""
-    from .results import START, StartRecord, now_utc
-    dest = _fresh_start_dir(run, unit)
-    StartRecord(point=unit.point, start=unit.start, block=unit.block, status="failed", reason=reason,
-                started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",
-                rounds_planned=rounds_planned).save(dest / START)
-
-
-def _fresh_start_dir(run: RunFolder, unit: Unit) -> Path:
-    """The unit's start folder in the run, emptied of an earlier try's files (a start run
-    again with --retry-failed): none of them may be read as this try's."""
-    dest = run.point(unit.point).start_dir(unit.start)
-    if dest.exists():
-        shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    return dest
-
-
-def unpack_start(run: RunFolder, unit: Unit, packed: bytes) -> None:
-    dest = _fresh_start_dir(run, unit)
-    with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")
