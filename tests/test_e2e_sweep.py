@@ -62,6 +62,8 @@ def test_budget_resume_failure_and_report(tmp_path):
     second = sweep("--resume", path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "1 of 2 starts already finished" in second.stdout
+    # the report's kernel says nothing of its own on a run that went well
+    assert "IPKernelApp" not in second.stderr + second.stdout, second.stderr[-2000:]
 
     summaries = {s.point: s for s in run.summaries()}
     (ok_id,) = [p for p, s in summaries.items() if s.status == "ok"]

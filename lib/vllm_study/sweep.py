@@ -5,7 +5,9 @@ budget stops cleanly between units; `resume` runs what is not finished.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import os
 import random
 import shutil
 import signal
@@ -290,13 +292,36 @@ def report_folder(run: RunFolder, overwrite: bool = False) -> RunFolder:
     return RunFolder(copy)
 
 
+@contextlib.contextmanager
+def _kernel_chatter_held():
+    """The report's kernel writes to this process's stderr (fd 2) itself: ipykernel's
+    "Kernel is running over TCP without encryption" on every run, and its KeyboardInterrupt
+    notice at shutdown. They say nothing about the study; hold them back, and print them
+    only where the report failed. An fd-level redirect: the kernel is another process."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        except BaseException:
+            os.dup2(saved, 2)
+            held.seek(0)
+            sys.stderr.write(held.read().decode(errors="replace"))
+            raise
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def render_report(run: RunFolder, slo: str = "") -> Path:
     """summary.csv, report.ipynb and report.html; `slo` replaces the study's SLO for
     the report (e.g. to ask a finished study a new question)."""
     run.write_summary_csv()
     out = run.path / "report.ipynb"
-    pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},
-                        cwd=str(run.path), progress_bar=False, kernel_name="python3")
+    with _kernel_chatter_held():
+        pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},
+                            cwd=str(run.path), progress_bar=False, kernel_name="python3")
     from .report import export_html
     export_html(run)
     return out
