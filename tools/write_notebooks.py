@@ -9,8 +9,8 @@ HERE = Path(__file__).resolve().parents[1] / "notebooks"
 CHECK = {"tags": ["nbval-check-output"]}
 
 
-def md(text):
-    return new_markdown_cell(text.strip())
+def md(text, **meta):
+    return new_markdown_cell(text.strip(), metadata=meta)
 
 
 def code(text, **meta):
@@ -90,18 +90,14 @@ pn.summary_table(summary)
 '''),
 ]
 
+# The report's page (report.html) is this notebook as report.export_html lays it out: the
+# answer and its figures first; then the evidence, each section under a heading tagged
+# DETAILS, which the page shows collapsed; a section whose cells print nothing does not
+# apply to the study (e.g. the endpoints in a grid study) and is left off the page.
+DETAILS = {"tags": ["report-details"]}
+
 REPORT = [
-    md("""
-# Study report
-
-Reads one run folder (`results/<run>/`): its manifest, each point's `summary.json`
-(status and estimates over all server starts) and `summary.csv` (one row per point,
-server start, round and request group), and draws the figures into `figures/`.
-
-The sweep executes this notebook into the run folder with `run_dir="."` and exports it
-as `report.html`; re-executing that copy (nbval does, in the tests) must reproduce its
-tables.
-"""),
+    md("# Study report"),
     code('''
 run_dir: str = ""  # a run folder; empty: the newest under ../results
 slo: str = ""  # an SLO for this report, as metric and bound pairs like ttft_p90_ms:2500 (empty: the study's own)
@@ -109,98 +105,121 @@ slo: str = ""  # an SLO for this report, as metric and bound pairs like ttft_p90
     code('''
 from vllm_study import notebook_support as ns
 
-r = ns.load_run(ns.resolve_run(run_dir), slo)
-ns.describe_run(r)
-''', **CHECK),
-    md("""
-## The answer
-The point to run: the highest goodput among the points whose 95% intervals meet every
-bound of the study's `slo:` (without an SLO, the highest output throughput), the points
-this study cannot tell apart from it, and what the runner-up trades. Freeze it with
-`python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
-evidence beside it.
-"""),
-    code("ns.recommendation(r)", **CHECK),
+r = ns.load_run(ns.resolve_run(run_dir), slo, quiet=True)
+'''),
+    md("## The answer"),
+    code("ns.answer(r)", **CHECK),
+    code("ns.answer_figure(r)"),
     md("""
 ## Pareto fronts
 Output tokens/s per GPU against the speed one request sees (1000 / TPOT P50), and against
 TTFT P90. A point is on a front when no other point is at least as good on both axes
-and better on one; equal points are ties and all stay.
+and better on one; equal points are ties and all stay. The front's points are named;
+every point's values are in the details (*Pareto fronts: every point*).
 """),
-    code("ns.pareto(r)", **CHECK),
+    code("ns.pareto_figure(r)"),
     md("""
-## Each point, with 95% intervals
+## Endpoints side by side
+For a study of `targets` (running endpoints, e.g. a vLLM port and the same server behind
+a gateway): each target's medians and the latency it adds over the first target.
+"""),
+    code("ns.target_comparison(r, quiet=True)", **CHECK),
+    md("""
+## Details
+"""),
+    md("""
+### The answer, point by point
+The point to run: the highest goodput among the points whose 95% intervals meet every
+bound of the study's `slo:` (without an SLO, the highest output throughput), the points
+this study cannot tell apart from it, and what the runner-up trades; below, each point
+against each bound (a capacity study: each point's capacity). Freeze it with
+`python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
+evidence beside it.
+""", **DETAILS),
+    code("ns.recommendation(r)", **CHECK),
+    md("""
+### Each point, with 95% intervals
 Each cell: the point's value (each server start's median round, averaged over the
 point's starts; on a log scale for metrics that are always positive), and in brackets
 its 95% t interval, with the start-to-start spread pooled over the run's points
 (`analysis.py`). With one server start per point the interval covers round-to-round
 noise only: a restarted server can move TTFT further. Two points whose intervals overlap are not
 told apart by this study. `partial k/n`: only k of the n planned rounds were measured.
-"""),
+""", **DETAILS),
     code("ns.headline_table(r)", **CHECK),
-    code("ns.failures(r)", **CHECK),
     md("""
-## How precise is this study?
+### Failures
+The points that did not complete every planned round, and why.
+""", **DETAILS),
+    code("ns.failures(r, quiet=True)", **CHECK),
+    md("""
+### How precise is this study?
 The noise floor per metric: how much a restarted server moves it (start to start) and
 how much one server moves between rounds, pooled over the run's points. A difference
 smaller than the start-to-start spread is not an effect this study can show.
-"""),
+""", **DETAILS),
     code("ns.noise_floor(r)", **CHECK),
     md("""
-## Against the best, and against the baseline
+### Against the best, and against the baseline
 Each point against the best point of each metric: the relative difference with its 95%
 interval, and a verdict (better, worse, or not resolved: the study cannot tell them
 apart). With `baseline:` set in the study, each point against that point too.
-"""),
+""", **DETAILS),
     code("ns.versus_best(r)", **CHECK),
-    code("ns.versus_baseline(r)", **CHECK),
+    code("ns.versus_baseline(r, quiet=True)", **CHECK),
     md("""
-## Did each knob bind?
+### Did each knob bind?
 vLLM's own counters per point: the KV cache's peak share and preemptions (memory), the
 prefills longer than the chunk (chunk size: vLLM had to split them over steps), running
 requests against `max_num_seqs`, and the measured
 hit rate beside the one a never-evicting cache would reach. An axis that never bound
 is named: the study cannot show its effect.
-"""),
+""", **DETAILS),
     code("ns.binding(r)", **CHECK),
-    code("ns.axis_effects(r)  # the scheduler axis per request class, with the budget's deferrals", **CHECK),
+    code("ns.axis_effects(r, quiet=True)  # the scheduler axis per request class, with the budget's deferrals",
+         **CHECK),
     md("""
-## Endpoints side by side
-For a study of `targets` (running endpoints, e.g. a vLLM port and the same server behind
-a gateway): each target's medians and the latency it adds over the first target.
-"""),
-    code("ns.target_comparison(r)", **CHECK),
-    md("""
-## By request class, turn or rate step
+### By request class, turn or rate step
 Mixed workloads: long documents vs short chats (the decode stalls chunked prefill is
 meant to cap show in the short class's ITL). Multi-turn: TTFT per turn (prefix caching
 should help from turn 2). Rate ladders: TTFT P50/P99 per step, to see where TTFT turns up.
-"""),
-    code("ns.group_table(r)", **CHECK),
+""", **DETAILS),
+    code("ns.group_table(r, quiet=True)", **CHECK),
     md("""
-## Heatmaps
-x = the first grid axis; y = the second. In every panel yellow is the better end (low
-latency, high throughput or hit rate); counts and shares that are neither better nor
-worse use the same map. Grey cells marked *failed* measured no round; a `*` marks a
-point that missed some rounds. The reasons are in the failure table above.
-"""),
-    code("ns.draw_heatmaps(r)"),
+### Pareto fronts: every point
+Each point's values on the fronts' axes, and whether it is on each front.
+""", **DETAILS),
+    code("ns.pareto_points(r)", **CHECK),
     md("""
-## Trend lines
+### Trend lines
 Latency and throughput against the first axis, one line per value of the second, with
 95% interval bands.
-"""),
-    code("ns.draw_trends(r)"),
+""", **DETAILS),
+    code("ns.trend_details(r)"),
     md("""
-## Round to round
+### Round to round
 TTFT P90 of each round of each server start, per point: the spread is the noise the
 medians sit on.
-"""),
-    code("ns.draw_round_trend(r)"),
+""", **DETAILS),
+    code("ns.draw_round_trend(r, quiet=True)"),
     md("""
-## What the metrics mean
-"""),
+### The run: study, software, machine
+""", **DETAILS),
+    code("ns.describe_run(r)", **CHECK),
+    md("""
+### What the metrics mean
+""", **DETAILS),
     code("ns.definitions(r)", **CHECK),
+    md("""
+### About this report
+Reads one run folder (`results/<run>/`): its manifest, each point's `summary.json`
+(status and estimates over all server starts) and `summary.csv` (one row per point,
+server start, round and request group), and draws the figures into `figures/`.
+
+The sweep executes this notebook into the run folder with `run_dir="."` and exports it
+as `report.html`; re-executing that copy (nbval does, in the tests) must reproduce its
+tables.
+""", **DETAILS),
 ]
 
 

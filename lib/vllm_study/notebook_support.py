@@ -7,6 +7,8 @@ no longer hides them (nbval issue 194).
 """
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -29,11 +31,12 @@ def resolve_run(run_dir: str) -> RunFolder:
     return RunFolder(max(runs, key=lambda p: p.parent.name).parent)
 
 
-def load_run(run: RunFolder, slo: str = "") -> report.Run:
+def load_run(run: RunFolder, slo: str = "", quiet: bool = False) -> report.Run:
     """The run's records; `slo` ('ttft_p90_ms=2500,itl_p90_ms=100') replaces the study's SLO
-    for this report (goodput stays what the study measured under its own SLO)."""
+    for this report (goodput stays what the study measured under its own SLO). `quiet`:
+    say nothing of it here (the report's answer names the SLO it was judged under)."""
     r = report.Run.load(run, report.parse_slo(slo))
-    if slo:
+    if slo and not quiet:
         print(f"SLO for this report: {r.slo} (given at report time)")
     return r
 
@@ -61,17 +64,28 @@ def headline_table(r: report.Run) -> pd.DataFrame:
     return report.headline_table(r)
 
 
-def failures(r: report.Run) -> pd.DataFrame:
+def failures(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
+    """`quiet`: nothing where every point completed every round (the page leaves the
+    section out; the answer says so)."""
+    if quiet and all(s.status == "ok" for s in r.summaries):
+        return None
     return report.failures(r)
 
 
-def target_comparison(r: report.Run) -> pd.DataFrame | None:
+def target_comparison(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
     """Endpoint studies: each target's medians and what it adds over the first target
-    (e.g. the same vLLM behind a gateway vs its port directly)."""
+    (e.g. the same vLLM behind a gateway vs its port directly). `quiet`: a grid study gets
+    nothing, not the line saying it is not an endpoint study."""
+    if quiet and not r.manifest.params.get("targets"):
+        return None
     return report.target_comparison(r)
 
 
-def group_table(r: report.Run) -> pd.DataFrame | None:
+def group_table(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
+    """`quiet`: nothing where the workload has no classes, turns or rate steps."""
+    if quiet:
+        with contextlib.redirect_stdout(io.StringIO()):  # the one line it prints says there are none
+            return report.group_table(r)
     return report.group_table(r)
 
 
@@ -95,8 +109,57 @@ def draw_trends(r: report.Run) -> None:
     _show(plots.trend_vs_axis(r, out=r.folder.figures / "trends.png"))
 
 
-def draw_round_trend(r: report.Run) -> None:
-    _show(plots.round_trend(r, out=r.folder.figures / "ttft_p90_by_round.png"))
+def draw_round_trend(r: report.Run, quiet: bool = False) -> None:
+    """`quiet`: no sentence where there is nothing to draw."""
+    why = plots.round_trend(r, out=r.folder.figures / "ttft_p90_by_round.png")
+    if not (why and quiet):
+        _show(why)
+
+
+def trend_details(r: report.Run) -> None:
+    """The trend lines where the answer's figure is the heatmaps; nothing where it is the
+    trend lines themselves (one axis) or there is no axis (an endpoint study)."""
+    if len(r.axes) >= 2:
+        draw_trends(r)
+
+
+def _markdown(text: str, plain: str | None = None) -> None:
+    """Show Markdown (prose on the page; `plain` is what a console shows)."""
+    from IPython.display import display
+    display({"text/markdown": text, "text/plain": plain if plain is not None else text}, raw=True)
+
+
+def answer(r: report.Run) -> None:
+    """The report's answer in plain words, for the top of the page: the text that
+    `recommendation` prints, as prose (the recommended point in bold), with the SLO it was
+    judged under, the study's size and its failures; the tables are `recommendation`'s."""
+    _markdown(report.answer_markdown(r), report.answer_text(r))
+
+
+def answer_figure(r: report.Run) -> None:
+    """The one figure under the answer: the heatmaps over the first two axes; with one
+    axis, the trend lines (a capacity study's capacity among them); an endpoint study has
+    none (nothing is shown: its answer is the target comparison)."""
+    if not r.axes:
+        return
+    two = len(r.axes) >= 2
+    why = (plots.heatmap_grid(r, out=r.folder.figures / "heatmaps.png") if two else
+           plots.trend_vs_axis(r, out=r.folder.figures / "trends.png"))
+    if why:  # nothing measured: say so (the failure table its sentence points to is below, on this page)
+        why = why.replace("the failure table above", "the failure table below")
+        _markdown(report.md_escape(why), why)
+        return
+    plt.show()
+    x = f"`{r.axes[0]}`"
+    if two:
+        caption = (f"x: {x}; y: `{r.axes[1]}`. In every panel yellow is the better end (low latency, high "
+                   "throughput or hit rate); counts and shares that are neither better nor worse use the same "
+                   "map. A red box: not told apart from the best point; `*`: not every planned round was "
+                   "measured; grey *failed*: no round was measured.")
+    else:
+        caption = (f"Each metric against {x}, with its 95% interval as a band; `*`: not every planned round "
+                   "was measured.")
+    _markdown(caption, caption.replace("`", "").replace("*failed*", "failed"))
 
 
 def noise_floor(r: report.Run) -> pd.DataFrame:
@@ -109,13 +172,16 @@ def binding(r: report.Run) -> pd.DataFrame:
     return report.binding_table(r)
 
 
-def axis_effects(r: report.Run, axis: str = "") -> pd.DataFrame | None:
+def axis_effects(r: report.Run, axis: str = "", quiet: bool = False) -> pd.DataFrame | None:
     """Beside the binding: an axis's effect per request group (by default the Prefix Reuse
     Budget's min_reuse_ratio against off, for all requests and its shared and cold
     classes), each change with its 95% interval and called an effect only where resolved;
     for the budget, where it bound and its deferrals per point (median per round, range).
-    A study without the scheduler axis prints one line (or name another axis)."""
+    A study without the scheduler axis prints one line (or name another axis); `quiet`:
+    nothing."""
     axis = axis or report.scheduler_axis(r) or ""
+    if not axis and quiet:
+        return None
     if not axis:
         print("no scheduler axis in this study (scheduler.min_reuse_ratio lists one value or none): "
               "no per-class effect of the budget to show")
@@ -135,8 +201,11 @@ def versus_best(r: report.Run) -> pd.DataFrame | None:
     return report.comparison_table(r)
 
 
-def versus_baseline(r: report.Run) -> pd.DataFrame | None:
+def versus_baseline(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
+    """`quiet`: nothing where the study names no baseline."""
     baseline = r.manifest.params.get("baseline")
+    if not baseline and quiet:
+        return None
     if not baseline:
         print("no baseline point in this study (set `baseline:` to a point id to compare every point with it)")
         return None
@@ -165,13 +234,31 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
     return decision.slo_table(r.intervals, slo)
 
 
-def pareto(r: report.Run) -> pd.DataFrame | None:
+def _pareto_table(r: report.Run) -> pd.DataFrame:
     from . import decision
     tp = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
-    t = decision.pareto_table(r.intervals, tp)
+    return decision.pareto_table(r.intervals, tp)
+
+
+def pareto(r: report.Run) -> pd.DataFrame | None:
+    t = _pareto_table(r)
     why = plots.pareto_plot(t, out=r.folder.figures / "pareto.png")
     _show(why)
     return None if why else t.round(1)
+
+
+def pareto_figure(r: report.Run) -> None:
+    """The Pareto fronts alone (their points' values: `pareto_points`); nothing where no
+    point has throughput, TPOT and TTFT."""
+    why = plots.pareto_plot(_pareto_table(r), out=r.folder.figures / "pareto.png")
+    if not why:
+        plt.show()
+
+
+def pareto_points(r: report.Run) -> pd.DataFrame | None:
+    """Every point's values on the Pareto fronts' axes, and whether it is on each front."""
+    t = _pareto_table(r)
+    return None if t.empty else t.round(1)
 
 
 # -- explore notebook --------------------------------------------------------
