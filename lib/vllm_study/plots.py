@@ -126,6 +126,9 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     x = r.axes[0]
     hue = r.axes[1] if len(r.axes) > 1 else None
     est = long_estimates(r)
+    names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
+    if not names:
+        return "none of the trend metrics was measured"
     fig, axs = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, n in zip(axs.flat, names):
         m = metrics.get(n)
