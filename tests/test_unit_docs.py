@@ -126,20 +126,26 @@ def test_docs_pages_are_linked_from_the_readme():
 
 # ---- the commands the pages show ---------------------------------------------------------
 
-def _shown_commands() -> list[tuple[str, list[str]]]:
-    """(page, argv after `-m vllm_study`) for every command the pages show, in page order."""
-    out = []
+def _shown(pattern: str):
+    """(page, match) for every line of the pages' code that matches `pattern`, in page order
+    (a command continued with a backslash is one line)."""
     for page in PAGES:
         for span in _code_spans(_text(page)):
             for line in re.sub(r"\\\n\s*", " ", span).splitlines():
-                m = re.search(r"python -m vllm_study\s+(.*)", line)
-                if not m:
-                    continue
-                rest = re.sub(r"\s#.*$", "", m.group(1))
-                rest = re.sub(r"\[[^\]]*\]", "", rest)  # [--optional arguments]
-                argv = shlex.split(rest)
-                if argv and not argv[0].startswith("<"):
-                    out.append((page.name, argv))
+                m = re.search(pattern, line)
+                if m:
+                    yield page, m
+
+
+def _shown_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv after `-m vllm_study`) for every command the pages show, in page order."""
+    out = []
+    for page, m in _shown(r"python -m vllm_study\s+(.*)"):
+        rest = re.sub(r"\s#.*$", "", m.group(1))
+        rest = re.sub(r"\[[^\]]*\]", "", rest)  # [--optional arguments]
+        argv = shlex.split(rest)
+        if argv and not argv[0].startswith("<"):
+            out.append((page.name, argv))
     return out
 
 
@@ -267,19 +273,14 @@ def test_scripts_take_the_flags_shown():
     """`python benchmarks/x.py ... --flag` and `python tools/x.py ...`: the script exists and
     defines every flag shown, or hands it on to the sweep (read from the source: nothing is run)."""
     problems = []
-    for page in PAGES:
-        for span in _code_spans(_text(page)):
-            for line in re.sub(r"\\\n\s*", " ", span).splitlines():
-                m = re.search(r"python ((?:benchmarks|tools)/\S+\.py)(.*)", line)
-                if not m:
-                    continue
-                script = REPO / m.group(1)
-                if not script.is_file():
-                    problems.append(f"{page.name}: {m.group(1)} does not exist")
-                    continue
-                source = script.read_text()
-                if "parse_known_args" in source:  # it hands what it does not know to the sweep
-                    source += (REPO / "lib" / "vllm_study" / "cli.py").read_text()
-                flags = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", re.sub(r"\s#.*$", "", m.group(2)))
-                problems += [f"{page.name}: {m.group(1)} has no {f}" for f in flags if f'"{f}"' not in source]
+    for page, m in _shown(r"python ((?:benchmarks|tools)/\S+\.py)(.*)"):
+        script = REPO / m.group(1)
+        if not script.is_file():
+            problems.append(f"{page.name}: {m.group(1)} does not exist")
+            continue
+        source = script.read_text()
+        if "parse_known_args" in source:  # it hands what it does not know to the sweep
+            source += (REPO / "lib" / "vllm_study" / "cli.py").read_text()
+        flags = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", re.sub(r"\s#.*$", "", m.group(2)))
+        problems += [f"{page.name}: {m.group(1)} has no {f}" for f in flags if f'"{f}"' not in source]
     assert not problems, problems
