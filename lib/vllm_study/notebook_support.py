@@ -7,8 +7,6 @@ no longer hides them (nbval issue 194).
 """
 from __future__ import annotations
 
-import contextlib
-import io
 from pathlib import Path
 
 import matplotlib.pyplot as plt
@@ -83,9 +81,8 @@ def target_comparison(r: report.Run, quiet: bool = False) -> pd.DataFrame | None
 
 def group_table(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
     """`quiet`: nothing where the workload has no classes, turns or rate steps."""
-    if quiet:
-        with contextlib.redirect_stdout(io.StringIO()):  # the one line it prints says there are none
-            return report.group_table(r)
+    if quiet and not report.has_groups(r):
+        return None
     return report.group_table(r)
 
 

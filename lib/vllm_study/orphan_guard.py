@@ -13,10 +13,10 @@ is the signal: it needs no polling to notice and cannot be fooled by a reused pi
 pid is watched too, in case something the worker forked without exec holds the pipe).
 
 While the worker lives, the guard remembers the worker's descendants every half second
-(the tree hangs off the worker by parent pid, whatever its sessions). Once the worker is
-gone it freezes (SIGSTOP) what it remembered and then looks again under those frozen
-processes (a frozen process cannot fork: what the last look missed is found then), kills
-(SIGKILL) every process and every process group led by one of them, then the server
+(the tree hangs off the worker by parent pid, whichever process group each leads). Once
+the worker is gone it freezes (SIGSTOP) what it remembered and then looks again under
+those frozen processes (a frozen process cannot fork: what the last look missed is found
+then), kills (SIGKILL) every process and every process group led by one of them, then the server
 groups recorded in the scratch folder's pgid files (server.stop_group_from_file, the
 sweep's own safety net: a server whose kernel died first is no one's child), and removes
 the scratch folder. Nothing is found by name.

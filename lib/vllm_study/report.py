@@ -222,10 +222,16 @@ def _group_order(label: str):
         return key, 1, 0.0, value
 
 
+def has_groups(r: Run) -> bool:
+    """Whether the rounds split into request groups (classes, turns, ladder steps)."""
+    df = r.rounds
+    return not df.empty and "group" in df.columns and bool((df["group"] != "all").any())
+
+
 def group_table(r: Run) -> pd.DataFrame | None:
     """Per point and request class (long/short), turn, or ladder step: value [95% interval]."""
     df = r.rounds
-    if df.empty or "group" not in df.columns or not (df["group"] != "all").any():
+    if not has_groups(r):
         print("this run's workload has no classes, turns or rate steps")
         return None
     groups = df.loc[df["group"] != "all", ["group", "group_value"]].drop_duplicates()
@@ -536,7 +542,7 @@ def _chunk_binding(r: Run, axis: str, longp: pd.Series) -> str:
 def scheduler_axis(r: Run) -> str | None:
     """min_reuse_ratio where the study sweeps the Prefix Reuse Budget (several values of
     scheduler.min_reuse_ratio make it an axis of the points' values, beside the grid)."""
-    return SCHEDULER_AXIS if any(SCHEDULER_AXIS in s.values for s in r.summaries) else None
+    return SCHEDULER_AXIS if SCHEDULER_AXIS in r.axes else None
 
 
 def _same(a, b) -> bool:
@@ -595,29 +601,32 @@ def _median_range(v: pd.Series, fmt: str) -> str:
     return f"{format(v.median(), fmt)} ({format(v.min(), fmt)} to {format(v.max(), fmt)})"
 
 
+def _column(rounds: pd.DataFrame, col: str) -> pd.Series:
+    """A column's recorded values (none where the rounds lack it)."""
+    return rounds[col].dropna() if col in rounds.columns else pd.Series(dtype=float)
+
+
 def deferral_table(r: Run) -> pd.DataFrame | None:
     """Per point with the budget: requests deferred per round, and how many of those the
     age bound and the idle rule let in, as the median over its measured rounds with the
     range (min to max); the hold times likewise; whether it bound (never: it deferred no
     request in any round). None without a scheduler axis."""
-    axis = scheduler_axis(r)
-    points = _budget_points(r, axis) if axis else []
-    if not points:
+    ev = _scheduler_evidence(r)
+    if ev is None:
         return None
-    df = analysis.ok_rounds(r.rounds)
+    axis, df = ev["axis"], analysis.ok_rounds(r.rounds)
     rows = []
-    for p in points:
+    for p in ev["points"]:
         g = df[df["point"] == p]
-        row = {"point": p, axis: fmt_value(axis, next(s.values[axis] for s in r.measured if s.point == p))}
-        have = g["pb_deferred"].dropna() if "pb_deferred" in g.columns else pd.Series(dtype=float)
-        row["rounds"] = len(have)
+        row = {"point": p, axis: fmt_value(axis, next(s.values[axis] for s in r.measured if s.point == p)),
+               "rounds": len(_column(g, "pb_deferred"))}
         for label, col in DEFERRAL_COUNTS:
-            v = g[col].dropna() if col in g.columns else pd.Series(dtype=float)
+            v = _column(g, col)
             row[f"{label} per round"] = _median_range(v, "g") if len(v) else "not recorded"
         for label, col in DEFERRAL_TIMES:
-            v = g[col].dropna() if col in g.columns else pd.Series(dtype=float)
+            v = _column(g, col)
             row[label] = _median_range(v, ".0f") if len(v) else ""
-        row["bound"] = "not known" if have.empty else "yes" if have.max() > 0 else "never"  # in no round
+        row["bound"] = "yes" if p in ev["bound"] else "never" if p in ev["never"] else "not known"  # in no round
         rows.append(row)
     return pd.DataFrame(rows).set_index("point")
 
