@@ -212,9 +212,9 @@ def test_missing_required_key():
 
 
 def test_grid_or_targets_exactly_one():
-    with pytest.raises(StudyError, match=r"give either `grid`.*or `targets`"):
+    with pytest.raises(StudyError, match=r"give one of `grid`.*`search`.*or `targets`.*gives none"):
         study_from_dict({"name": "t"})
-    with pytest.raises(StudyError, match=r"not both"):
+    with pytest.raises(StudyError, match=r"gives grid and targets"):
         study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [256]},
                          "targets": [{"name": "a", "base_url": "http://127.0.0.1:1", "model": "m"}]})
 

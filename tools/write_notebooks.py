@@ -148,6 +148,14 @@ told apart by this study. `partial k/n`: only k of the n planned rounds were mea
 """, **DETAILS),
     code("ns.headline_table(r)", **CHECK),
     md("""
+### The search's trials
+A search: every trial that started a server, in order, with what became of it (measured,
+SLO missed, or failed with its reason) and its objective from that one start. Proposals
+that never started (refused by vLLM's rules or `when:`, like a crashed configuration, or
+measured already) are counted in the answer and kept in the run's `search.journal`.
+""", **DETAILS),
+    code("ns.search_trials(r, quiet=True)", **CHECK),
+    md("""
 ### Failures
 The points that did not complete every planned round, and why.
 """, **DETAILS),

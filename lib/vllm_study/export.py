@@ -173,7 +173,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
     rec = decision.recommend(r.rounds, r.intervals, slo)
-    point = point or rec.point
+    point = point or (report.best_point(r) if r.search else rec.point)
     if point is None:
         raise ValueError(f"no point to export: {rec.reason}")
     cfg = serve_config(r, point)

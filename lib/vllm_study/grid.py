@@ -196,7 +196,8 @@ def cpu_kv_default(study: Study, engine: str, available: int | None = None) -> t
     extra_cli_args, or VLLM_CPU_KVCACHE_SPACE in server.env or this environment)."""
     if engine != "cpu" or study.targets:
         return None
-    if any(k in study.grid or getattr(study.engine_args, k) is not None
+    searched = study.search.space if study.search else {}
+    if any(k in study.grid or k in searched or getattr(study.engine_args, k) is not None
            for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
         return None
     if any(a.split("=", 1)[0].replace("_", "-") in CPU_KV_FLAGS for a in study.server.extra_cli_args):
@@ -218,10 +219,54 @@ def point_id(values: dict) -> str:
     return "__".join(f"{AXIS_ABBREV.get(a, a)}={fmt_value(a, v)}" for a, v in values.items())
 
 
+DEFAULTS_POINT = "vllm-defaults"  # a search's baseline: the fixed engine_args only, vLLM's defaults for the rest
+
+
+class PointMaker:
+    """Points of one study on one engine: one configuration (grid values or a search's
+    trial) merged with the fixed engine args, checked against vLLM's rules. Built once a
+    study (the model's positions and the CPU KV default are looked up here)."""
+
+    def __init__(self, study: Study, engine: str):
+        from .models import max_positions
+        self.study, self.engine = study, engine
+        self.supported = max_positions(study.model)
+        self.kv = cpu_kv_default(study, engine)
+        if self.kv:  # into the study itself: study.yaml, the manifest's params and --resume keep this size
+            study.engine_args = study.engine_args.model_copy(update={"kv_cache_memory_bytes": self.kv[0]})
+
+    def make(self, values: dict, pid: str | None = None) -> tuple[Point | None, list[str]]:
+        """The point at `values` (and the scheduler's ratio where it is an axis), or None
+        and why vLLM would reject it (each problem one indented line)."""
+        study, engine = self.study, self.engine
+        ratios = study.scheduler.ratios
+        ratio = values.get(SCHEDULER_AXIS, ratios[0])
+        budget = None if ratio == "off" else PrefixBudget(min_reuse_ratio=ratio,
+                                                            max_defer_ms=study.scheduler.max_defer_ms)
+        engine_values = {a: v for a, v in values.items() if a != SCHEDULER_AXIS}
+        try:
+            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **engine_values})
+        except ValidationError as e:
+            return None, [_explain(e, f"point {values}")]
+        mml = args.max_model_len or self.supported
+        if self.supported and mml > self.supported:
+            return None, [f"  max_model_len={mml} is above what the model supports ({self.supported} "
+                          "positions in its config.json); lower engine_args.max_model_len"]
+        pid = pid or point_id(values)
+        args, dtype_reason = _with_cpu_dtype(args, engine)
+        effective, warns, errs = _check_point(study, args, engine, mml)
+        effective.dtype_reason = dtype_reason
+        if errs:
+            return None, [f"  point {pid}: {e}" for e in errs]
+        return Point(id=pid, values=values, engine_args=args, prefix_budget=budget, effective=effective,
+                     warnings=([self.kv[1]] if self.kv else []) + warns + _alignment(study, args, effective)), []
+
+
 def expand(study: Study, engine: str) -> list[Point]:
     """Every combination of the grid's values, in the order the axes are written
-    (the last axis varies fastest). Raises StudyError listing every invalid point."""
-    from .models import max_positions
+    (the last axis varies fastest); for a search, the one point it always has: vLLM's
+    defaults (its trials' points are made as it proposes them). Raises StudyError
+    listing every invalid point."""
     if study.targets:
         return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
                       target=t) for t in study.targets]
@@ -231,43 +276,29 @@ def expand(study: Study, engine: str) -> list[Point]:
             read_trace(study.workload.trace)
         except (TraceError, OSError) as e:
             raise StudyError(f"workload.trace: {e}") from None
+    maker = PointMaker(study, engine)
+    if study.search:
+        point, problems = maker.make({}, DEFAULTS_POINT)
+        if problems:
+            raise StudyError("vLLM's defaults with the study's engine_args would be rejected:\n" + "\n".join(problems))
+        return [point]
     # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
     ratios = study.scheduler.ratios
     columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}
     axes = list(columns)
-    supported = max_positions(study.model)
-    kv = cpu_kv_default(study, engine)
-    if kv:  # into the study itself: study.yaml, the manifest's params and --resume keep this size
-        study.engine_args = study.engine_args.model_copy(update={"kv_cache_memory_bytes": kv[0]})
     points, problems = [], []
     for combo in itertools.product(*(columns[a] for a in axes)):
         values = dict(zip(axes, combo))
-        ratio = values.get(SCHEDULER_AXIS, ratios[0])
-        budget = None if ratio == "off" else PrefixBudget(min_reuse_ratio=ratio,
-                                                            max_defer_ms=study.scheduler.max_defer_ms)
-        grid_values = {a: v for a, v in values.items() if a != SCHEDULER_AXIS}
-        try:
-            args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **grid_values})
-        except ValidationError as e:
-            problems.append(_explain(e, f"grid point {values}"))
-            continue
-        mml = args.max_model_len or supported
-        if supported and mml > supported:
-            problems.append(f"  max_model_len={mml} is above what the model supports ({supported} "
-                            "positions in its config.json); lower engine_args.max_model_len")
-            continue
         pid = point_id(values)
         twin = next((p for p in points if p.id == pid), None)
         if twin:  # two points in one folder: the second would be skipped as finished
             problems.append(f"  points {twin.values} and {values} both get the point id {pid}; "
                             "make the values differ at the precision ids show")
             continue
-        args, dtype_reason = _with_cpu_dtype(args, engine)
-        effective, warns, errs = _check_point(study, args, engine, mml)
-        effective.dtype_reason = dtype_reason
-        problems += [f"  point {pid}: {e}" for e in errs]
-        points.append(Point(id=pid, values=values, engine_args=args, prefix_budget=budget, effective=effective,
-                            warnings=([kv[1]] if kv else []) + warns + _alignment(study, args, effective)))
+        point, why = maker.make(values, pid)
+        problems += why
+        if point:
+            points.append(point)
     if study.baseline and study.baseline not in {p.id for p in points}:
         problems.append(f"  baseline {study.baseline!r} is not a point of the grid; its points are: "
                         + ", ".join(p.id for p in points))

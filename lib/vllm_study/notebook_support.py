@@ -115,8 +115,9 @@ def draw_round_trend(r: report.Run, quiet: bool = False) -> None:
 
 def trend_details(r: report.Run) -> None:
     """The trend lines where the answer's figure is the heatmaps; nothing where it is the
-    trend lines themselves (one axis) or there is no axis (an endpoint study)."""
-    if len(r.axes) >= 2:
+    trend lines themselves (one axis), there is no axis (an endpoint study) or the points
+    are a search's few confirmed ones."""
+    if len(r.axes) >= 2 and not r.search:
         draw_trends(r)
 
 
@@ -137,6 +138,18 @@ def answer_figure(r: report.Run) -> None:
     """The one figure under the answer: the heatmaps over the first two axes; with one
     axis, the trend lines (a capacity study's capacity among them); an endpoint study has
     none (nothing is shown: its answer is the target comparison)."""
+    if r.search:  # its confirmed points are too few for heatmaps: the search's own history instead
+        from . import search_report
+        why = search_report.history_figure(r, out=r.folder.figures / "search.png")
+        if why:
+            _markdown(report.md_escape(why), why)
+            return
+        plt.show()
+        caption = ("Left: each trial's objective from its one server start, in the order they started (a cross: "
+                   "the start failed; a ring: it missed the SLO); the line is the best so far. Right: how much "
+                   "each knob moved the objective over the measured trials (Optuna's PED-ANOVA importances).")
+        _markdown(caption)
+        return
     if not r.axes:
         return
     two = len(r.axes) >= 2
@@ -157,6 +170,16 @@ def answer_figure(r: report.Run) -> None:
         caption = (f"Each metric against {x}, with its 95% interval as a band; `*`: not every planned round "
                    "was measured.")
     _markdown(caption, caption.replace("`", "").replace("*failed*", "failed"))
+
+
+def search_trials(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
+    """A search's trials, one row per server start (`quiet`: nothing outside a search)."""
+    if not r.search:
+        if not quiet:
+            print("not a search")
+        return None
+    from . import search_report
+    return search_report.trials_table(r)
 
 
 def noise_floor(r: report.Run) -> pd.DataFrame:
@@ -200,7 +223,7 @@ def versus_best(r: report.Run) -> pd.DataFrame | None:
 
 def versus_baseline(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
     """`quiet`: nothing where the study names no baseline."""
-    baseline = r.manifest.params.get("baseline")
+    baseline = r.baseline
     if not baseline and quiet:
         return None
     if not baseline:

@@ -394,13 +394,117 @@ class Capacity(_Strict):
         return self
 
 
+# -- a search instead of a grid (config_search.py) --------------------------------------
+class IntRange(_Strict):
+    """Whole numbers from low to high: {int: [256, 8192], log: true} or {int: [8, 256], step: 8}."""
+    int: tuple[int, int]
+    log: bool = False
+    step: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _ok(self):
+        lo, hi = self.int
+        if lo >= hi:
+            raise ValueError(f"int range {list(self.int)} needs low < high")
+        if self.log and (lo < 1 or self.step != 1):
+            raise ValueError("a log-scaled int range needs low >= 1 and no step (Optuna's rule)")
+        return self
+
+
+class FloatRange(_Strict):
+    """Reals from low to high on a grid of `step` (point ids show two decimals, so the
+    default step is 0.01): {float: [0.80, 0.95], step: 0.05}."""
+    float: tuple[float, float]
+    step: float = Field(0.01, gt=0)
+
+    @model_validator(mode="after")
+    def _ok(self):
+        lo, hi = self.float
+        if lo >= hi:
+            raise ValueError(f"float range {list(self.float)} needs low < high")
+        return self
+
+
+# A knob's values: a list (categorical: no order assumed), or an int or float range.
+Dimension = IntRange | FloatRange | list[Any]
+CONDITION = r"^\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*(<=|>=|==|!=|<|>)\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*$"
+SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
+
+
+class Search(_Strict):
+    """Search a space of engine arguments instead of measuring a grid: `trials` server
+    starts (or until `minutes`), each one configuration Optuna's `sampler` proposes from
+    what the earlier ones measured, judged by `objective` (capacity_rps in a capacity
+    study; otherwise any metric with a direction). Then the `top_k` best and vLLM's
+    defaults get `confirm_starts` fresh server starts each, in shuffled blocks: the
+    decision rests on those, not on one lucky trial. `when`: conditions a configuration
+    must meet before it starts ("max_num_seqs <= max_num_batched_tokens"); vLLM's own
+    rules are checked too. `first`: configurations to try before the sampler's own."""
+    space: dict[str, Dimension]
+    when: list[str] = []
+    objective: str | None = None
+    direction: Literal["maximize", "minimize"] | None = None
+    trials: int = Field(20, ge=2)
+    minutes: float | None = Field(None, gt=0)
+    sampler: Literal[SAMPLERS] = "tpe"
+    startup_trials: int | None = Field(None, ge=1, description="random trials before the model-based "
+                                       "sampler takes over (default: a third of the trials, 2 to 10)")
+    seed: int = 0
+    first: list[dict[str, Any]] = []
+    top_k: int = Field(3, ge=1)
+    confirm_starts: int = Field(3, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self):
+        import re
+        known = set(EngineArgs.model_fields)
+        if not self.space:
+            raise ValueError("search.space is empty: name at least one engine argument and its values")
+        for name, dim in self.space.items():
+            if name not in known:
+                raise ValueError(f"search.space: {name!r} is not an engine argument the kit knows"
+                                 f"{_did_you_mean(name, known)}; knobs: {', '.join(sorted(known))}")
+            if isinstance(dim, list) and (len(dim) < 2 or len(set(map(repr, dim))) != len(dim)):
+                raise ValueError(f"search.space.{name}: a list needs two or more distinct values (got {dim})")
+        for cond in self.when:
+            m = re.match(CONDITION, cond)
+            if not m:
+                raise ValueError(f"search.when: {cond!r} is not a comparison the kit reads; write "
+                                 "<knob or number> <op> <knob or number>, e.g. max_num_seqs <= max_num_batched_tokens")
+            for side in (m.group(1), m.group(3)):
+                if side[0].isalpha() or side[0] == "_":
+                    if side not in known:
+                        raise ValueError(f"search.when: {side!r} in {cond!r} is not an engine argument"
+                                         f"{_did_you_mean(side, known)}")
+        for i, cfg in enumerate(self.first):
+            extra = set(cfg) - set(self.space)
+            if extra:
+                raise ValueError(f"search.first[{i}]: {sorted(extra)} not in search.space; a first "
+                                 "configuration gives values of the space's knobs")
+        from .metrics import REGISTRY
+        if self.objective is not None:
+            if self.objective not in REGISTRY:
+                raise ValueError(f"search.objective {self.objective!r} is not a metric the kit reports"
+                                 f"{_did_you_mean(self.objective, REGISTRY)}")
+            if self.direction is None and REGISTRY[self.objective].better is None:
+                raise ValueError(f"search.objective {self.objective!r} has no better direction; "
+                                 "set search.direction: maximize or minimize")
+        return self
+
+    @property
+    def n_startup(self) -> int:
+        return self.startup_trials or max(2, min(10, self.trials // 3))
+
+
 class Study(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
     model: ModelSpec = ModelSpec()
     engine_args: EngineArgs = EngineArgs()
-    grid: dict[str, list[Any]] = {}
+    # a file that extends a grid study may drop its grid with `grid: null` (e.g. to search instead)
+    grid: Annotated[dict[str, list[Any]], BeforeValidator(lambda v: {} if v is None else v)] = {}
     targets: list[Target] = []  # instead of a grid: measure running endpoints
+    search: Search | None = None  # instead of a grid: search a space (config_search.py)
     workload: Workload = Workload()
     rounds: int = Field(3, ge=1)                # measured rounds per server start
     replicates: int = Field(1, ge=1)            # server starts per point, in randomized blocks
@@ -417,9 +521,15 @@ class Study(_Strict):
 
     @model_validator(mode="after")
     def _grid_axes(self):
-        if bool(self.grid) == bool(self.targets):
-            raise ValueError("give either `grid` (the kit launches vLLM per point) or `targets` "
-                             "(endpoints that already run), not both and not neither")
+        given = [k for k in ("grid", "targets", "search") if getattr(self, k)]
+        if len(given) != 1:
+            raise ValueError("give one of `grid` (the kit launches vLLM per point), `search` (the kit searches "
+                             "a space of engine arguments) or `targets` (endpoints that already run); "
+                             + (f"this study gives {' and '.join(given)}" if given else "this study gives none")
+                             + (" (a study that extends a grid study drops its grid with `grid: null`)"
+                                if "grid" in given and "search" in given else ""))
+        if self.search:
+            self._check_search()
         ratios = self.scheduler.ratios
         if len(set(map(repr, ratios))) != len(ratios):
             raise ValueError(f"scheduler.min_reuse_ratio repeats a value: {ratios}")
@@ -447,6 +557,26 @@ class Study(_Strict):
             if len(set(map(repr, values))) != len(values):
                 raise ValueError(f"grid axis {axis!r} repeats a value: {values}")
         return self
+
+    def _check_search(self) -> None:
+        """What a search needs of the rest of the study."""
+        s = self.search
+        for name in s.space:
+            if getattr(self.engine_args, name) is not None:
+                raise ValueError(f"{name} is both in search.space and fixed in engine_args; remove one of them")
+        if self.replicates != 1 or self.precision or self.baseline:
+            raise ValueError("a search starts each trial once and replicates its top_k and vLLM's defaults "
+                             "(search.confirm_starts); leave out replicates, precision and baseline")
+        if len(self.scheduler.ratios) > 1:
+            raise ValueError("a search does not sweep scheduler.min_reuse_ratio; give one value")
+        if s.objective is None:
+            if not self.capacity:
+                raise ValueError("search.objective is needed outside a capacity study: a metric, e.g. goodput "
+                                 "(with an slo) or output_throughput")
+            s.objective = "capacity_rps"
+        elif self.capacity and s.objective not in ("capacity_rps", "capacity_load"):
+            raise ValueError(f"a capacity study's search optimises its capacity: leave search.objective out "
+                             f"(it is capacity_rps), not {s.objective}")
 
     def _check_capacity(self) -> None:
         """What a capacity search needs of the study: an SLO, and a load it can turn."""
@@ -478,11 +608,13 @@ def _did_you_mean(key: str, options) -> str:
 
 
 def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
-    """Later keys win, mappings merge key by key; except that a later `grid` replaces
-    the earlier one whole (a study that names a grid means that grid, not a union)."""
+    """Later keys win, mappings merge key by key; except that a later `grid` (or
+    `search.space`) replaces the earlier one whole (a study that names a grid means that
+    grid, not a union)."""
     out = dict(base)
     for k, v in over.items():
-        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and not (top and k == "grid")
+        whole = (top and k == "grid") or k == "space"  # a grid or a search space is meant whole
+        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and not whole
         out[k] = _deep_merge(out[k], v, top=False) if merge else v
     return out
 

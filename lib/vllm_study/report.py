@@ -27,13 +27,37 @@ class Run:
     intervals: pd.DataFrame         # analysis.point_intervals: point x metric
 
     slo_override: dict[str, float] | None = None   # an SLO given at report time (parse_slo)
+    trial_rounds: pd.DataFrame | None = None        # a search: its trials' rounds (one start each)
 
     @classmethod
     def load(cls, folder: RunFolder | str | Path, slo: dict[str, float] | None = None) -> "Run":
+        """A search's Run is its confirmation: the points started again and their fresh
+        starts only (the trials' own starts were selected for looking good); its trials
+        are in trial_rounds."""
         folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
         manifest = folder.manifest()
         rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
-        return cls(folder, manifest, folder.summaries(), rounds, analysis.point_intervals(rounds), slo or None)
+        summaries, trials = folder.summaries(), None
+        if manifest.params.get("search"):
+            from .config_search import TRIAL_BLOCK
+            confirmed = {u.point for u in manifest.order if u.block > TRIAL_BLOCK}
+            trials = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
+            rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
+            summaries = [s for s in summaries if s.point in confirmed]
+        return cls(folder, manifest, summaries, rounds, analysis.point_intervals(rounds), slo or None, trials)
+
+    @property
+    def search(self) -> dict | None:
+        return self.manifest.params.get("search")
+
+    @property
+    def baseline(self) -> str | None:
+        """The point every other is compared with: the study's `baseline`; for a search,
+        vLLM's defaults."""
+        if self.search:
+            from .grid import DEFAULTS_POINT
+            return DEFAULTS_POINT
+        return self.manifest.params.get("baseline")
 
     def interval(self, point: str, metric: str) -> dict | None:
         return _lookup(self.intervals, point, metric)
@@ -42,7 +66,7 @@ class Run:
     def axes(self) -> list[str]:
         """The grid's axes as the points have them: the study's grid, and the scheduler axis
         that grid.expand adds where a study sweeps the Prefix Reuse Budget's ratios."""
-        grid = list(self.manifest.params.get("grid") or {})
+        grid = list(self.manifest.params.get("grid") or (self.search or {}).get("space") or {})
         return grid + [SCHEDULER_AXIS] if any(SCHEDULER_AXIS in s.values for s in self.summaries) else grid
 
     @property
@@ -653,7 +677,7 @@ def reference_value(r: Run, axis: str):
     values = axis_values(r, axis)
     if axis == SCHEDULER_AXIS and any(_same(v, "off") for v in values):
         return "off"
-    base = next((s for s in r.summaries if s.point == r.manifest.params.get("baseline")), None)
+    base = next((s for s in r.summaries if s.point == r.baseline), None)
     if base is not None and axis in base.values:
         return base.values[axis]
     return values[0] if values else None
@@ -831,7 +855,7 @@ def capacity_answer(r: Run) -> str | None:
     censored = _censored(r, rec.point)
     if censored:
         lines.append(censored)
-    base = r.manifest.params.get("baseline")
+    base = r.baseline
     below = _baseline_below(r, base) if base and base != rec.point else None
     if below:
         lines.append(below + _gain_over_below(r, rec.point, base))
@@ -991,6 +1015,10 @@ def answer_text(r: Run) -> str:
     capacity, else the recommendation under the SLO (with the note a study without one
     gets)."""
     from . import decision
+    if r.search:
+        from . import search_report
+        decided = capacity_answer(r) or "\n".join(search_report.objective_lines(r))
+        return search_report.summary_line(r) + "\n" + decided
     answer = capacity_answer(r)
     if answer:
         return answer
@@ -1061,16 +1089,28 @@ def answer_context(r: Run) -> str:
     return " ".join(parts)
 
 
+def best_point(r: Run) -> str | None:
+    """The point the answer names: a search's best confirmed configuration by its
+    objective, else the recommendation (by capacity, or under the SLO)."""
+    from . import decision
+    if not r.measured:
+        return None
+    if r.search:
+        from . import search_report
+        return search_report.best(r)
+    return decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+
+
 def answer_markdown(r: Run) -> str:
     """The answer as prose for the top of the report: `answer_text`, a paragraph per line
     (the recommended point in bold), then its context and how to freeze it."""
-    from . import decision
     points = [s.point for s in r.summaries]
-    best = (decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
-            if r.measured else None)
+    best = best_point(r)
     paras = []
-    for line in (ln for ln in answer_text(r).splitlines() if ln.strip()):
-        paras.append(_md_prose(line, points, strong=best if not paras else None))
+    lines = [ln for ln in answer_text(r).splitlines() if ln.strip()]
+    first = 1 if r.search else 0  # a search's first line says what it did; the answer follows
+    for i, line in enumerate(lines):
+        paras.append(_md_prose(line, points, strong=best if i == first else None))
     paras.append(_md_prose(answer_context(r), points))
     if best and not r.manifest.params.get("targets"):  # an endpoint is run elsewhere: nothing to export
         paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "

@@ -82,7 +82,9 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
     choice = cpu_dtype() if engine == "cpu" and study.engine_args.dtype is None and not study.targets else None
     Manifest(study=study.name, created_utc=now_utc(), git=git, versions=versions(), engine=engine,
              machine=describe(), cpu_dtype=choice.model_dump() if choice else None,
-             points=[p.id for p in points], order=run_order(points, study.replicates, study.order_seed),
+             points=[p.id for p in points],
+             # a search's order grows as its trials are proposed (config_search.TrialSource)
+             order=[] if study.search else run_order(points, study.replicates, study.order_seed),
              warnings={p.id: p.warnings for p in points if p.warnings},
              params=study.model_dump(mode="json")).save(run.manifest_path)
     for p in points:
@@ -139,8 +141,8 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     todo = [u for u in order if not unit_finished(run, u, retry_failed)]
     if resume and todo:
         run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
-    print(f"run: {run.path}\n{len(points)} points x {study.replicates} server start(s) x {rounds_label(study)}, "
-          f"engine {engine}; {len(order) - len(todo)} of {len(order)} starts already finished")
+    print(f"run: {run.path}\n{plan_label(study, points)} x {rounds_label(study)}, engine {engine}; "
+          f"{len(order) - len(todo)} of {len(order)} starts already finished")
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
@@ -151,7 +153,10 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     STOPPING.clear()
     try:
-        outcome = _run_units(run, todo, study, t0, max_minutes, runner)
+        if study.search:
+            outcome = _search(run, study, engine, todo, t0, max_minutes, runner)
+        else:
+            outcome = _run_units(run, todo, study, t0, max_minutes, runner)
         while study.precision and not outcome.stop_note:
             extra = more_starts(run, study)
             if not extra:
@@ -185,8 +190,44 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     return outcome
 
 
-def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_minutes: float | None,
-               runner: executors.Executor, lengths: executors.UnitLengths | None = None) -> Outcome:
+def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: float, max_minutes: float | None,
+            runner: executors.Executor) -> Outcome:
+    """A search: the trials Optuna proposes (first any a stopped run left unfinished), one
+    start each, within search.minutes; then fresh starts of the best and of vLLM's
+    defaults (config_search.py)."""
+    from . import config_search as cs
+    from .grid import PointMaker
+    maker = PointMaker(study, engine)
+    loop = cs.SearchLoop.in_run(run.path, study, cs.checker(maker))
+    source = cs.TrialSource(loop, run, study, maker, engine)
+    spec = study.search
+    budget = min((m for m in (max_minutes, spec.minutes) if m), default=None)
+    outcome = Outcome(run, 0)
+    unfinished = [u for u in todo if u.block == cs.TRIAL_BLOCK]
+    if unfinished:
+        outcome = _run_units(run, unfinished, study, t0, budget, runner, on_done=source.done)
+    if not outcome.stop_note and len(source):
+        print(f"search: {len(source)} trial(s) left of {spec.trials}, sampler {spec.sampler}, objective "
+              f"{spec.objective}")
+        outcome = _run_units(run, source, study, t0, budget, runner, outcome.lengths, on_done=source.done)
+    if loop.stop_note:
+        print(f"search: {loop.stop_note}")
+    if outcome.stop_note and (max_minutes and (not spec.minutes or max_minutes <= spec.minutes)):
+        return outcome  # the run's own budget is spent: --resume goes on with the search
+    top = loop.top(spec.top_k)
+    units = [u for u in todo if u.block > cs.TRIAL_BLOCK] or cs.confirmation_units(run, study, top)
+    if not top:
+        print("search: no trial met the SLO (or none completed); only vLLM's defaults are confirmed")
+    if units:
+        print(f"confirmation: {', '.join(top) or 'no trial'} and {cs.DEFAULTS_POINT}, "
+              f"{spec.confirm_starts} fresh server start(s) each, in shuffled blocks")
+    return _run_units(run, units, study, t0, max_minutes, runner, outcome.lengths) if units else outcome
+
+
+def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float | None,
+               runner: executors.Executor, lengths: executors.UnitLengths | None = None, on_done=None) -> Outcome:
+    """Run `todo` (a list of units, or a search's TrialSource) on the runner's slots;
+    on_done(unit, summary) is told each unit's result as it ends."""
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
     with tqdm(total=len(todo) * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
@@ -198,6 +239,8 @@ def _run_units(run: RunFolder, todo: list[Unit], study: Study, t0: float, max_mi
                 with lock:
                     bar.set_description(f"{u.point} #{u.start}")
             s = runner(u, slot, bar, release)
+            if on_done:
+                on_done(u, s)
             rec = run.point(u.point).start(u.start)
             with lock:
                 # the watcher counted the rounds that landed here; a Ray task's arrive at once;
@@ -327,6 +370,27 @@ def render_report(run: RunFolder, slo: str = "") -> Path:
     return out
 
 
+def search_space_label(study: Study) -> str:
+    from .params import FloatRange, IntRange
+    parts = []
+    for name, dim in study.search.space.items():
+        if isinstance(dim, IntRange):
+            parts.append(f"{name} {dim.int[0]}..{dim.int[1]}" + (" (log)" if dim.log else ""))
+        elif isinstance(dim, FloatRange):
+            parts.append(f"{name} {dim.float[0]:g}..{dim.float[1]:g} step {dim.step:g}")
+        else:
+            parts.append(f"{name} {dim}")
+    return "; ".join(parts)
+
+
+def plan_label(study: Study, points: list[Point]) -> str:
+    s = study.search
+    if s:
+        return (f"a search over {', '.join(s.space)}: {s.trials} trials ({s.sampler}), then the best {s.top_k} "
+                f"and vLLM's defaults {s.confirm_starts} fresh start(s) each; every start")
+    return f"{len(points)} points x {study.replicates} server start(s)"
+
+
 def rounds_label(study: Study) -> str:
     c = study.capacity
     if c:
@@ -341,8 +405,10 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     from .timing import estimate_minutes
     gpus = describe().gpus
     minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
-    print(f"study {study.name}: {len(points)} points x {study.replicates} start(s) x {rounds_label(study)}, "
+    print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/timing.py)")
+    if study.search:
+        print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
         if p.prefix_budget:

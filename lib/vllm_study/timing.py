@@ -95,6 +95,8 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
     starts = n_points * study.replicates
+    if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
+        starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
     ahead = study.server.start_ahead and not study.targets
     later_start = AHEAD_SHARE * start if ahead else start
     return (start + measure + (starts - 1) * (later_start + measure) + REPORT_S) / 60

@@ -172,25 +172,31 @@ class Dispatcher:
                     if f.done():
                         f.result()  # an exception in a unit is the sweep's to handle
 
-    def run(self, units: list[Unit]) -> tuple[int, UnitLengths]:
-        """Returns (units not started for the budget, the longest units' seconds)."""
+    def run(self, units) -> tuple[int, UnitLengths]:
+        """Returns (units not started for the budget, the longest units' seconds). `units`:
+        a list, or anything with len() that gives units one at a time (a search's trials:
+        the next one is asked for only once a slot is free and it fits the budget)."""
         free: queue.Queue = queue.Queue()  # (slot index, released early: its unit still runs)
         for i in range(len(self.slots)):
             free.put((i, False))
         futures: list[Future] = []
-        started, left = 0, 0
+        started, left, total = 0, 0, len(units)
+        source = iter(units)
         pool = ThreadPoolExecutor(max_workers=2 * len(self.slots))
         try:
             n = 0
-            while n < len(units):
+            while n < total:
                 i, behind = self._next_free(free, futures)
                 if not self._fits(started, i, behind):
                     if behind:  # the running unit may end sooner than the estimate: ask again then
                         self._reoffer_when_done(free, i)
                         continue
-                    left = len(units) - n
+                    left = total - n
                     break
-                futures.append(pool.submit(self._timed, units[n], i, self._releaser(free, i), behind))
+                unit = next(source, None)
+                if unit is None:  # a source that ran out before its len (a search with nothing new to try)
+                    break
+                futures.append(pool.submit(self._timed, unit, i, self._releaser(free, i), behind))
                 started, n = started + 1, n + 1
             for f in futures:
                 f.result()

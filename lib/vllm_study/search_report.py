@@ -1,0 +1,206 @@
+"""A search's part of the report: what its trials did, which knobs mattered, and the
+decision, read from the confirmation starts (report.Run.load keeps only those in
+`rounds`; the trials are in `trial_rounds` and in the run's Optuna journal)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from . import analysis, metrics
+from .config_search import JOURNAL
+from .grid import DEFAULTS_POINT
+
+
+def journal_study(r):
+    """The run's Optuna study, read from its journal (None where the run has none)."""
+    import optuna
+    from optuna.storages import JournalStorage
+    from optuna.storages.journal import JournalFileBackend
+    path = r.folder.path / JOURNAL
+    if not path.exists():
+        return None
+    return optuna.load_study(study_name=r.manifest.study, storage=JournalStorage(JournalFileBackend(str(path))))
+
+
+def _kind(t) -> str:
+    """What became of one proposal."""
+    a = t.user_attrs
+    if "rejected" in a:
+        return "refused before start"
+    if "like_crashed" in a:
+        return "not started: like a crash"
+    if "repeat_of" in a:
+        return "not started: measured already"
+    if "failed" in a:
+        return "failed"
+    if t.state.name == "RUNNING":
+        return "running"
+    feasible = all(c <= 0 for c in t.constraints.values())
+    return "measured" if feasible else "measured, SLO missed"
+
+
+def trials_frame(r) -> pd.DataFrame:
+    """One row per proposal: its number, point, what became of it, the objective, why."""
+    study = journal_study(r)
+    if study is None:
+        return pd.DataFrame()
+    objective = r.search["objective"]
+    rows = []
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        note = a.get("failed") or a.get("rejected") or a.get("like_crashed") or a.get("repeat_of") or \
+            a.get("drawn_at_random") or ""
+        rows.append({"trial": t.number, "point": a.get("point", ""), "what became of it": _kind(t),
+                     objective: t.value, "note": note[:200]})
+    return pd.DataFrame(rows)
+
+
+def trials_table(r) -> pd.DataFrame | None:
+    """The trials that started a server, in order (the refused and the skipped are counted
+    in the answer and listed in the journal)."""
+    df = trials_frame(r)
+    if df.empty:
+        return None
+    started = df[df["point"] != ""].copy()
+    m = metrics.get(r.search["objective"])
+    col = r.search["objective"]
+    started[col] = [("" if pd.isna(v) else format(v, m.fmt)) for v in started[col]]
+    return started.set_index("trial")
+
+
+def counts(r) -> dict[str, int]:
+    df = trials_frame(r)
+    return df["what became of it"].value_counts().to_dict() if not df.empty else {}
+
+
+def _difference(r, a: str, b: str) -> analysis.Difference | None:
+    data = analysis.MetricData.from_rounds(r.rounds, r.search["objective"])
+    if data is None or a not in data.starts or b not in data.starts:
+        return None
+    return analysis.difference(data, a, b)
+
+
+def _change(d: analysis.Difference, m: metrics.Metric) -> str:
+    if d.relative:
+        return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
+    return f"{d.estimate:+{m.fmt[1:]}} [{d.low:+{m.fmt[1:]}}, {d.high:+{m.fmt[1:]}}] {m.unit}".rstrip()
+
+
+def best(r) -> str | None:
+    """The confirmed point with the best objective (its confirmation starts' value)."""
+    m = metrics.get(r.search["objective"])
+    iv = r.intervals[r.intervals["metric"] == m.name] if not r.intervals.empty else pd.DataFrame()
+    if iv.empty:
+        return None
+    maximize = (r.search.get("direction") or ("maximize" if m.better == "higher" else "minimize")) == "maximize"
+    row = iv.loc[iv["value"].idxmax() if maximize else iv["value"].idxmin()]
+    return str(row["point"])
+
+
+def summary_line(r) -> str:
+    """What the search did, in one paragraph."""
+    s = r.search
+    c = counts(r)
+    started = sum(v for k, v in c.items() if k in ("measured", "measured, SLO missed", "failed", "running"))
+    parts = [f"A search over {', '.join(s['space'])} ({s['sampler']}, objective {s['objective']}): {started} trials "
+             f"started a server"]
+    for kind, words in (("failed", "failed"), ("measured, SLO missed", "missed the SLO"),
+                        ("refused before start", "more were refused before they started (vLLM's rules or "
+                                                 "`when:`)"),
+                        ("not started: like a crash", "more were not started as like a crashed one"),
+                        ("not started: measured already", "more proposed a configuration already measured")):
+        if c.get(kind):
+            parts.append(f"{c[kind]} {words}")
+    top = [u.point for u in r.manifest.order if u.block > 1 and u.point != DEFAULTS_POINT]
+    top = list(dict.fromkeys(top))
+    n = s["confirm_starts"]
+    return ("; ".join(parts) + f". The best {len(top)} and vLLM's defaults ({DEFAULTS_POINT}) were then started "
+            f"{n} more time{'s' * (n != 1)} each; the answer below rests on those starts only (a trial's own "
+            "start was picked for looking good).")
+
+
+def objective_lines(r) -> list[str]:
+    """The decision by the search's objective (capacity studies say it through
+    report.capacity_answer): the best with its interval, then each other confirmed point
+    and vLLM's defaults against it."""
+    from .report import _cell
+    m = metrics.get(r.search["objective"])
+    top = best(r)
+    if top is None:
+        return [f"No confirmation start measured {m.name}."]
+    lines = [f"{top}: {m.label} {_cell(r.interval(top, m.name), m)} {m.unit}".rstrip() + "."]
+    for s in r.summaries:
+        if s.point == top:
+            continue
+        d = _difference(r, s.point, top)
+        if d is None:
+            lines.append(f"{s.point}: not measured in its confirmation starts.")
+            continue
+        verdict = "not told apart from it" if not d.resolved else d.verdict()
+        who = "vLLM's defaults" if s.point == DEFAULTS_POINT else s.point
+        lines.append(f"{who} ({s.point}) against it: {_change(d, m)}, {verdict}." if who != s.point else
+                     f"{s.point} against it: {_change(d, m)}, {verdict}.")
+    return lines
+
+
+def history_figure(r, out: Path | None = None) -> str | None:
+    """The objective over the trials (failed trials marked at the bottom, the best
+    feasible so far as a line) beside Optuna's parameter importances. Returns why not
+    where nothing can be drawn."""
+    import matplotlib.pyplot as plt
+    df = trials_frame(r)
+    if df.empty:
+        return "no search journal in this run"
+    obj = r.search["objective"]
+    m = metrics.get(obj)
+    started = df[df["point"] != ""].reset_index(drop=True)
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6), width_ratios=[3, 2])
+    x = np.arange(1, len(started) + 1)
+    kinds = started["what became of it"]
+    ok = kinds == "measured"
+    ax.scatter(x[ok], started[obj][ok], color="tab:blue", label="measured", zorder=3)
+    miss = kinds == "measured, SLO missed"
+    ax.scatter(x[miss], started[obj][miss], facecolors="none", edgecolors="grey", label="SLO missed", zorder=3)
+    failed = kinds == "failed"
+    low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
+    ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
+    maximize = m.better == "higher"
+    vals = started[obj].where(ok)
+    ax.step(x, vals.cummax() if maximize else vals.cummin(), where="post", color="tab:blue", alpha=0.5,
+            label="best so far")
+    ax.set_xlabel("trial (server start)")
+    ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
+    ax.legend(fontsize=8, loc="best")
+    ax.set_title("the search, trial by trial", fontsize=10)
+    imp = importances(r)
+    if imp:
+        names = list(imp)[::-1]
+        bx.barh(names, [imp[n] for n in names], color="tab:green")
+        bx.set_xlabel("importance (Optuna, PED-ANOVA; sums to 1)")
+        bx.set_title("which knobs mattered", fontsize=10)
+    else:
+        bx.axis("off")
+        bx.text(0.5, 0.5, "too few measured trials\nfor parameter importances", ha="center", va="center")
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=100)
+    return None
+
+
+def importances(r) -> dict[str, float]:
+    """Optuna's parameter importances over the measured trials ({} where it cannot say:
+    too few trials, or every one measured the same)."""
+    import optuna
+    study = journal_study(r)
+    if study is None:
+        return {}
+    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if "point" in t.user_attrs]
+    if len(done) < 3:
+        return {}
+    try:
+        return optuna.importance.get_param_importances(study)
+    except (ValueError, RuntimeError, ZeroDivisionError):
+        return {}
