@@ -249,7 +249,7 @@ def test_shown_command_runs(argv, study_folder):
     assert r.returncode == 0, out
     assert "Traceback" not in out, out
     if argv[0] == "sweep":
-        assert re.search(r"^study \S+: \d+ points", r.stdout, flags=re.M), out
+        assert re.search(r"^study \S+: (\d+ points|a search over)", r.stdout, flags=re.M), out
 
 
 def test_the_first_study_is_layered_over_the_default():

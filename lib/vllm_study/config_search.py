@@ -317,17 +317,10 @@ def _better(metric: str) -> str | None:
 
 
 # -- the run's side: points, units and the confirmation blocks ------------------------------
-def trial_plan_study(study: Study, starts: int) -> Study:
-    """The study a point's plan carries: a trial point plans `starts` starts (1, then
-    1 + confirm_starts once it is among the top k)."""
-    return study.model_copy(update={"replicates": starts})
-
-
 def confirmation_units(run, study: Study, top: list[str]) -> list[Unit]:
     """confirm_starts blocks over the top configurations and vLLM's defaults, each block
     shuffled with its own seed; appended to the manifest's order (so --resume runs
     them), with each point's plan updated to the starts it now has."""
-    from .grid import PointPlan
     manifest = run.manifest()
     if any(u.block > TRIAL_BLOCK for u in manifest.order):  # planned already (a resumed run)
         return []
@@ -341,8 +334,8 @@ def confirmation_units(run, study: Study, top: list[str]) -> list[Unit]:
     for pid in ids:
         folder = run.point(pid)
         plan = folder.plan()
-        folder.save_plan(PointPlan(study=trial_plan_study(plan.study, have[pid] + study.search.confirm_starts),
-                                   point=plan.point, engine=plan.engine))
+        # a trial's point plans one start, then its confirmation starts too
+        folder.save_plan(plan.model_copy(update={"starts": have[pid] + study.search.confirm_starts}))
     manifest.order += units
     manifest.save(run.manifest_path)
     return units
@@ -373,8 +366,7 @@ class TrialSource:
         if point is None:  # check() said yes a moment ago: nothing should differ
             raise StudyError("\n".join(problems))
         self.points[point.id] = p.number
-        self.run.point(point.id).save_plan(PointPlan(study=trial_plan_study(self.study, 1), point=point,
-                                                     engine=self.engine))
+        self.run.point(point.id).save_plan(PointPlan(study=self.study, point=point, engine=self.engine, starts=1))
         manifest = self.run.manifest()
         unit = Unit(point=point.id, start=1, block=TRIAL_BLOCK)
         manifest.points.append(point.id)

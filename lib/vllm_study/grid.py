@@ -85,6 +85,12 @@ class PointPlan(BaseModel):
     study: Study
     point: Point
     engine: str
+    starts: int | None = None  # server starts planned for this point (None: the study's replicates; a
+    #                            search plans 1 a trial, more for the configurations it confirms)
+
+    @property
+    def planned_starts(self) -> int:
+        return self.starts or self.study.replicates
 
 
 class Unit(BaseModel):
@@ -190,13 +196,14 @@ CPU_KV_CAP, CPU_KV_STEP = 4 * 2**30, 256 * 2**20
 CPU_KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 
-def cpu_kv_default(study: Study, engine: str, available: int | None = None) -> tuple[int, str] | None:
+def cpu_kv_default(study: Study, engine: str, available: int | None = None,
+                   ignore_space: bool = False) -> tuple[int, str] | None:
     """(bytes, note) where a CPU study leaves its memory unsized; None where it sizes it
     (kv_cache_memory_bytes or gpu_memory_utilization in engine_args, the grid or
     extra_cli_args, or VLLM_CPU_KVCACHE_SPACE in server.env or this environment)."""
     if engine != "cpu" or study.targets:
         return None
-    searched = study.search.space if study.search else {}
+    searched = study.search.space if study.search and not ignore_space else {}
     if any(k in study.grid or k in searched or getattr(study.engine_args, k) is not None
            for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
         return None
@@ -278,7 +285,14 @@ def expand(study: Study, engine: str) -> list[Point]:
             raise StudyError(f"workload.trace: {e}") from None
     maker = PointMaker(study, engine)
     if study.search:
-        point, problems = maker.make({}, DEFAULTS_POINT)
+        # vLLM's CPU build cannot start without a KV size where the RAM is short (see
+        # cpu_kv_default): where the search sizes memory, its defaults point gets the kit's size
+        kv = cpu_kv_default(study, engine, ignore_space=True) if not maker.kv else None
+        point, problems = maker.make({"kv_cache_memory_bytes": kv[0]} if kv else {}, DEFAULTS_POINT)
+        if point and kv:
+            point.warnings.insert(0, kv[1].replace("engine_args.kv_cache_memory_bytes", "kv_cache_memory_bytes")
+                                  .replace("recorded in the run's study.yaml", "for vLLM's defaults point (its "
+                                           "point.json records it)"))
         if problems:
             raise StudyError("vLLM's defaults with the study's engine_args would be rejected:\n" + "\n".join(problems))
         return [point]

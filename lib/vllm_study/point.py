@@ -497,15 +497,16 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
     ok = every planned round of every planned start; partial = some; failed = none,
     with a start that failed; running = nothing measured yet."""
     study, point = plan.study, plan.point
+    n_starts = plan.planned_starts
     starts = folder.starts()
     rounds = folder.rounds()
     ok_rounds = [r for r in rounds if r.status == "ok"]
-    planned = study.replicates * study.rounds
+    planned = n_starts * study.rounds
     failed_starts = [s for s in starts if s.status == "failed"]
     if study.capacity:  # one search a start: its figures are the round at its capacity
         searched = {s.start: s.capacity for s in starts if s.status == "ok" and s.capacity}
         rounds = [r for r in rounds if r.start in searched and r.round == searched[r.start].at_round]
-        ok_rounds, planned = rounds, study.replicates
+        ok_rounds, planned = rounds, n_starts
     if len(ok_rounds) >= planned and not failed_starts:
         status = "ok"
     elif ok_rounds:
@@ -514,8 +515,8 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
         status = "failed" if failed_starts else "running"
     reasons = [f"start {s.start}: {s.reason}" for s in failed_starts]
     done = sum(1 for s in starts if s.status != "running")
-    if status == "partial" and done < study.replicates:
-        reasons.append(f"{study.replicates - done} of {study.replicates} server starts not run yet")
+    if status == "partial" and done < n_starts:
+        reasons.append(f"{n_starts - done} of {n_starts} server starts not run yet")
     first_up = next((s for s in starts if s.launch.startup_s is not None or s.launch.target), None)
     estimates = stats.point_estimates(rounds)
     startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
@@ -525,7 +526,7 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
         for name in ("capacity_rps", "capacity_load"):
             estimates[name] = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
     summary = PointSummary(
-        point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=study.replicates,
+        point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=n_starts,
         starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,
         engine_args=point.engine_args.model_dump(exclude_none=True), effective=point.effective,
         launch=first_up.launch if first_up else None, warnings=sorted({w for s in starts for w in s.warnings}),

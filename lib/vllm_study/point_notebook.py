@@ -63,7 +63,7 @@ def gpu_list(gpus: str) -> list[int] | None:
 
 def describe_point(plan: PointPlan, start: int) -> None:
     p = plan.point
-    print(f"study {plan.study.name}, point {p.id}, server start {start} of {plan.study.replicates}, "
+    print(f"study {plan.study.name}, point {p.id}, server start {start} of {plan.planned_starts}, "
           f"engine {plan.engine}")
     if p.target:
         print(f"endpoint: {p.target.base_url} serving {p.target.model}")

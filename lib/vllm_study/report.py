@@ -1079,7 +1079,7 @@ def answer_context(r: Run) -> str:
                      "95% interval.")
     gpus = sorted({g.name for g in m.machine.gpus})
     where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
-    starts = p["replicates"]
+    starts = r.search["confirm_starts"] if r.search else p["replicates"]  # a search: its confirmation starts
     parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {starts} server start{'s' * (starts != 1)} "
                  f"{'each ' * (n != 1)}of {_per_start(p)}, on {where} with {m.versions.vllm_distribution} "
                  f"{m.versions.vllm}.")

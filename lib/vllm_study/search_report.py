@@ -83,6 +83,9 @@ def _difference(r, a: str, b: str) -> analysis.Difference | None:
 
 
 def _change(d: analysis.Difference, m: metrics.Metric) -> str:
+    if not (np.isfinite(d.low) and np.isfinite(d.high)):
+        shown = f"{d.estimate:+.1%}" if d.relative else f"{d.estimate:+{m.fmt[1:]}}"
+        return f"{shown} (no interval: too few starts and rounds to measure a spread)"
     if d.relative:
         return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
     return f"{d.estimate:+{m.fmt[1:]}} [{d.low:+{m.fmt[1:]}}, {d.high:+{m.fmt[1:]}}] {m.unit}".rstrip()
