@@ -15,6 +15,19 @@ grid gives twelve. A bootstrap over starts was tried first and covered a known m
 only 55% of the time with two starts per point (tests/test_unit_statistics.py). With one
 start per point nothing measures start-to-start variation: the interval then comes from
 round-to-round variation alone, and its method says so.
+
+A point's own values overrule the pooling where they contradict it (MetricData.spread):
+- a figure the workload fixes (metrics' `exact`: requests, prompt tokens, the never-
+  evicting hit rate, ...) that is the same in every round of a point is exact: a
+  zero-width interval, and differences between such points are exact too;
+- a measured figure the same in every round of a point's one start has not been seen to
+  vary, which is not a measured zero: no interval ("rounds identical; start-to-start
+  variation not measured"), and no difference with it is resolved;
+- where a point's own spread (its starts', or with one start its rounds') is clearly
+  larger than the other points' (a one-sided F test at 1%), the pooled spread does not fit
+  it: its interval uses its own spread and degrees of freedom.
+A measured point with several identical starts keeps the pooled start spread: another
+start may still differ.
 """
 from __future__ import annotations
 
@@ -27,6 +40,10 @@ from scipy import stats as sps
 from . import metrics
 
 Z_LEVEL = 0.975  # two-sided 95%
+# a point's own variance above this quantile of F against the other points' pooled one:
+# its spread clearly does not share theirs (1%: two starts per point on a 12-point grid
+# switch a point of common spread about once in a hundred, so coverage stays nominal)
+OWN_SPREAD_LEVEL = 0.99
 
 
 @dataclass(frozen=True)
@@ -84,6 +101,21 @@ def _pooled_sd(groups) -> tuple[float | None, int]:
     return (float(np.sqrt(ss / df)), df) if df else (None, 0)
 
 
+def _own_or_pooled(own_groups, pooled_sd: float, pooled_df: int) -> tuple[float, int, bool]:
+    """The sd (and df) one point's interval is built from: the pooled one, unless the
+    point's own spread is clearly larger than that of the other points (one-sided F test,
+    its variance against theirs at OWN_SPREAD_LEVEL); then its own, with its own df.
+    Returns (sd, df, own)."""
+    own_sd, own_df = _pooled_sd(own_groups)
+    rest_df = pooled_df - own_df
+    if own_df and rest_df > 0:
+        rest_var = (pooled_sd ** 2 * pooled_df - own_sd ** 2 * own_df) / rest_df
+        rest_var = max(rest_var, 0.0)  # rounding: the others all constant
+        if own_sd ** 2 > rest_var * float(sps.f.ppf(OWN_SPREAD_LEVEL, own_df, rest_df)):
+            return own_sd, own_df, True
+    return pooled_sd, pooled_df, False
+
+
 @dataclass
 class MetricData:
     """One metric's values, on its scale: start values per point, rounds per start."""
@@ -114,16 +146,44 @@ class MetricData:
     def center(self, point: str) -> float:
         return float(np.mean(self.starts[point]))
 
-    def se(self, point: str, noise: NoiseFloor) -> tuple[float, int, str]:
-        """Standard error of a point's value, its degrees of freedom, and the method."""
-        n = len(self.starts[point])
+    def spread(self, point: str, noise: NoiseFloor) -> tuple[float, int, int, str]:
+        """The sd a point's value is judged by, its degrees of freedom, how many values
+        the value averages (its standard error is sd / sqrt(n)), and the method. In order:
+        1. exact by construction and the same in every round: sd 0 (the df is the
+           pooled one, so t x 0 stays 0);
+        2. several starts somewhere: the start-to-start sd pooled over points, or the
+           point's own where its starts clearly scatter more (_own_or_pooled);
+        3. one start per point, and the point's rounds all identical: nothing measured
+           its spread (sd NaN: no interval, no resolved difference);
+        4. one start per point: the round-to-round sd, pooled or the point's own as in 2;
+        5. a single round everywhere: NaN."""
+        starts = self.starts[point]
+        rounds = [v for (p, _), v in self.rounds.items() if p == point]
+        values = [x for r in rounds for x in r]
+        constant = len(values) > 1 and max(values) == min(values)
+        if constant and metrics.get(self.metric).exact:
+            return 0.0, noise.start_df or noise.round_df, len(values), \
+                "exact: fixed by the workload, the same in every round"
         if noise.start_df:
-            return noise.start_sd / np.sqrt(n), noise.start_df, "t over server starts, spread pooled over points"
-        rounds = sum(len(v) for (p, _), v in self.rounds.items() if p == point)
-        if noise.round_df and rounds:
-            return noise.round_sd / np.sqrt(rounds), noise.round_df, \
-                "t over rounds (one server start per point: start-to-start variation not covered)"
-        return float("nan"), 0, "no spread measured (a single round)"
+            sd, df, own = _own_or_pooled([starts], noise.start_sd, noise.start_df)
+            return sd, df, len(starts), ("t over this point's own server starts (they scatter clearly more than "
+                                         "the other points')" if own else
+                                         "t over server starts, spread pooled over points")
+        if constant and noise.round_df:
+            return float("nan"), 0, len(values), "rounds identical; start-to-start variation not measured"
+        if noise.round_df and values:
+            sd, df, own = _own_or_pooled(rounds, noise.round_sd, noise.round_df)
+            where = "this point's own rounds (they scatter clearly more than the other points')" if own \
+                else "rounds"
+            return sd, df, len(values), \
+                f"t over {where} (one server start per point: start-to-start variation not covered)"
+        return float("nan"), 0, len(values), "no spread measured (a single round)"
+
+    def se(self, point: str, noise: NoiseFloor) -> tuple[float, int, str]:
+        """Standard error of a point's value, its degrees of freedom, and the method
+        (spread: 0 where exact, NaN where nothing measured it)."""
+        sd, df, n, method = self.spread(point, noise)
+        return sd / np.sqrt(n) if n else float("nan"), df, method
 
     def back(self, x):
         return np.exp(x) if self.log else x
@@ -131,6 +191,17 @@ class MetricData:
 
 def _t(df: int) -> float:
     return float(sps.t.ppf(Z_LEVEL, df)) if df else float("nan")
+
+
+def _half(*parts: tuple[float, int]) -> float:
+    """Half-width of a 95% interval from independent (se, df) parts: t over the smaller
+    df of the parts with spread (conservative: Welch-Satterthwaite's df is never below
+    it) x their combined se. Exact parts (se 0) add nothing; all exact: 0. A part
+    nothing measured (se NaN) makes it NaN."""
+    spread = [(se, df) for se, df in parts if se != 0]
+    if not spread:
+        return 0.0
+    return _t(min(df for _, df in spread)) * float(np.hypot.reduce([se for se, _ in spread]))
 
 
 def _interval(data: MetricData, center: float, half: float) -> tuple[float, float]:
@@ -158,11 +229,12 @@ def point_intervals(rounds: pd.DataFrame, names=None, group: tuple[str, str] | N
         noise = data.noise()
         for point in data.starts:
             c = data.center(point)
-            se, df, method = data.se(point, noise)
-            half = _t(df) * se
+            sd, df, _, method = data.spread(point, noise)
+            se, _, _ = data.se(point, noise)
+            half = _half((se, df))
             n = len(data.starts[point])
-            spread = noise.start_sd if noise.start_df else None
-            pred = _t(df) * spread * np.sqrt(1 + 1 / n) if spread is not None else np.nan
+            # one more start: only where start-to-start spread was measured, or the value is exact
+            pred = _half((sd * np.sqrt(1 + 1 / n), df)) if noise.start_df or sd == 0 else np.nan
             ci, nxt = _interval(data, c, half), _interval(data, c, pred)
             rows.append({"point": point, "metric": m, "value": float(data.back(c)),
                          "ci_low": ci[0], "ci_high": ci[1], "next_start_low": nxt[0], "next_start_high": nxt[1],
@@ -219,11 +291,13 @@ class Difference:
 
 
 def difference(data: MetricData, a: str, b: str, noise: NoiseFloor | None = None) -> Difference:
+    """a minus b. Exact where both points are exact (zero width: resolved by any
+    difference); NaN, so never resolved, where either's spread was not measured."""
     noise = noise or data.noise()
     d = data.center(a) - data.center(b)
-    se_a, df, _ = data.se(a, noise)
-    se_b, _, _ = data.se(b, noise)
-    half = _t(df) * float(np.hypot(se_a, se_b))
+    se_a, df_a, _ = data.se(a, noise)
+    se_b, df_b, _ = data.se(b, noise)
+    half = _half((se_a, df_a), (se_b, df_b))
     lo, hi = d - half, d + half
     if data.log:  # a ratio: report it as a relative change
         d, lo, hi = np.expm1(d), np.expm1(lo), np.expm1(hi)

@@ -29,6 +29,10 @@ class Metric:
     better: Better      # lower / higher / None (a count that is neither)
     source: Source      # client (per request), server (/metrics), nvml, kit (the workload)
     definition: str
+    # fixed by the workload and the config, not measured: where a point's rounds all agree,
+    # the value is exact (analysis.py gives it a zero-width interval); a measured figure
+    # that agrees in every round has only not been seen to vary
+    exact: bool = False
 
     @property
     def title(self) -> str:
@@ -74,14 +78,14 @@ for _key, (_label, _defn, _digits) in LATENCIES.items():
                     None if _stat == "std" else "lower", "client", f"{_what} of {_label}: {_defn}"))
 
 _add(
-    Metric("requests", "requests", "", ".0f", None, "client", "requests sent in the round"),
+    Metric("requests", "requests", "", ".0f", None, "client", "requests sent in the round", exact=True),
     Metric("completed", "completed", "", ".0f", "higher", "client", "requests answered with at least one token"),
     Metric("failed", "failed", "", ".0f", "lower", "client",
            "requests that ended in an error (by kind in the round record)"),
     Metric("duration_s", "round duration", "s", ".2f", None, "client",
            "first send to last finish: the round's requests are built before its clock starts"),
     Metric("prompt_tokens", "prompt tokens", "tok", ".0f", None, "client",
-           "prompt tokens of answered requests, from usage"),
+           "prompt tokens of answered requests, from usage", exact=True),
     Metric("output_tokens", "output tokens", "tok", ".0f", None, "client",
            "output tokens of answered requests, from usage"),
     Metric("request_throughput", "requests/s", "req/s", ".2f", "higher", "client",
@@ -103,7 +107,7 @@ _add(
            "delta of vllm:prefix_cache_hits_total / delta of vllm:prefix_cache_queries_total"),
     Metric("expected_prefix_hit_rate", "hit rate if nothing were evicted", "share", ".3f", None, "kit",
            "what a prefix cache that never evicts would hit on the round's requests (full blocks of the "
-           "shared prefix, from the rendered prompts)"),
+           "shared prefix, from the rendered prompts)", exact=True),
     Metric("preemptions", "preemptions", "", ".0f", "lower", "server", "delta of vllm:num_preemptions_total"),
     # vllm:iteration_tokens_total is observed once per engine step that emitted output
     # (vLLM 0.26 and 0.32: AsyncLLM makes IterationStats only when a step has outputs), so
@@ -138,7 +142,7 @@ _add(
            "prefill over steps (vllm:request_prefill_kv_computed_tokens; where vLLM lacks "
            "--custom-histogram-buckets, those above long_prefill_edge_tokens)"),
     Metric("long_prefill_edge_tokens", "prefill edge counted from", "tok", ".0f", None, "server",
-           "the histogram bound prefills were counted above: max_num_batched_tokens when exact"),
+           "the histogram bound prefills were counted above: max_num_batched_tokens when exact", exact=True),
     # the Prefix Reuse Budget scheduler (vllm_study.prefix_budget), where a point uses it
     Metric("pb_deferred", "requests deferred", "", ".0f", None, "server",
            "requests the Prefix Reuse Budget held back at least once (cached share below min_reuse_ratio)"),
@@ -184,11 +188,13 @@ for _stat, _what in (("p50", "P50"), ("p99", "P99"), ("max", "max")):
 # A replayed trace: does the replay reproduce it?
 _add(
     Metric("trace_prompt_tokens", "trace prompt tokens", "tok", ".0f", None, "kit",
-           "the trace's input lengths summed over the round's answered requests"),
+           "the trace's input lengths summed over the round's answered requests", exact=True),
     Metric("prompt_tokens_vs_trace", "prompt tokens against the trace", "share", "+.2%", None, "kit",
-           "prompt tokens the server counted (usage) / the trace's input lengths - 1, answered requests"),
+           "prompt tokens the server counted (usage) / the trace's input lengths - 1, answered requests",
+           exact=True),
     Metric("offered_rate", "offered rate", "req/s", ".2f", None, "kit",
-           "requests / the span of their scheduled arrivals (open loop): the load the round asked for"),
+           "requests / the span of their scheduled arrivals (open loop): the load the round asked for",
+           exact=True),
 )
 
 # Per start, not per round.

@@ -476,17 +476,23 @@ def _per_point(r: Run, metric: str, how: str) -> pd.Series:
     return df.groupby("point")[metric].agg(how).dropna()
 
 
-# (column, metric, aggregate over rounds, format)
-BINDING = [("KV peak", "kv_usage_peak", "max", ".1%"), ("preemptions", "preemptions", "sum", ".0f"),
-           ("prefills > chunk", "long_prefills", "median", ".0f"), ("running peak", "running_peak", "max", ".0f"),
-           ("hit rate", "prefix_cache_hit_rate", "median", ".3f"),
-           ("hit if no eviction", "expected_prefix_hit_rate", "median", ".3f")]
+# (column, metric, aggregate over rounds, format). Each column names its aggregate: the
+# per-point tables show a metric's value (medians of starts' rounds, averaged) with its interval,
+# so a maximum here (the largest any round reached) may lie above that interval.
+BINDING = [("KV peak (max over rounds)", "kv_usage_peak", "max", ".1%"),
+           ("preemptions (sum over rounds)", "preemptions", "sum", ".0f"),
+           ("prefills > chunk (median)", "long_prefills", "median", ".0f"),
+           ("running peak (max over rounds)", "running_peak", "max", ".0f"),
+           ("hit rate (median)", "prefix_cache_hit_rate", "median", ".3f"),
+           ("hit if no eviction (median)", "expected_prefix_hit_rate", "median", ".3f")]
 
 
 def binding_table(r: Run) -> pd.DataFrame:
-    """Per point, vLLM's own evidence of which limits it ran into: KV cache peak and
-    preemptions (memory), prefills longer than the chunk (chunk size), running requests
-    against max_num_seqs, measured vs never-evicting hit rate."""
+    """Per point, vLLM's own evidence of which limits it ran into: KV cache peak (the
+    maximum over rounds) and preemptions (summed over rounds) for memory, prefills longer
+    than the chunk (chunk size), the running requests' peak (maximum over rounds) against
+    max_num_seqs, measured vs never-evicting hit rate (medians over rounds). Each column
+    names its aggregate."""
     if not r.measured:
         return pd.DataFrame({"note": ["(nothing measured)"]})
     t = pd.DataFrame(index=pd.Index([s.point for s in r.measured], name="point"))
@@ -515,19 +521,20 @@ def binding_notes(r: Run) -> list[str]:
             evicted = set(hits[hits < hits.max() - EVICTION_GAP].index) if not hits.empty else set()
             bound = sorted(set(kv[kv >= KV_BOUND].index) | set(pre[pre > 0].index) | evicted)
             if bound:
-                notes.append(f"{axis} bound at {len(bound)} of {len(kv)} points (KV peak >= {KV_BOUND:.0%}, "
-                             f"preemptions, or a prefix-cache hit rate {EVICTION_GAP:.2f} or more below the "
-                             f"study's best: evictions): {', '.join(bound)}")
+                notes.append(f"{axis} bound at {len(bound)} of {len(kv)} points (KV peak, maximum over rounds, "
+                             f">= {KV_BOUND:.0%}, preemptions, or a median prefix-cache hit rate {EVICTION_GAP:.2f} "
+                             f"or more below the study's best: evictions): {', '.join(bound)}")
             else:
-                notes.append(f"{axis} never bound: KV peak at most {kv.max():.1%} at every point and no "
-                             "preemption; this study cannot show its effect")
+                notes.append(f"{axis} never bound: KV peak (maximum over rounds) at most {kv.max():.1%} at "
+                             "every point and no preemption; this study cannot show its effect")
         elif axis == "max_num_batched_tokens":
             notes.append(_chunk_binding(r, axis, longp))
         elif axis == "max_num_seqs":
             running = _per_point(r, "running_peak", "max")
             caps = {s.point: s.effective.max_num_seqs for s in r.measured if s.effective}
             bound = sorted(p for p, v in running.items() if p in caps and v >= caps[p])
-            notes.append(f"{axis} bound (running requests reached it) at: {', '.join(bound)}" if bound else
+            notes.append(f"{axis} bound (running requests, maximum over rounds, reached it) at: "
+                         f"{', '.join(bound)}" if bound else
                          f"{axis} never bound: running requests stayed below max_num_seqs at every point")
     budget = _scheduler_evidence(r)
     if budget and not budget["bound"]:  # where it deferred somewhere, the axis-effects cell says where
@@ -710,8 +717,10 @@ def request_groups(rounds: pd.DataFrame) -> list[tuple[str, tuple[str, str] | No
 
 
 def _change_text(d: analysis.Difference) -> str:
-    if not np.isfinite(d.low):
+    if not np.isfinite(d.low):  # a point's spread was not measured (analysis.MetricData.spread): no interval
         return f"{d.estimate:+.1%} (no spread measured)" if d.relative else f"{d.estimate:+.3g} (no spread measured)"
+    if d.low == d.high and metrics.get(d.metric).exact:  # both points exact by construction
+        return f"{d.estimate:+.1%} (exact)" if d.relative else f"{d.estimate:+.3g} (exact)"
     if d.relative:
         return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
     return f"{d.estimate:+.3g} [{d.low:+.3g}, {d.high:+.3g}]"
@@ -815,9 +824,11 @@ def comparison_table(r: Run, against: str | None = None) -> pd.DataFrame | None:
 
 
 def _diff_cell(d: analysis.Difference) -> str:
-    if not np.isfinite(d.low):
-        return "no spread measured"
     fmt = (lambda v: f"{v:+.1%}") if d.relative else (lambda v: f"{v:+.3g}")
+    if not np.isfinite(d.low):  # a point's spread was not measured: never resolved
+        return f"{fmt(d.estimate)} (no spread measured) not resolved"
+    if d.low == d.high and metrics.get(d.metric).exact:  # both points exact by construction
+        return f"{fmt(d.estimate)} (exact) {d.verdict()}"
     return f"{fmt(d.estimate)} [{fmt(d.low)}, {fmt(d.high)}] {d.verdict()}"
 
 
