@@ -79,8 +79,13 @@ class Run:
 
     @property
     def measured(self) -> list[PointSummary]:
-        """Points with at least one measured round (ok or partial)."""
-        return [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
+        """Points with at least one measured round (ok or partial); a search's: in its
+        confirmation starts (a summary also counts the point's trial start)."""
+        done = [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
+        if self.search:
+            confirmed = set(analysis.ok_rounds(self.rounds)["point"]) if not self.rounds.empty else set()
+            done = [s for s in done if s.point in confirmed]
+        return done
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -286,8 +291,10 @@ def reported_metrics(r: Run) -> list[str]:
 
 
 def study_failed(r: Run) -> bool:
-    """Nothing was measured at any point: the study has no result but its failures."""
-    return not r.measured
+    """Nothing was measured at any point (a search: not even a trial): the study has no
+    result but its failures."""
+    trials = r.trial_rounds is not None and not analysis.ok_rounds(r.trial_rounds).empty
+    return not r.measured and not trials
 
 
 def short_table(folder: RunFolder) -> pd.DataFrame:
@@ -1028,6 +1035,8 @@ def answer_text(r: Run) -> str:
     from . import decision
     if r.search:
         from . import search_report
+        if not r.measured:  # stopped before (or during) its confirmation
+            return search_report.summary_line(r) + "\n" + search_report.NOT_CONFIRMED.format(run=r.folder.path)
         decided = capacity_answer(r) or "\n".join(search_report.objective_lines(r))
         return search_report.summary_line(r) + "\n" + decided
     answer = capacity_answer(r)

@@ -13,6 +13,10 @@ from .config_search import JOURNAL
 from .grid import DEFAULTS_POINT
 
 
+NOT_CONFIRMED = ("Nothing is decided yet: the confirmation starts have not run (the trials' own starts are not "
+                 "used to decide). Continue the search with `python -m vllm_study sweep --resume {run}`.")
+
+
 def journal_study(r):
     """The run's Optuna study, read from its journal (None where the run has none)."""
     import optuna
