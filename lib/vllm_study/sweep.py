@@ -209,7 +209,9 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
     unfinished = [u for u in todo if u.block == cs.TRIAL_BLOCK]
     if unfinished:
         outcome = _run_units(run, unfinished, study, t0, budget, runner, on_done=source.done)
-    if not outcome.stop_note and len(source):
+    # once the confirmation is planned (a resumed run), its top k stand: no more trials
+    confirming = any(u.block > cs.TRIAL_BLOCK for u in run.manifest().order)
+    if not outcome.stop_note and len(source) and not confirming:
         print(f"search: {len(source)} trial(s) left of {spec.trials}, sampler {spec.sampler}, objective "
               f"{spec.objective}")
         outcome = _run_units(run, source, study, t0, budget, runner, outcome.lengths, on_done=source.done)
