@@ -165,8 +165,7 @@ class SearchLoop:
     def __init__(self, spec: Search, name: str, storage, check, fixed: dict | None = None):
         self.spec, self.check, self.fixed = spec, check, fixed or {}
         self.dists = distributions(spec.space)
-        direction = spec.direction or ("maximize" if _better(spec.objective) == "higher" else "minimize")
-        self.study = optuna.create_study(study_name=name, storage=storage, direction=direction,
+        self.study = optuna.create_study(study_name=name, storage=storage, direction=spec.goal,
                                          sampler=make_sampler(spec), load_if_exists=True)
         self.lock = threading.Lock()
         self.live: dict[int, optuna.trial.Trial] = {}
@@ -285,8 +284,7 @@ class SearchLoop:
     # -- the answer ------------------------------------------------------------------
     def feasible(self) -> list[optuna.trial.FrozenTrial]:
         """Completed trials that started a server and met every constraint, best first."""
-        done = [t for t in self.trials((TrialState.COMPLETE,)) if "point" in t.user_attrs
-                and all(c <= 0 for c in t.constraints.values())]
+        done = [t for t in self.trials((TrialState.COMPLETE,)) if "point" in t.user_attrs and feasible(t)]
         return sorted(done, key=lambda t: t.value, reverse=self.study.direction.name == "MAXIMIZE")
 
     def top(self, k: int) -> list[str]:
@@ -311,9 +309,9 @@ def _tell(study: optuna.Study, trial: optuna.trial.Trial, value: float, constrai
     study.tell(trial, value)
 
 
-def _better(metric: str) -> str | None:
-    from .metrics import get
-    return get(metric).better
+def feasible(trial: optuna.trial.FrozenTrial) -> bool:
+    """Every constraint met (Optuna's rule: a constraint value of 0 or less)."""
+    return all(c <= 0 for c in trial.constraints.values())
 
 
 # -- the run's side: points, units and the confirmation blocks ------------------------------

@@ -395,6 +395,12 @@ class Capacity(_Strict):
 
 
 # -- a search instead of a grid (config_search.py) --------------------------------------
+def _low_below_high(kind: str, pair: tuple):
+    if pair[0] >= pair[1]:
+        raise ValueError(f"{kind} range {list(pair)} needs low < high")
+    return pair
+
+
 class IntRange(_Strict):
     """Whole numbers from low to high: {int: [256, 8192], log: true} or {int: [8, 256], step: 8}."""
     int: tuple[int, int]
@@ -403,9 +409,7 @@ class IntRange(_Strict):
 
     @model_validator(mode="after")
     def _ok(self):
-        lo, hi = self.int
-        if lo >= hi:
-            raise ValueError(f"int range {list(self.int)} needs low < high")
+        lo, hi = _low_below_high("int", self.int)
         if self.log and (lo < 1 or self.step != 1):
             raise ValueError("a log-scaled int range needs low >= 1 and no step (Optuna's rule)")
         return self
@@ -419,9 +423,7 @@ class FloatRange(_Strict):
 
     @model_validator(mode="after")
     def _ok(self):
-        lo, hi = self.float
-        if lo >= hi:
-            raise ValueError(f"float range {list(self.float)} needs low < high")
+        _low_below_high("float", self.float)
         return self
 
 
@@ -490,6 +492,12 @@ class Search(_Strict):
                 raise ValueError(f"search.objective {self.objective!r} has no better direction; "
                                  "set search.direction: maximize or minimize")
         return self
+
+    @property
+    def goal(self) -> str:
+        """maximize or minimize: search.direction, else the objective's better direction."""
+        from .metrics import get
+        return self.direction or ("maximize" if get(self.objective).better == "higher" else "minimize")
 
     @property
     def n_startup(self) -> int:

@@ -9,7 +9,8 @@ import numpy as np
 import pandas as pd
 
 from . import analysis, metrics
-from .config_search import JOURNAL
+from .config_search import JOURNAL, TRIAL_BLOCK, feasible
+from .params import Search
 from .grid import DEFAULTS_POINT
 
 
@@ -41,8 +42,7 @@ def _kind(t) -> str:
         return "failed"
     if t.state.name == "RUNNING":
         return "running"
-    feasible = all(c <= 0 for c in t.constraints.values())
-    return "measured" if feasible else "measured, SLO missed"
+    return "measured" if feasible(t) else "measured, SLO missed"
 
 
 def trials_frame(r) -> pd.DataFrame:
@@ -101,9 +101,13 @@ def best(r) -> str | None:
     iv = r.intervals[r.intervals["metric"] == m.name] if not r.intervals.empty else pd.DataFrame()
     if iv.empty:
         return None
-    maximize = (r.search.get("direction") or ("maximize" if m.better == "higher" else "minimize")) == "maximize"
+    maximize = _maximize(r)
     row = iv.loc[iv["value"].idxmax() if maximize else iv["value"].idxmin()]
     return str(row["point"])
+
+
+def _maximize(r) -> bool:
+    return Search.model_validate(r.search).goal == "maximize"
 
 
 def summary_line(r) -> str:
@@ -120,7 +124,7 @@ def summary_line(r) -> str:
                         ("not started: measured already", "more proposed a configuration already measured")):
         if c.get(kind):
             parts.append(f"{c[kind]} {words}")
-    top = [u.point for u in r.manifest.order if u.block > 1 and u.point != DEFAULTS_POINT]
+    top = [u.point for u in r.manifest.order if u.block > TRIAL_BLOCK and u.point != DEFAULTS_POINT]
     top = list(dict.fromkeys(top))
     n = s["confirm_starts"]
     return ("; ".join(parts) + f". The best {len(top)} and vLLM's defaults ({DEFAULTS_POINT}) were then started "
@@ -173,7 +177,7 @@ def history_figure(r, out: Path | None = None) -> str | None:
     failed = kinds == "failed"
     low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
     ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
-    maximize = m.better == "higher"
+    maximize = _maximize(r)
     vals = started[obj].where(ok)
     ax.step(x, vals.cummax() if maximize else vals.cummin(), where="post", color="tab:blue", alpha=0.5,
             label="best so far")
