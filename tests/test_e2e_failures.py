@@ -21,12 +21,17 @@ from vllm_study.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
-def _kill_when_busy(url: str, pgid: int, killed: threading.Event, timeout_s: float = 300) -> None:
-    """SIGKILL the server's group as soon as it reports a running request: mid-round on a
-    machine of any speed (a fixed delay outlasted a whole round on a fast CPU)."""
+PROMPT_TOKENS = "vllm:prompt_tokens_total"
+
+
+def _kill_when_busy(url: str, pgid: int, seen: float, killed: threading.Event, timeout_s: float = 300) -> None:
+    """SIGKILL the server's group once the next round has reached it: its prompt tokens
+    counter has moved past `seen`, its value before that round (a fixed delay outlasted
+    a whole round on a fast CPU; vLLM's running-requests gauge can still read > 0 after
+    the previous round ended, which killed the server between rounds)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if counters.scrape(url)["values"].get("vllm:num_requests_running", 0) > 0:
+        if counters.scrape(url)["values"].get(PROMPT_TOKENS, 0) > seen:
             os.killpg(pgid, signal.SIGKILL)
             killed.set()
             return
@@ -49,7 +54,8 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     run.run_round(0)
     pgid = run.server.proc.pid
     killed = threading.Event()
-    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, killed))
+    seen = counters.scrape(run.server.url)["values"][PROMPT_TOKENS]
+    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, seen, killed))
     killer.start()
     run.run_round(1)
     killer.join()
