@@ -35,7 +35,7 @@ from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, on_gpu, read_log
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)
 MEASURING = ("run.warmup()", "run.run_rounds(")
 IMPORTS = ("from vllm_study import notebook_support", "from vllm_study import point_notebook")
-LAUNCH = ("run = ns.PointRun(", "run = pn.PointRun(")
+LAUNCH = ("run = ns.PointRun(", "run = pn.PointRun(", "run = pn.PointStart(")  # older runs' notebooks too
 
 
 def _when(s: str) -> dt.datetime:

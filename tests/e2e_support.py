@@ -14,7 +14,7 @@ from vllm_study.grid import PointPlan, expand
 from vllm_study.machine import cpu_dtype
 from vllm_study.models import kv_bytes_per_token
 from vllm_study.params import study_from_dict
-from vllm_study.point import PointRun
+from vllm_study.point import PointStart
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +49,7 @@ def plan_of(study: dict, index: int = 0) -> PointPlan:
 
 def measure(plan: PointPlan, start_dir: Path, start: int = 1):
     """launch, warm up, rounds, finish: the point notebook's steps."""
-    run = PointRun(plan, start_dir, start)
+    run = PointStart(plan, start_dir, start)
     run.launch()
     run.warmup()
     run.run_rounds()

@@ -16,7 +16,7 @@ from e2e_support import kv_bytes, measure, plan_of, tiny
 from procs import group_gone
 from test_e2e_server import _target_study
 from vllm_study import counters, models
-from vllm_study.point import PointRun
+from vllm_study.point import PointStart
 from vllm_study.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
@@ -43,7 +43,7 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     server is then SIGKILLed during round 1: that round is recorded as failed, round 0
     stays, the start fails with the signal as its reason, and nothing runs on."""
     plan = plan_of(tiny(rounds=3, workload={**tiny()["workload"], "requests_per_round": 16, "output_tokens": 32}))
-    run = PointRun(plan, tmp_path / "s1", 1)
+    run = PointStart(plan, tmp_path / "s1", 1)
     run.launch()
     assert not run.failed, run.record.reason
     launch = run.record.launch
@@ -82,7 +82,7 @@ def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
     holder.listen()
     try:
         monkeypatch.setattr(point_mod, "free_port", lambda: holder.getsockname()[1])
-        run = PointRun(plan_of(tiny()), tmp_path / "s1", 1)
+        run = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
         run.launch()
     finally:
         holder.close()

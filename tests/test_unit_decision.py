@@ -93,7 +93,7 @@ def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):
     assert ttft.at[A, "verdict"] == "worse" and ttft.at[A, "change"] == pytest.approx(1.0, abs=0.2)
     assert ttft.at[C, "verdict"] == "better"
     assert ttft.at[B, "verdict"] == "not resolved" and ttft.at[D, "verdict"] == "not resolved"
-    _, t, line = compare.run(ra.path, rb.path, out=tmp_path / "cmp")
+    _, t, line = compare.compare_runs(ra.path, rb.path, out=tmp_path / "cmp")
     assert "worse" in t.loc[A, "TTFT P90"] and (tmp_path / "cmp" / "compare.png").stat().st_size > 5000
     moved = df[df["verdict"] != "not resolved"]
     assert line.startswith(f"{len(df) - len(moved)} of {len(df)} point x metric pairs agree")

@@ -76,7 +76,7 @@ def test_compare_across_different_workloads_lists_them_and_calls_nothing_an_effe
     hit = df[df["metric"] == "prefix_cache_hit_rate"].set_index("point")
     assert hit.at[A, "verdict"] == "higher" and hit.at[A, "change"] > 0.4  # resolved, yet no "better"
     assert not df["verdict"].isin(["better", "worse"]).any() and (df["workload"] == "different").all()
-    head, table, line = compare.run(ra.path, rb.path)
+    head, table, line = compare.compare_runs(ra.path, rb.path)
     assert "* workload.output_tokens: 16 -> 64" in head and "* workload.requests_per_round:" in head
     assert "* workload.concurrency:" in head and "the workloads differ" in head
     assert f"left out, measured in A only: {C}, {D}" in head and "B only" not in head
@@ -89,7 +89,7 @@ def test_compare_of_the_same_workload_lists_other_differences_and_keeps_its_verd
     rb = make_run(tmp_path / "b", _values([A, B, C, D], ttft=600.0),
                   {"engine_args": {"max_model_len": 4096, "enable_prefix_caching": True, "dtype": "float32"}},
                   seed=2)
-    head, _, line = compare.run(ra.path, rb.path)
+    head, _, line = compare.compare_runs(ra.path, rb.path)
     assert "  engine_args.max_model_len: 2048 -> 4096" in head and "workloads differ" not in head
     assert "left out" not in head
     assert f"resolved (B vs A): {A} TTFT P90 +" in line and "worse" in line

@@ -696,11 +696,11 @@ def test_the_scheduler_needs_prefix_caching_and_a_launched_server():
 
 def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     from vllm_study.grid import PointPlan
-    from vllm_study.point import PointRun
+    from vllm_study.point import PointStart
     s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8], "max_defer_ms": 250}))
     off, on = expand(s, "cpu")[:2]
-    flags_on = PointRun(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a")._measurement_flags()
-    flags_off = PointRun(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b")._measurement_flags()
+    flags_on = PointStart(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a")._measurement_flags()
+    flags_off = PointStart(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b")._measurement_flags()
     i = flags_on.index("--scheduler-cls")
     assert flags_on[i + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
     cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])

@@ -15,13 +15,15 @@ from vllm_study.params import Study
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 # vLLM's own lines, as 0.26 on an H200, 0.32 on a GPU and the 0.32 CPU build print them
-GPU_026 = """(EngineCore pid=1386) INFO 11-30 17:40:02 [core.py:93] Initializing a V1 LLM engine (v0.26.0) with config: x
-(EngineCore pid=1386) INFO 11-30 17:40:32 [model_runner.py:305] Model loading took 0.93 GiB and 1.540827 seconds
-(EngineCore pid=1386) INFO 11-30 17:40:40 [backends.py:1] torch.compile took 2.88 s in total
-(EngineCore pid=1386) INFO 11-30 17:40:50 [gpu_model_runner.py:1] Graph capturing finished in 3 secs, took 0.5 GiB
-(EngineCore pid=1386) INFO 11-30 17:40:53 [core.py:340] init engine (profile, create kv cache, warmup model) took 21.60 s (compilation: 2.88 s)
-(APIServer pid=1300) INFO 11-30 17:40:58 [api_server.py:1] Starting vLLM server on http://127.0.0.1:8000
-"""
+E, A = "(EngineCore pid=1386) INFO 11-30", "(APIServer pid=1300) INFO 11-30"
+GPU_026 = "\n".join([
+    f"{E} 17:40:02 [core.py:93] Initializing a V1 LLM engine (v0.26.0) with config: x",
+    f"{E} 17:40:32 [model_runner.py:305] Model loading took 0.93 GiB and 1.540827 seconds",
+    f"{E} 17:40:40 [backends.py:1] torch.compile took 2.88 s in total",
+    f"{E} 17:40:50 [gpu_model_runner.py:1] Graph capturing finished in 3 secs, took 0.5 GiB",
+    f"{E} 17:40:53 [core.py:340] init engine (profile, create kv cache, warmup model) took 21.60 s "
+    "(compilation: 2.88 s)",
+    f"{A} 17:40:58 [api_server.py:1] Starting vLLM server on http://127.0.0.1:8000", ""])
 GPU_032 = "INFO 12-02 04:32:42 [gpu_model_runner.py:5150] Model loading took 14.2 GiB memory and 4.500000 seconds\n" \
           "INFO 12-02 04:33:30 [core.py:402] init engine (profile, create kv cache, warmup model) took 40.10 s\n"
 CPU_032 = "\x1b[32mINFO\x1b[0m 12-02 04:32:42 [base_loader.py:82] Initializing model took 1.156041 seconds\n" \

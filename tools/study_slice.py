@@ -26,14 +26,24 @@ from vllm_study.results import RunFolder
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def find_run(runs: Path, study_name: str) -> Path | None:
+def find_run(runs: Path, study_name: str, say: bool = False) -> Path | None:
+    """The latest run of `study_name` under `runs`; say=True prints why none was taken
+    (a run brought along that is not picked up would silently start the study anew)."""
     found = []
     for m in sorted(runs.glob("*/manifest.json")):
         try:
-            if RunFolder(m.parent).manifest().study == study_name:
-                found.append(m.parent)
-        except ValueError:  # a run of another layout: not ours
+            study = RunFolder(m.parent).manifest().study
+        except ValueError as e:  # a run of another layout: not ours
+            if say:
+                print(f"{m.parent}: not a run this kit reads ({e})", flush=True)
             continue
+        if study == study_name:
+            found.append(m.parent)
+        elif say:
+            print(f"{m.parent}: a run of {study}, not of {study_name}", flush=True)
+    if say and not found:
+        print(f"no run of {study_name} under {runs} (its folders: "
+              f"{', '.join(sorted(p.name for p in runs.iterdir())) or 'none'})", flush=True)
     return found[-1] if found else None
 
 
@@ -80,7 +90,7 @@ def main() -> int:
     name = load_study(a.study).name
     try:
         run = find_run(a.runs, name)
-        carried = find_run(a.carried, name) if a.carried.exists() else None
+        carried = find_run(a.carried, name, say=run is None) if a.carried.exists() else None
         if run is None and carried is not None:  # a fresh machine: continue the run brought along
             run = Path(shutil.copytree(carried, a.runs / carried.name))
             print(f"continuing {carried} in {run}", flush=True)

@@ -57,7 +57,7 @@ endpoint target is checked instead: it must answer `/v1/models` with the study's
 `/metrics` and the cache reset are used where it offers them.
 """),
     code('''
-run = pn.PointRun(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None)
+run = pn.PointStart(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None)
 run.launch()
 pn.show_launch(run)
 '''),

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "doctor":
         from . import doctor
         try:
-            findings = doctor.run(args.params, args.port, args.results)
+            findings = doctor.diagnose(args.params, args.port, args.results)
         except StudyError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
@@ -132,9 +132,9 @@ def _decide(args) -> int:
                          f"; exit {EXIT_SLO_NOT_MET} (--force exports it with exit 0)."), file=sys.stderr)
                 return 0 if args.force else EXIT_SLO_NOT_MET
             return 0
-        from .compare import run
+        from .compare import compare_runs
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
-            head, side_by_side, line = run(args.run_a, args.run_b, args.out)
+            head, side_by_side, line = compare_runs(args.run_a, args.run_b, args.out)
             print(head + "\n")
             print(side_by_side.to_string())
             print(line)

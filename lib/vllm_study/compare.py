@@ -194,7 +194,7 @@ def header(ra: report.Run, rb: report.Run) -> str:
     return "\n".join(lines)
 
 
-def run(run_a, run_b, out: Path | None = None) -> tuple[str, pd.DataFrame, str]:
+def compare_runs(run_a, run_b, out: Path | None = None) -> tuple[str, pd.DataFrame, str]:
     """(what differs and what was left out, the side-by-side table, the one-line
     verdict); with `out`, also the CSV and figure."""
     ra, rb = report.Run.load(run_a), report.Run.load(run_b)

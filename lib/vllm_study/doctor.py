@@ -240,7 +240,7 @@ def check_disk(results: Path, need_gib: float = 1.0) -> Finding:
     return Finding(OK, "disk", f"{free:.0f} GiB free under {where}")
 
 
-def run(params: list[str], port: int, results: Path) -> list[Finding]:
+def diagnose(params: list[str], port: int, results: Path) -> list[Finding]:
     gpu = check_gpu()
     findings = [gpu, check_cpu(), check_vllm(gpu.status == OK), check_port(port), check_proxies(),
                 check_disk(results)]

@@ -26,7 +26,7 @@ from .machine import NvmlProbe, vllm_accepts
 from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
                       capacity_figures, compress_log, now_utc, read_log, START)
 from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
-from .prefix_budget.stats import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from .prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from .slots import SlotLock, compile_cache_env
 from .server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
                      serve_command, stop_group_from_file)
@@ -58,7 +58,7 @@ def _step(method):
     return wrapper
 
 
-class PointRun:
+class PointStart:
     """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
     `slot_lock`: the sweep's lock file for this start's GPUs (slots.SlotLock), taken
     before the server starts and given back once it has stopped."""

@@ -16,7 +16,7 @@ warnings.filterwarnings("ignore", category=TqdmWarning)
 
 from .grid import PointPlan, expand  # noqa: E402
 from .params import StudyError, load_study  # noqa: E402
-from .point import PointRun  # noqa: E402,F401  (the notebook makes one)
+from .point import PointStart  # noqa: E402,F401  (the notebook makes one)
 from .report import estimates_frame  # noqa: E402
 from .results import PointFolder, PointSummary  # noqa: E402
 
@@ -74,7 +74,7 @@ def describe_point(plan: PointPlan, start: int) -> None:
         print("warning:", w)
 
 
-def show_launch(run: PointRun) -> None:
+def show_launch(run: PointStart) -> None:
     rec = run.record
     if run.failed:
         print(f"FAILED: {rec.reason}")
@@ -97,15 +97,15 @@ def round_progress(total: int):
     return lambda i: bar.update(1) or (bar.close() if i == total - 1 else None)
 
 
-ROUND_COLUMNS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput",
+SHOWN_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput",
                  "prefix_cache_hit_rate", "output_steps", "preemptions", "kv_usage_peak")
 
 
-def rounds_table(run: PointRun) -> pd.DataFrame:
+def rounds_table(run: PointStart) -> pd.DataFrame:
     if not run.rounds:
         return pd.DataFrame({"status": [run.record.status], "reason": [run.record.reason]})
     rows = [{"round": r.round, "status": r.status, "completed": r.metrics["completed"],
-             "failed": r.metrics["failed"], **{m: r.metrics.get(m) for m in ROUND_COLUMNS}} for r in run.rounds]
+             "failed": r.metrics["failed"], **{m: r.metrics.get(m) for m in SHOWN_METRICS}} for r in run.rounds]
     return pd.DataFrame(rows).set_index("round").round(3)
 
 

@@ -38,8 +38,8 @@ MANIFEST, STUDY, SUMMARY_CSV, POINTS = "manifest.json", "study.yaml", "summary.c
 POINT_PLAN, POINT_SUMMARY = "point.json", "summary.json"
 START, ROUNDS, REQUESTS, NOTEBOOK = "start.json", "rounds.jsonl", "requests.jsonl.gz", "point.ipynb"
 LOG, LOG_GZ = "server.log", "server.log.gz"
-# summary.csv's leading columns (the point's axis values and the metrics follow)
-ROUND_COLUMNS = ["point", "point_status", "start", "block", "round", "round_status", "group", "group_value"]
+# the rounds frame's leading columns, which say which round a row is (the point's axis values and the metrics follow)
+ROUND_KEYS = ["point", "point_status", "start", "block", "round", "round_status", "group", "group_value"]
 
 
 def now_utc() -> str:
@@ -345,7 +345,7 @@ class RunFolder:
                     extra = capacity_figures(cap) if at else {}
                 rows.append({**head, "group": "all", "group_value": "", **r.metrics, **extra})
                 rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
-        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_COLUMNS)
+        return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_KEYS)
 
     def write_summary_csv(self) -> pd.DataFrame:
         df = self.rounds_table()

@@ -19,7 +19,7 @@ imports vLLM only when the engine builds the scheduler).
 """
 from .policy import CONFIG_KEY, Decision, Params, decide, params_from_config, passes_alone
 from .scheduler import PrefixBudgetMixin, PrefixBudgetScheduler, scheduler_class
-from .stats import StatsRecorder, percentile, read_stats, stats_delta
+from .counters_file import StatsRecorder, percentile, read_stats, stats_delta
 
 __all__ = ["CONFIG_KEY", "Decision", "Params", "decide", "params_from_config", "passes_alone",
            "PrefixBudgetMixin", "PrefixBudgetScheduler", "scheduler_class",

@@ -76,7 +76,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .policy import Decision, Params, decide, params_from_config, passes_alone
-from .stats import StatsRecorder
+from .counters_file import StatsRecorder
 
 # Under the "vllm" logger: vLLM's logging config gives that tree its handler in the
 # EngineCore process, where a logger of our own would print nothing.
