@@ -38,7 +38,7 @@ def main() -> int:
     if not report.is_capacity_study(r):
         raise SystemExit(f"{a.run} is not a capacity study (its study has no `capacity:`)")
     if a.price:
-        r.manifest.params["gpu_hour_price"] = a.price
+        r.study.gpu_hour_price = a.price  # the report reads the typed study
     pd.set_option("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60)
     print(report.capacity_answer(r), end="\n\n")
     print(report.capacity_table(r).to_string(), end="\n\n")

@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--metric", action="append", help=f"default: {', '.join(DEFAULT_METRICS)}")
     o = ap.parse_args()
     r = report.Run.load(o.run)
-    axes = list(r.manifest.params.get("grid", {}))
+    axes = r.axes
     if o.axis not in axes:
         raise SystemExit(f"{o.axis!r} is not an axis of this study's grid: {axes}")
     if "load" not in r.rounds.columns:

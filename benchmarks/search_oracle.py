@@ -42,7 +42,7 @@ def oracle(run: Run, objective: str):
     starts = {p: [float(data.back(v)) for v in vs] for p, vs in data.starts.items()}
     values = {s.point: s.values for s in run.summaries}
     iv = analysis.point_intervals(run.rounds, [objective]).set_index("point")
-    return dict(run.manifest.params["grid"]), values, starts, iv
+    return dict(run.study.grid), values, starts, iv
 
 
 def search_once(axes, values, starts, objective: str, trials: int, sampler: str, seed: int,

@@ -9,15 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_study import grid, machine, models
+from vllm_study import axes, grid, machine, models
 from vllm_study.grid import (
-    AXIS_ABBREV,
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_NUM_SEQS,
     Effective,
     Point,
     expand,
-    fmt_value,
     point_id,
     run_order,
 )
@@ -312,7 +308,7 @@ def test_default_block_size_depends_on_engine():
     (gpu,) = expand(s, engine="gpu")
     (cpu,) = expand(s, engine="cpu")
     assert gpu.effective.block_size == 16 and cpu.effective.block_size == 128
-    assert DEFAULT_BLOCK_SIZE == {"cpu": 128, "gpu": 16}
+    assert axes.get("block_size").default == {"cpu": 128, "gpu": 16}
     assert not any("block size" in w for w in gpu.warnings)
     assert any("block size (128)" in w for w in cpu.warnings)
 
@@ -363,7 +359,7 @@ def test_explicit_max_num_seqs_is_effective():
 
 @pytest.mark.parametrize("engine", ["cpu", "gpu"])
 def test_effective_max_num_seqs_is_capped_by_chunk_when_unset(engine):
-    default = DEFAULT_MAX_NUM_SEQS[engine]
+    default = axes.get("max_num_seqs").default[engine]
     assert default == {"cpu": 128, "gpu": 1024}[engine]
     small, large = 64, 2048  # both multiples of 128 and 16: no other warning
     s = study_from_dict(_study(grid={"max_num_batched_tokens": [small, large]}))
@@ -615,16 +611,10 @@ def test_a_set_dtype_and_the_gpu_engine_are_left_alone(monkeypatch):
 
 # ---------------------------------------------------------------- ids and run order
 
-def test_fmt_value_and_point_id():
-    assert fmt_value("enable_prefix_caching", True) == "on"
-    assert fmt_value("enforce_eager", False) == "off"
-    assert fmt_value("kv_cache_memory_bytes", 2**30) == "1GiB"
-    assert fmt_value("kv_cache_memory_bytes", 1536 * 2**20) == "1536MiB"  # not a whole GiB
-    assert fmt_value("gpu_memory_utilization", 0.9) == "0.90"
-    assert fmt_value("max_num_batched_tokens", 512) == "512"
+def test_point_id():
     assert point_id({"max_num_batched_tokens": 512, "tensor_parallel_size": 2, "seed": 1}) == \
         "mbt=512__tp=2__seed=1"  # an axis without an abbreviation keeps its name
-    assert AXIS_ABBREV["tensor_parallel_size"] == "tp"
+    assert point_id({"kv_cache_memory_bytes": 2**30, "enable_prefix_caching": False}) == "kv=1GiB__pc=off"
 
 
 def _points(n: int) -> list[Point]:

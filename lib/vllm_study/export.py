@@ -21,7 +21,8 @@ from pathlib import Path
 import yaml
 
 from . import decision, metrics, models, report, server
-from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
+from .params import Load
+from .point import PLACE_ENV
 from .results import RunFolder
 
 # The real checkpoints whose architectures the kit's cards stand for (dummy weights).
@@ -32,9 +33,6 @@ CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qw
 MEASUREMENT_ONLY = {"custom-histogram-buckets", "enable-mfu-metrics"}
 # The loopback address and free port the kit picked for one start (server.serve_command).
 PER_START_FLAGS = {"host", "port"}
-# Variables the kit set for one start's place, not for the engine (point.py): its slot's
-# GPUs and compile cache, the plugin's counter file, a start ahead's ready timeout.
-PER_START_ENV = {"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, "VLLM_ENGINE_READY_TIMEOUT_S"}
 
 
 def parse_flags(args: list[str]) -> dict:
@@ -66,23 +64,22 @@ def serve_config(r: report.Run, point: str) -> dict:
         raise ValueError(f"{point!r} is not a point of {r.folder.path}; its points: "
                          + ", ".join(x.point for x in r.summaries))
     cfg = {k.replace("_", "-"): v for k, v in s.engine_args.items()}
-    params = r.manifest.params
-    extra = parse_flags(params.get("server", {}).get("extra_cli_args", []))
+    extra = parse_flags(r.study.server.extra_cli_args)
     cfg.update({k: v for k, v in extra.items() if k not in MEASUREMENT_ONLY})
-    cfg["served-model-name"] = params["model"]["served_name"]
+    cfg["served-model-name"] = r.study.model.served_name
     return cfg
 
 
 def model_name(r: report.Run) -> tuple[str, str]:
     """(the real model to serve in production, a note on what was measured)."""
-    m = r.manifest.params["model"]
-    if m.get("path"):
-        return m["path"], ("measured with dummy weights of this model's config" if m.get("dummy_weights")
-                           else "measured with these weights")
-    real = CARD_MODELS.get(m["card"])
+    m = r.study.model
+    if m.path:
+        return m.path, ("measured with dummy weights of this model's config" if m.dummy
+                        else "measured with these weights")
+    real = CARD_MODELS.get(m.card)
     if real is None:  # the kit's own small card: no checkpoint has its weights
-        return m["card"], f"measured with dummy weights of the kit's {m['card']} architecture"
-    return real, (f"measured with dummy weights of the {m['card']} architecture: for real answers serve {real} "
+        return m.card, f"measured with dummy weights of the kit's {m.card} architecture"
+    return real, (f"measured with dummy weights of the {m.card} architecture: for real answers serve {real} "
                   "in place of the card's folder, without --load-format dummy")
 
 
@@ -108,7 +105,7 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     summary's: its first start that came up) wins; a run that recorded none gets what
     server.py would build for its plan on this machine."""
     s = next(x for x in r.summaries if x.point == point)
-    study_env = dict(r.manifest.params.get("server", {}).get("env") or {})  # the study's own: part of what ran
+    study_env = dict(r.study.server.env)  # the study's own: part of what ran
     if s.launch and s.launch.command:
         cmd, env = s.launch.command, {**study_env, **s.launch.kit_env}
         source = "the launch a start of this point recorded (start.json)"
@@ -120,7 +117,7 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = "rebuilt by this kit, here (no start of this point recorded its launch)"
     argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
-    return argv, {k: v for k, v in env.items() if k not in PER_START_ENV}, source
+    return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
 
 
 def shell_command(argv: list[str], env: dict[str, str], cfg_name: str) -> str:
@@ -156,7 +153,8 @@ def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | Non
             continue
         m, iv = metrics.get(metric), r.interval(point, metric)
         sign = ">=" if m.better == "higher" else "<="
-        parts.append(f"{metric} {sign} {bound:g}: {verdict}" + (f" ({report._cell(iv, m)} {m.unit})" if iv else ""))
+        parts.append(f"{metric} {sign} {bound:g}: {verdict}"
+                     + (f" ({metrics.with_interval(iv, m)} {m.unit})" if iv else ""))
     return "; ".join(parts) or None
 
 
@@ -193,15 +191,13 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,
                    model_note: str, command: str, source: str) -> str:
-    m, v = r.manifest, r.manifest.versions
+    m, v, w = r.manifest, r.manifest.versions, r.study.workload
     gpus = ", ".join(g.name for g in m.machine.gpus) or f"none ({m.machine.cpu.model}, engine {m.engine})"
     lines = [f"# {m.study}: {point}", "", f"    {command}", "",
              f"- command: {source}, less its port (pick one with --port) and the flags the config holds",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
-             f"- workload: {m.params['workload']['kind']}, " + (report._trace_line(m.params["workload"]["trace"])
-                                                                if m.params["workload"].get("trace") else
-                                                                f"load {_load(m.params['workload']['load'])}"),
+             f"- workload: {w.kind}, " + (report._trace_line(w.trace) if w.trace else f"load {_load(w.load)}"),
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     s = next(x for x in r.summaries if x.point == point)
     method = r.intervals[r.intervals["point"] == point]["method"]
@@ -216,9 +212,9 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     for name in metrics.HEADLINE:
         iv = r.interval(point, name)
         if iv is not None:
-            lines.append(f"| {metrics.get(name).title} | {report._cell(iv, metrics.get(name))} |")
+            lines.append(f"| {metrics.get(name).title} | {metrics.with_interval(iv, metrics.get(name))} |")
     return "\n".join(lines) + "\n"
 
 
-def _load(load: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in load.items() if v not in (None, [], 1.0) or k == "kind")
+def _load(load: Load) -> str:
+    return ", ".join(f"{k} {v}" for k, v in load.model_dump().items() if v not in (None, [], 1.0) or k == "kind")

@@ -19,38 +19,10 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from . import axes
+from .axes import SCHEDULER_AXIS
 from .machine import cpu_dtype
 from .params import EngineArgs, Study, StudyError, Target, _explain
-
-# Short names used in point ids, so paths stay readable: points/mbt=512__gmu=0.90/
-AXIS_ABBREV = {
-    "max_num_batched_tokens": "mbt", "gpu_memory_utilization": "gmu",
-    "kv_cache_memory_bytes": "kv", "max_num_seqs": "mns", "block_size": "bs",
-    "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
-    "max_model_len": "len", "enforce_eager": "eager", "tensor_parallel_size": "tp",
-    "min_reuse_ratio": "mrr",
-}
-SCHEDULER_AXIS = "min_reuse_ratio"
-
-# vLLM's defaults where a sweep moves them (vllm/engine/arg_utils.py, get_batch_defaults
-# and _set_default_max_num_seqs_and_batched_tokens_args, same in 0.26 and 0.32).
-# gpu: cards of 70 GiB and more but A100s (H100, H200); smaller cards and A100s get 256.
-# cpu: 128 per tensor-parallel rank.
-DEFAULT_MAX_NUM_SEQS = {"cpu": 128, "gpu": 1024}
-DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "gpu": 8192}  # gpu: 70 GiB cards and up; smaller get less
-DEFAULT_BLOCK_SIZE = {"cpu": 128, "gpu": 16}
-
-
-def fmt_value(axis: str, value) -> str:
-    """An axis value as point ids and figure ticks show it."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if axis == "kv_cache_memory_bytes":
-        mib = value / 2**20
-        return f"{mib / 1024:g}GiB" if mib >= 1024 and mib % 1024 == 0 else f"{mib:g}MiB"
-    if isinstance(value, float):
-        return f"{value:.2f}"
-    return str(value)
 
 
 class Effective(BaseModel):
@@ -106,7 +78,7 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
     unknown here. Returns (effective, warnings, errors)."""
     warnings, errors = [], []
     mbt, mns = args.max_num_batched_tokens, args.max_num_seqs
-    block = args.block_size or DEFAULT_BLOCK_SIZE[engine]
+    block = args.block_size or axes.get("block_size").default[engine]
     if mbt is not None:
         if mbt % 128:
             warnings.append(f"max_num_batched_tokens={mbt} is not a multiple of 128: GEMM tiles pad it")
@@ -120,7 +92,7 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
                           "rejects this at startup. Lower max_num_seqs or raise the chunk size")
     if mns is None:
         ranks = (args.tensor_parallel_size or 1) if engine == "cpu" else 1
-        default = DEFAULT_MAX_NUM_SEQS[engine] * ranks
+        default = axes.get("max_num_seqs").default[engine] * ranks
         # vLLM caps an unset max_num_seqs at the chunk size: small chunks also cap concurrency.
         mns = min(default, mbt) if mbt else default
         if mbt is not None and mbt < default:
@@ -134,7 +106,7 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
                       f"but max_model_len is {max_model_len}; shorten the workload or raise "
                       "engine_args.max_model_len")
     effective = Effective(block_size=block, max_num_seqs=mns, max_model_len=max_model_len, dtype=args.dtype,
-                          max_num_batched_tokens=mbt or DEFAULT_MAX_NUM_BATCHED_TOKENS[engine])
+                          max_num_batched_tokens=mbt or axes.get("max_num_batched_tokens").default[engine])
     return effective, warnings, errors
 
 
@@ -215,15 +187,16 @@ def cpu_kv_default(study: Study, engine: str, available: int | None = None,
         import psutil
         available = psutil.virtual_memory().available
     size = max(CPU_KV_STEP, min(CPU_KV_CAP, available // 4) // CPU_KV_STEP * CPU_KV_STEP)
+    kv = axes.get("kv_cache_memory_bytes")
     return size, (f"the KV cache size is not set: vLLM's CPU build would then reserve 0.92 of the RAM and "
                   f"fail where less is free, so the kit sets engine_args.kv_cache_memory_bytes: {size} "
-                  f"({fmt_value('kv_cache_memory_bytes', size)}: a quarter of the {available / 2**30:.1f} GiB "
-                  f"free, at most {fmt_value('kv_cache_memory_bytes', CPU_KV_CAP)}), recorded in the run's "
+                  f"({kv.fmt(size)}: a quarter of the {available / 2**30:.1f} GiB free, at most "
+                  f"{kv.fmt(CPU_KV_CAP)}), recorded in the run's "
                   "study.yaml; set it yourself (or sweep it in the grid) to choose")
 
 
 def point_id(values: dict) -> str:
-    return "__".join(f"{AXIS_ABBREV.get(a, a)}={fmt_value(a, v)}" for a, v in values.items())
+    return "__".join(f"{axes.get(a).short}={axes.get(a).fmt(v)}" for a, v in values.items())
 
 
 DEFAULTS_POINT = "vllm-defaults"  # a search's baseline: the fixed engine_args only, vLLM's defaults for the rest
@@ -299,10 +272,10 @@ def expand(study: Study, engine: str) -> list[Point]:
     # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
     ratios = study.scheduler.ratios
     columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}
-    axes = list(columns)
+    names = list(columns)
     points, problems = [], []
-    for combo in itertools.product(*(columns[a] for a in axes)):
-        values = dict(zip(axes, combo))
+    for combo in itertools.product(*(columns[a] for a in names)):
+        values = dict(zip(names, combo))
         pid = point_id(values)
         twin = next((p for p in points if p.id == pid), None)
         if twin:  # two points in one folder: the second would be skipped as finished

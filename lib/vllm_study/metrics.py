@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import pandas as pd
 
 Source = Literal["client", "server", "nvml", "kit"]
@@ -51,6 +52,16 @@ class Metric:
     def cmap(self) -> str:
         """Colour map in which the better end is the bright (yellow) one."""
         return "viridis" if self.better == "higher" else "viridis_r"
+
+
+def with_interval(iv: dict | None, m: Metric) -> str:
+    """'182 [140, 230]': a value and its 95% interval (an analysis.point_intervals row) in
+    the metric's format; the value alone where no interval could be drawn."""
+    if iv is None:
+        return ""
+    if not np.isfinite(iv["ci_low"]):
+        return m.format(iv["value"])
+    return f"{m.format(iv['value'])} [{m.format(iv['ci_low'])}, {m.format(iv['ci_high'])}]"
 
 
 REGISTRY: dict[str, Metric] = {}

@@ -12,7 +12,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from . import metrics, plots, report
+from . import axes, metrics, plots, report
 from .point_notebook import display_options
 from .results import RunFolder
 
@@ -51,10 +51,10 @@ def target_warnings(r: report.Run) -> list[str]:
     says it and not only start.json. Grid points' are left out: the committed reports'
     first cell, which nbval re-checks, stays as it was."""
     lines = []
-    for t in r.manifest.params.get("targets") or []:
-        starts = r.folder.point(f"target={t['name']}").starts()
+    for t in r.study.targets:
+        starts = r.folder.point(f"target={t.name}").starts()
         for w in dict.fromkeys(w for s in starts for w in s.warnings):  # each once, in the order seen
-            lines.append(f"target {t['name']} ({t['base_url']}): {w}")
+            lines.append(f"target {t.name} ({t.base_url}): {w}")
     return lines
 
 
@@ -74,7 +74,7 @@ def target_comparison(r: report.Run, quiet: bool = False) -> pd.DataFrame | None
     """Endpoint studies: each target's medians and what it adds over the first target
     (e.g. the same vLLM behind a gateway vs its port directly). `quiet`: a grid study gets
     nothing, not the line saying it is not an endpoint study."""
-    if quiet and not r.manifest.params.get("targets"):
+    if quiet and not r.study.targets:
         return None
     return report.target_comparison(r)
 
@@ -208,7 +208,7 @@ def axis_effects(r: report.Run, axis: str = "", quiet: bool = False) -> pd.DataF
         return None
     for note in report.axis_effect_notes(r, axis):
         print(note)
-    deferrals = report.deferral_table(r) if axis == report.SCHEDULER_AXIS else None
+    deferrals = report.deferral_table(r) if axes.get(axis).binds == "scheduler" else None
     if deferrals is not None:
         from IPython.display import display
         print("\nrequests the budget deferred per round at each of its points: median over measured rounds "
@@ -256,7 +256,7 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:
     from . import decision
-    tp = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
+    tp = r.study.engine_args.tensor_parallel_size or 1
     return decision.pareto_table(r.intervals, tp)
 
 

@@ -17,17 +17,11 @@ import seaborn as sns
 from matplotlib.patches import Rectangle
 from matplotlib.textpath import TextPath
 
-from . import analysis, metrics
-from .grid import AXIS_ABBREV, fmt_value
+from . import analysis, axes, metrics
 from .report import Run, long_estimates
 
 PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
                 "measured; grey = failed")
-
-
-def _label(axis: str) -> str:
-    return {"max_num_batched_tokens": "max_num_batched_tokens (chunk size)",
-            "kv_cache_memory_bytes": "KV cache size"}.get(axis, axis)
 
 
 def _nothing(r: Run) -> str | None:
@@ -52,8 +46,8 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
     ax.figure.colorbar(mesh, ax=ax, label=m.title).outline.set_linewidth(0)
     for side in ax.spines.values():
         side.set_visible(False)
-    ax.set_xticks(np.arange(len(table.columns)) + 0.5, [fmt_value(x, v) for v in table.columns])
-    ax.set_yticks(np.arange(len(table.index)) + 0.5, [fmt_value(y, v) for v in table.index])
+    ax.set_xticks(np.arange(len(table.columns)) + 0.5, [axes.get(x).fmt(v) for v in table.columns])
+    ax.set_yticks(np.arange(len(table.index)) + 0.5, [axes.get(y).fmt(v) for v in table.index])
     ax.tick_params(length=0)
     ax.set_facecolor("#d9d9d9")
     for (i, j), v in np.ndenumerate(values):
@@ -65,8 +59,8 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
         ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
         if tied and (table.index[i], table.columns[j]) in tied:
             ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
-    ax.set_xlabel(_label(x))
-    ax.set_ylabel(_label(y))
+    ax.set_xlabel(axes.get(x).label)
+    ax.set_ylabel(axes.get(y).label)
     ax.set_title(m.title)
 
 
@@ -109,16 +103,25 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
     return None
 
 
-def _log2_ticks(ax, ticks) -> None:
-    """A log2 axis for chunk sizes, labelled 128, not 2^7."""
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ticks, [str(int(t)) for t in ticks])
-    ax.minorticks_off()
+def _x_axis(ax, x: str, values) -> None:
+    """The x axis as the registry scales and labels it: log2 for sizes (ticks at the
+    values, 128 not 2^7), a tick per value for categories (off/on), matplotlib's own for
+    linear ones; tick labels as point ids write the values."""
+    a = axes.get(x)
+    ax.set_xlabel(a.label)
+    if a.scale == "linear":
+        return
+    ticks = pd.Series(list(values)).dropna().drop_duplicates().sort_values().tolist()
+    if a.scale == "log2":
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ticks = [int(t) for t in ticks]  # sizes: a column with a gap (NaN) holds them as floats
+    ax.set_xticks(ticks, [a.fmt(t) for t in ticks])
 
 
 def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str | None:
-    """Each metric against the first axis (log2 for chunk sizes), one line per value of
-    the second, with the 95% interval as a band."""
+    """Each metric against the first axis (log2 for sizes, as axes.py says), one line per
+    value of the second, with the 95% interval as a band."""
     if not r.axes:
         return "an endpoint study has no grid axis: see the target comparison above"
     if why := _nothing(r):
@@ -134,15 +137,13 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
         m = metrics.get(n)
         sub = est[est["metric"] == n].sort_values(x)
         for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
-            label = f"{AXIS_ABBREV.get(hue, hue)}={fmt_value(hue, key)}" if hue else None
+            label = f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else None
             line, = ax.plot(part[x], part["value"], marker="o", label=label)
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
-        if x == "max_num_batched_tokens":
-            _log2_ticks(ax, sorted(sub[x].unique()))
+        _x_axis(ax, x, sub[x])
         ax.set_title(m.title)
-        ax.set_xlabel(_label(x))
         ax.set_ylabel(m.title)
         if hue:
             ax.legend(fontsize=8)
@@ -248,11 +249,10 @@ def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None
     """One metric against one grid axis: each point's value with its 95% interval, every
     round as a dot behind it (starts in different shades), a line per value of `hue`;
     with `other`, that run's values dashed beside."""
-    axes = r.axes
-    if not axes:
+    if not r.axes:
         return "an endpoint study has no grid axis: see the target comparison"
-    x = x or axes[0]
-    hue = hue if hue is not None else next((a for a in axes if a != x), None)
+    x = x or r.axes[0]
+    hue = hue if hue is not None else next((a for a in r.axes if a != x), None)
     m = metrics.get(metric)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for run, style, tag in ((r, "-", ""), (other, "--", " (other run)")):
@@ -265,14 +265,12 @@ def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None
         rounds = run.rounds[(run.rounds["group"] == "all") & (run.rounds["round_status"] == "ok")]
         for key, part in (est.groupby(hue) if hue else [(None, est)]):
             part = part.sort_values(x)
-            label = (f"{AXIS_ABBREV.get(hue, hue)}={fmt_value(hue, key)}" if hue else metric) + tag
+            label = (f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else metric) + tag
             line, = ax.plot(part[x], part["value"], style, marker="o", label=label)
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.15)
             dots = rounds[rounds["point"].isin(part["point"])]
             ax.scatter(dots[x], dots[metric], s=12, color=line.get_color(), alpha=0.5)
-    if x == "max_num_batched_tokens":
-        _log2_ticks(ax, sorted({v for run in (r, other) if run for v in long_estimates(run)[x]}))
-    ax.set_xlabel(_label(x))
+    _x_axis(ax, x, [v for run in (r, other) if run for v in long_estimates(run)[x]])
     ax.set_ylabel(m.title)
     ax.set_title(f"{m.title}: value, 95% interval and every round")
     ax.legend(fontsize=8)

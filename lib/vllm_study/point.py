@@ -58,6 +58,12 @@ def _step(method):
     return wrapper
 
 
+# What _start_server sets for this start's place, not for the engine: its slot's GPUs and
+# compile cache, the plugin's counter file, a start ahead's ready timeout. Recorded in
+# launch.kit_env with the rest; an exported config leaves them out (export.py).
+PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, "VLLM_ENGINE_READY_TIMEOUT_S"})
+
+
 class PointStart:
     """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
     `slot_lock`: the sweep's lock file for this start's GPUs (slots.SlotLock), taken

@@ -8,13 +8,15 @@ import io
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from . import analysis, metrics
-from .grid import SCHEDULER_AXIS, fmt_value
+from . import analysis, axes, metrics
+from .axes import SCHEDULER_AXIS
+from .params import Search, Study, TraceSpec, study_from_dict
 from .results import Manifest, PointSummary, RunFolder
 
 
@@ -35,20 +37,28 @@ class Run:
         starts only (the trials' own starts were selected for looking good); its trials
         are in trial_rounds."""
         folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
-        manifest = folder.manifest()
         rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
-        summaries, trials = folder.summaries(), None
-        if manifest.params.get("search"):
+        run = cls(folder, folder.manifest(), folder.summaries(), rounds, pd.DataFrame(), slo or None)
+        if run.search:
             from .config_search import TRIAL_BLOCK
-            confirmed = {u.point for u in manifest.order if u.block > TRIAL_BLOCK}
-            trials = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
-            rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
-            summaries = [s for s in summaries if s.point in confirmed]
-        return cls(folder, manifest, summaries, rounds, analysis.point_intervals(rounds), slo or None, trials)
+            confirmed = {u.point for u in run.manifest.order if u.block > TRIAL_BLOCK}
+            run.trial_rounds = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
+            run.rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
+            run.summaries = [s for s in run.summaries if s.point in confirmed]
+        run.intervals = analysis.point_intervals(run.rounds)
+        return run
+
+    @cached_property
+    def study(self) -> Study:
+        """The study as today's kit reads it. Every committed run's manifest validates as it
+        is: fields added since take their defaults, and params reads the older layouts'
+        spellings itself (unset SLO bounds as null, start_ahead null). Validation reads no
+        file (a trace's path is only made absolute), so runs made elsewhere load here."""
+        return study_from_dict(self.manifest.params, source=str(self.folder.manifest_path))
 
     @property
-    def search(self) -> dict | None:
-        return self.manifest.params.get("search")
+    def search(self) -> Search | None:
+        return self.study.search
 
     @property
     def baseline(self) -> str | None:
@@ -57,7 +67,7 @@ class Run:
         if self.search:
             from .grid import DEFAULTS_POINT
             return DEFAULTS_POINT
-        return self.manifest.params.get("baseline")
+        return self.study.baseline
 
     def interval(self, point: str, metric: str) -> dict | None:
         return _lookup(self.intervals, point, metric)
@@ -66,16 +76,13 @@ class Run:
     def axes(self) -> list[str]:
         """The grid's axes as the points have them: the study's grid, and the scheduler axis
         that grid.expand adds where a study sweeps the Prefix Reuse Budget's ratios."""
-        grid = list(self.manifest.params.get("grid") or (self.search or {}).get("space") or {})
+        grid = list(self.study.grid or (self.search.space if self.search else {}))
         return grid + [SCHEDULER_AXIS] if any(SCHEDULER_AXIS in s.values for s in self.summaries) else grid
 
     @property
     def slo(self) -> dict[str, float]:
-        """The SLO given at report time, else the study's (unset bounds dropped: the first
-        layout recorded them as null)."""
-        if self.slo_override:
-            return self.slo_override
-        return {k: v for k, v in (self.manifest.params.get("slo") or {}).items() if v is not None}
+        """The SLO given at report time, else the study's."""
+        return self.slo_override or dict(self.study.slo)
 
     @property
     def measured(self) -> list[PointSummary]:
@@ -110,9 +117,8 @@ def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
 
 
 def describe(r: Run) -> str:
-    m, v = r.manifest, r.manifest.versions
-    p = m.params
-    w = p["workload"]
+    m, v, s = r.manifest, r.manifest.versions, r.study
+    w = s.workload
     gpus = ", ".join(f"{g.name} {g.memory_total_bytes / 2**30:.0f} GiB driver {g.driver}" for g in m.machine.gpus)
     lines = [
         f"study {m.study} created {m.created_utc}  git {str(m.git.sha)[:12]}"
@@ -122,12 +128,10 @@ def describe(r: Run) -> str:
         + (f", {m.machine.cpu.capability})" if m.machine.cpu.capability else ")")
         + (f"; dtype {m.cpu_dtype['dtype']}: {m.cpu_dtype['reason']}" if m.cpu_dtype else ""),
         f"GPU: {gpus or m.machine.no_gpu_reason}",
-        f"grid: {json.dumps(p['grid'])}" if p.get("grid") else f"targets: {[t['name'] for t in p['targets']]}",
-        f"{p['replicates']} server start(s) per point x {_per_start(p)}; workload {w['kind']} via {w['api']}, "
-        + (_trace_line(w["trace"]) if w.get("trace") else
-           f"load {w['load']['kind']}, {w['requests_per_round']} requests/round"),
-        "fixed engine args: " + json.dumps({k: v for k, v in p["engine_args"].items() if v is not None},
-                                           sort_keys=True),
+        f"grid: {json.dumps(s.grid)}" if s.grid else f"targets: {[t.name for t in s.targets]}",
+        f"{s.replicates} server start(s) per point x {_per_start(s)}; workload {w.kind} via {w.api}, "
+        + (_trace_line(w.trace) if w.trace else f"load {w.load.kind}, {w.requests_per_round} requests/round"),
+        "fixed engine args: " + json.dumps(s.engine_args.model_dump(exclude_none=True), sort_keys=True),
     ]
     if m.resumes:
         lines.append(f"resumed {len(m.resumes)} time(s): see manifest.json")
@@ -139,28 +143,17 @@ def describe(r: Run) -> str:
     return "\n".join(lines)
 
 
-def _per_start(p: dict) -> str:
-    c = p.get("capacity")
+def _per_start(s: Study) -> str:
+    c = s.capacity
     if not c:
-        return f"{p['rounds']} rounds"
-    bounds = ", ".join(f"{k} <= {v:g}" for k, v in c["slo"].items())
-    return (f"a capacity search over {c['over']} {c['lo']:g}..{c['hi']:g} (at most {c['max_steps']} rounds) "
-            f"under {bounds}")
+        return f"{s.rounds} rounds"
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in c.slo.items())
+    return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (at most {c.max_steps} rounds) under {bounds}"
 
 
-def _trace_line(t: dict) -> str:
-    window = f"{t['requests']} requests" if t.get("requests") else \
-        f"{t['duration_s']:g} s" if t.get("duration_s") else "the whole file"
-    return f"trace {t['file']} ({t['format']}), {window} from {t.get('start_s', 0):g} s, speed {t.get('speed', 1):g}"
-
-
-def _cell(iv: dict | None, m: metrics.Metric) -> str:
-    """'182 [140, 230]': the value and its 95% interval in the metric's format."""
-    if iv is None:
-        return ""
-    if not np.isfinite(iv["ci_low"]):
-        return m.format(iv["value"])
-    return f"{m.format(iv['value'])} [{m.format(iv['ci_low'])}, {m.format(iv['ci_high'])}]"
+def _trace_line(t: TraceSpec) -> str:
+    window = f"{t.requests} requests" if t.requests else f"{t.duration_s:g} s" if t.duration_s else "the whole file"
+    return f"trace {t.file} ({t.format}), {window} from {t.start_s:g} s, speed {t.speed:g}"
 
 
 def status_label(s: PointSummary) -> str:
@@ -181,7 +174,7 @@ def headline_table(r: Run) -> pd.DataFrame:
             row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
         for n in names:
             m = metrics.get(n)
-            row[m.title] = _cell(r.interval(s.point, n), m)
+            row[m.title] = metrics.with_interval(r.interval(s.point, n), m)
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
 
@@ -212,21 +205,21 @@ def failures(r: Run) -> pd.DataFrame:
 
 
 def target_comparison(r: Run) -> pd.DataFrame | None:
-    targets = r.manifest.params.get("targets") or []
+    targets = r.study.targets
     if not targets:
         print("not an endpoint study (it has a grid, no targets)")
         return None
     by_id = {s.point: s for s in r.summaries}
-    first = f"target={targets[0]['name']}"
+    first = f"target={targets[0].name}"
     rows = []
     for t in targets:
-        pid = f"target={t['name']}"
+        pid = f"target={t.name}"
         s = by_id.get(pid)
-        row = {"target": t["name"], "base_url": t["base_url"], "status": status_label(s) if s else "not run"}
+        row = {"target": t.name, "base_url": t.base_url, "status": status_label(s) if s else "not run"}
         for n in ("ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms"):
             m = metrics.get(n)
-            row[m.title] = _cell(r.interval(pid, n), m)
-            row[f"{m.label} vs {targets[0]['name']}"] = _change(r, n, pid, first) if pid != first else ""
+            row[m.title] = metrics.with_interval(r.interval(pid, n), m)
+            row[f"{m.label} vs {targets[0].name}"] = _change(r, n, pid, first) if pid != first else ""
         rows.append(row)
     return pd.DataFrame(rows).set_index("target")
 
@@ -269,7 +262,7 @@ def group_table(r: Run) -> pd.DataFrame | None:
     rows = []
     for s in r.summaries:
         for lab in labels:
-            cells = {metrics.get(n).title: _cell(_lookup(frames[lab], s.point, n), metrics.get(n))
+            cells = {metrics.get(n).title: metrics.with_interval(_lookup(frames[lab], s.point, n), metrics.get(n))
                      for n in metrics.GROUP_METRICS}
             if any(cells.values()):
                 rows.append({"point": s.point, "group": lab, **cells})
@@ -518,7 +511,8 @@ def binding_notes(r: Run) -> list[str]:
     kv, pre = _per_point(r, "kv_usage_peak", "max"), _per_point(r, "preemptions", "sum")
     longp = _per_point(r, "long_prefills", "median")
     for axis in r.axes:
-        if axis in ("gpu_memory_utilization", "kv_cache_memory_bytes"):
+        binds = axes.get(axis).binds
+        if binds == "kv":
             if kv.empty:
                 notes.append(f"{axis}: no KV usage was sampled, so the study cannot say whether it bound")
                 continue
@@ -534,18 +528,19 @@ def binding_notes(r: Run) -> list[str]:
             else:
                 notes.append(f"{axis} never bound: KV peak (maximum over rounds) at most {kv.max():.1%} at "
                              "every point and no preemption; this study cannot show its effect")
-        elif axis == "max_num_batched_tokens":
+        elif binds == "chunk":
             notes.append(_chunk_binding(r, axis, longp))
-        elif axis == "max_num_seqs":
+        elif binds == "seqs":
             running = _per_point(r, "running_peak", "max")
             caps = {s.point: s.effective.max_num_seqs for s in r.measured if s.effective}
             bound = sorted(p for p, v in running.items() if p in caps and v >= caps[p])
             notes.append(f"{axis} bound (running requests, maximum over rounds, reached it) at: "
                          f"{', '.join(bound)}" if bound else
                          f"{axis} never bound: running requests stayed below max_num_seqs at every point")
-    budget = _scheduler_evidence(r)
-    if budget and not budget["bound"]:  # where it deferred somewhere, the axis-effects cell says where
-        notes.append(scheduler_binding(r))
+        elif binds == "scheduler":
+            budget = _scheduler_evidence(r)
+            if budget and not budget["bound"]:  # where it deferred somewhere, the axis-effects cell says where
+                notes.append(scheduler_binding(r))
     return notes
 
 
@@ -656,7 +651,7 @@ def deferral_table(r: Run) -> pd.DataFrame | None:
     rows = []
     for p in ev["points"]:
         g = df[df["point"] == p]
-        row = {"point": p, axis: fmt_value(axis, next(s.values[axis] for s in r.measured if s.point == p)),
+        row = {"point": p, axis: axes.get(axis).fmt(next(s.values[axis] for s in r.measured if s.point == p)),
                "rounds": len(_column(g, "pb_deferred"))}
         for label, col in DEFERRAL_COUNTS:
             v = _column(g, col)
@@ -675,13 +670,11 @@ WHOLE_ROUND_EFFECTS = ("output_throughput", "prefix_cache_hit_rate")  # the whol
 
 def axis_values(r: Run, axis: str) -> list:
     """An axis's values in the order the study lists them."""
-    p = r.manifest.params
-    if axis in (p.get("grid") or {}):
-        return list(p["grid"][axis])
+    study = r.study
+    if axis in study.grid:
+        return list(study.grid[axis])
     if axis == SCHEDULER_AXIS:
-        ratios = (p.get("scheduler") or {}).get("min_reuse_ratio")
-        if isinstance(ratios, list):
-            return ratios
+        return study.scheduler.ratios
     return list(dict.fromkeys(s.values[axis] for s in r.summaries if axis in s.values))
 
 
@@ -763,7 +756,8 @@ def axis_effect_frame(r: Run, axis: str, reference=None, names=EFFECT_METRICS,
             d = analysis.difference(data, p, ref, noise)
             mm = metrics.get(m)
             rows.append({**values[p], "point": p, "against": ref, "group": label, "metric": m,
-                         "value": _cell(_lookup(iv, p, m), mm), "reference value": _cell(_lookup(iv, ref, m), mm),
+                         "value": metrics.with_interval(_lookup(iv, p, m), mm),
+                         "reference value": metrics.with_interval(_lookup(iv, ref, m), mm),
                          "change": _change_text(d), "verdict": d.verdict(), "estimate": d.estimate, "low": d.low,
                          "high": d.high, "relative": d.relative, "resolved": d.resolved})
     return pd.DataFrame(rows, columns=cols)
@@ -791,14 +785,14 @@ def axis_effect_notes(r: Run, axis: str, reference=None) -> list[str]:
     resolved effect (and only those called effects), and for the scheduler where the
     budget bound."""
     ref = reference_value(r, axis) if reference is None else reference
-    notes = [f"{axis}: each point against the point at {axis}={fmt_value(axis, ref)} with the same other values, "
+    notes = [f"{axis}: each point against the point at {axis}={axes.get(axis).fmt(ref)} with the same other values, "
              "for all requests and per request group: the change [95% interval], called an effect only where "
              "the interval excludes 0"]
     if axis == SCHEDULER_AXIS:
         notes.append(scheduler_binding(r) or f"{axis}: no point with the budget was measured")
     f = axis_effect_frame(r, axis, reference)
     if f.empty:
-        notes.append(f"{axis}: no measured point has a measured twin at {axis}={fmt_value(axis, ref)} "
+        notes.append(f"{axis}: no measured point has a measured twin at {axis}={axes.get(axis).fmt(ref)} "
                      "to be set against")
         return notes
     effects = f[f["resolved"]]
@@ -841,7 +835,7 @@ def _diff_cell(d: analysis.Difference) -> str:
 
 # -- capacity studies -------------------------------------------------------------
 def is_capacity_study(r: Run) -> bool:
-    return bool(r.manifest.params.get("capacity"))
+    return r.study.capacity is not None
 
 
 def _trace_info(r: Run) -> dict | None:
@@ -860,16 +854,15 @@ def capacity_answer(r: Run) -> str | None:
     from . import decision
     if not is_capacity_study(r):
         return None
-    cap = r.manifest.params["capacity"]
-    bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in cap["slo"].items())
+    bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
     rec = decision.recommend(r.rounds, r.intervals, {})
     if rec.point is None:
         return f"No capacity was measured: {rec.reason}."
     m = metrics.get("capacity_rps")
     trace = _trace_info(r)
     times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
-    lines = [f"{rec.point} sustains {_cell(r.interval(rec.point, 'capacity_rps'), m)} req/s{times} within the "
-             f"SLO ({bounds})."]
+    sustains = metrics.with_interval(r.interval(rec.point, "capacity_rps"), m)
+    lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
     censored = _censored(r, rec.point)
     if censored:
         lines.append(censored)
@@ -882,32 +875,33 @@ def capacity_answer(r: Run) -> str | None:
         d = analysis.difference(data, rec.point, base)
         change = f"{d.estimate:+.0%} [{d.low:+.0%}, {d.high:+.0%}]" if d.relative else \
             f"{d.estimate:+.2f} [{d.low:+.2f}, {d.high:+.2f}] req/s"
-        lines.append(f"The baseline {base} sustains {_cell(r.interval(base, 'capacity_rps'), m)} req/s: "
+        lines.append(f"The baseline {base} sustains {metrics.with_interval(r.interval(base, 'capacity_rps'), m)} "
+                     "req/s: "
                      f"{change}, " + ("a resolved gain." if d.resolved and d.estimate > 0 else
                                       "a resolved loss." if d.resolved else "not resolved by this study."))
     elif base == rec.point:
         lines.append(f"That is the baseline ({base}) itself.")
     if rec.tied:
         lines.append("Not told apart from it by this study: " + ", ".join(rec.tied) + ".")
-    at = [f"{metrics.get(k).label} {_cell(r.interval(rec.point, k), metrics.get(k))} ms"
+    at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(rec.point, k), metrics.get(k))} ms"
           for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
     if at:
         lines.append("At its capacity: " + "; ".join(at) + ".")
     cost = cost_per_million(r, rec.point)
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
-                     f"(at {r.manifest.params['gpu_hour_price']:g} a GPU-hour).")
+                     f"(at {r.study.gpu_hour_price:g} a GPU-hour).")
     return "\n".join(lines)
 
 
 def cost_per_million(r: Run, point: str) -> str | None:
     """price x GPUs / output tokens per hour at capacity, x 1e6, with the interval that
     the output throughput's interval maps to (a higher throughput is a lower cost)."""
-    price = r.manifest.params.get("gpu_hour_price")
+    price = r.study.gpu_hour_price
     iv = r.interval(point, "output_throughput")
     if not price or not iv or not iv["value"]:
         return None
-    gpus = r.manifest.params.get("engine_args", {}).get("tensor_parallel_size") or 1
+    gpus = r.study.engine_args.tensor_parallel_size or 1
     per = lambda tok_s: price * gpus / (tok_s * 3600) * 1e6  # noqa: E731
     if np.isfinite(iv["ci_low"]) and iv["ci_low"] > 0:
         return f"{per(iv['value']):.3g} [{per(iv['ci_high']):.3g}, {per(iv['ci_low']):.3g}]"
@@ -918,20 +912,19 @@ def _censored(r: Run, point: str) -> str | None:
     starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
     above = sum(1 for c in starts if c.censored == "above")
     below = sum(1 for c in starts if c.censored == "below")
-    cap = r.manifest.params["capacity"]
+    cap = r.study.capacity
     if above:
-        return (f"{above} of {len(starts)} starts met the SLO at the search's highest load ({cap['hi']:g}): "
+        return (f"{above} of {len(starts)} starts met the SLO at the search's highest load ({cap.hi:g}): "
                 "the capacity is at least that; raise capacity.hi to find it.")
     if below:
-        return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap['lo']:g}): "
+        return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap.lo:g}): "
                 "their capacity counts as 0; lower capacity.lo.")
     return None
 
 
 def _lowest_load(r: Run) -> tuple[str, float | None]:
     """The search's lowest load in words, and as requests/s where the load fixes the rate."""
-    cap = r.manifest.params["capacity"]
-    lo, over = cap["lo"], cap["over"]
+    lo, over = r.study.capacity.lo, r.study.capacity.over
     trace = _trace_info(r)
     if over == "speed" and trace and trace.get("rate"):
         return f"speed {lo:g} ({lo * trace['rate']:.2f} req/s)", lo * trace["rate"]
@@ -946,7 +939,7 @@ def _baseline_below(r: Run, point: str) -> str | None:
     starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
     if not starts or any(c.censored != "below" for c in starts):
         return None
-    lo = r.manifest.params["capacity"]["lo"]
+    lo = r.study.capacity.lo
     why = "; ".join(sorted({s["why"] for c in starts for s in c.steps if s["load"] == lo and s.get("why")}))
     words, _ = _lowest_load(r)
     return (f"The baseline {point} met the SLO at no load tried: each of its {len(starts)} starts missed at the "
@@ -972,7 +965,7 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
     bracket and steps, and the latencies at capacity."""
     if not is_capacity_study(r):
         return None
-    over = r.manifest.params["capacity"]["over"]
+    over = r.study.capacity.over
     rows = []
     for s in r.summaries:
         starts = [st for st in r.folder.point(s.point).starts() if st.capacity]
@@ -985,13 +978,13 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
         words, lo_rps = _lowest_load(r)
         row = {"point": s.point, "status": status_label(s),
                "capacity (req/s)": (f"below {lo_rps:.2f}" if lo_rps else f"below {words}") if below else
-               _cell(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
-               f"capacity ({over})": f"below {r.manifest.params['capacity']['lo']:g}" if below else
-               _cell(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
+               metrics.with_interval(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
+               f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
+               metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
-            row[f"{metrics.get(k).title} at capacity"] = _cell(r.interval(s.point, k), metrics.get(k))
-        if r.manifest.params.get("gpu_hour_price"):
+            row[f"{metrics.get(k).title} at capacity"] = metrics.with_interval(r.interval(s.point, k), metrics.get(k))
+        if r.study.gpu_hour_price:
             row["cost per 1M output tokens"] = cost_per_million(r, s.point) or ""
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else None
@@ -1088,7 +1081,7 @@ def answer_context(r: Run) -> str:
     """One sentence or two beside the answer: the SLO it was judged under (and how many
     points meet it), the study's size and where it ran, and the failures, if any."""
     from . import decision
-    m, p = r.manifest, r.manifest.params
+    m = r.manifest
     n = len(r.summaries)
     parts = []
     if r.slo and not is_capacity_study(r):
@@ -1099,9 +1092,9 @@ def answer_context(r: Run) -> str:
                      "95% interval.")
     gpus = sorted({g.name for g in m.machine.gpus})
     where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
-    starts = r.search["confirm_starts"] if r.search else p["replicates"]  # a search: its confirmation starts
+    starts = r.search.confirm_starts if r.search else r.study.replicates  # a search: its confirmation starts
     parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {starts} server start{'s' * (starts != 1)} "
-                 f"{'each ' * (n != 1)}of {_per_start(p)}, on {where} with {m.versions.vllm_distribution} "
+                 f"{'each ' * (n != 1)}of {_per_start(r.study)}, on {where} with {m.versions.vllm_distribution} "
                  f"{m.versions.vllm}.")
     short = [s for s in r.summaries if s.status != "ok"]
     parts.append(f"{len(short)} of {n} points did not complete every planned round: see Failures below."
@@ -1132,7 +1125,7 @@ def answer_markdown(r: Run) -> str:
     for i, line in enumerate(lines):
         paras.append(_md_prose(line, points, strong=best if i == first else None))
     paras.append(_md_prose(answer_context(r), points))
-    if best and not r.manifest.params.get("targets"):  # an endpoint is run elsewhere: nothing to export
+    if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
         paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
                      f"`python -m vllm_study export results/{r.folder.path.resolve().name} --best`.")
     return "\n\n".join(paras)

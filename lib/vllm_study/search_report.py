@@ -10,7 +10,6 @@ import pandas as pd
 
 from . import analysis, metrics
 from .config_search import JOURNAL, TRIAL_BLOCK, feasible
-from .params import Search
 from .grid import DEFAULTS_POINT
 
 
@@ -50,7 +49,7 @@ def trials_frame(r) -> pd.DataFrame:
     study = journal_study(r)
     if study is None:
         return pd.DataFrame()
-    objective = r.search["objective"]
+    objective = r.search.objective
     rows = []
     for t in study.get_trials(deepcopy=False):
         a = t.user_attrs
@@ -68,9 +67,8 @@ def trials_table(r) -> pd.DataFrame | None:
     if df.empty:
         return None
     started = df[df["point"] != ""].copy()
-    m = metrics.get(r.search["objective"])
-    col = r.search["objective"]
-    started[col] = [("" if pd.isna(v) else format(v, m.fmt)) for v in started[col]]
+    m = metrics.get(r.search.objective)
+    started[m.name] = [("" if pd.isna(v) else format(v, m.fmt)) for v in started[m.name]]
     return started.set_index("trial")
 
 
@@ -80,7 +78,7 @@ def counts(r) -> dict[str, int]:
 
 
 def _difference(r, a: str, b: str) -> analysis.Difference | None:
-    data = analysis.MetricData.from_rounds(r.rounds, r.search["objective"])
+    data = analysis.MetricData.from_rounds(r.rounds, r.search.objective)
     if data is None or a not in data.starts or b not in data.starts:
         return None
     return analysis.difference(data, a, b)
@@ -97,17 +95,12 @@ def _change(d: analysis.Difference, m: metrics.Metric) -> str:
 
 def best(r) -> str | None:
     """The confirmed point with the best objective (its confirmation starts' value)."""
-    m = metrics.get(r.search["objective"])
+    m = metrics.get(r.search.objective)
     iv = r.intervals[r.intervals["metric"] == m.name] if not r.intervals.empty else pd.DataFrame()
     if iv.empty:
         return None
-    maximize = _maximize(r)
-    row = iv.loc[iv["value"].idxmax() if maximize else iv["value"].idxmin()]
+    row = iv.loc[iv["value"].idxmax() if r.search.goal == "maximize" else iv["value"].idxmin()]
     return str(row["point"])
-
-
-def _maximize(r) -> bool:
-    return Search.model_validate(r.search).goal == "maximize"
 
 
 def summary_line(r) -> str:
@@ -115,7 +108,7 @@ def summary_line(r) -> str:
     s = r.search
     c = counts(r)
     started = sum(v for k, v in c.items() if k in ("measured", "measured, SLO missed", "failed", "running"))
-    parts = [f"A search over {', '.join(s['space'])} ({s['sampler']}, objective {s['objective']}): {started} trials "
+    parts = [f"A search over {', '.join(s.space)} ({s.sampler}, objective {s.objective}): {started} trials "
              f"started a server"]
     for kind, words in (("failed", "failed"), ("measured, SLO missed", "missed the SLO"),
                         ("refused before start", "more were refused before they started (vLLM's rules or "
@@ -126,7 +119,7 @@ def summary_line(r) -> str:
             parts.append(f"{c[kind]} {words}")
     top = [u.point for u in r.manifest.order if u.block > TRIAL_BLOCK and u.point != DEFAULTS_POINT]
     top = list(dict.fromkeys(top))
-    n = s["confirm_starts"]
+    n = s.confirm_starts
     return ("; ".join(parts) + f". The best {len(top)} and vLLM's defaults ({DEFAULTS_POINT}) were then started "
             f"{n} more time{'s' * (n != 1)} each; the answer below rests on those starts only (a trial's own "
             "start was picked for looking good).")
@@ -136,12 +129,11 @@ def objective_lines(r) -> list[str]:
     """The decision by the search's objective (capacity studies say it through
     report.capacity_answer): the best with its interval, then each other confirmed point
     and vLLM's defaults against it."""
-    from .report import _cell
-    m = metrics.get(r.search["objective"])
+    m = metrics.get(r.search.objective)
     top = best(r)
     if top is None:
         return [f"No confirmation start measured {m.name}."]
-    lines = [f"{top}: {m.label} {_cell(r.interval(top, m.name), m)} {m.unit}".rstrip() + "."]
+    lines = [f"{top}: {m.label} {metrics.with_interval(r.interval(top, m.name), m)} {m.unit}".rstrip() + "."]
     for s in r.summaries:
         if s.point == top:
             continue
@@ -164,7 +156,7 @@ def history_figure(r, out: Path | None = None) -> str | None:
     df = trials_frame(r)
     if df.empty:
         return "no search journal in this run"
-    obj = r.search["objective"]
+    obj = r.search.objective
     m = metrics.get(obj)
     started = df[df["point"] != ""].reset_index(drop=True)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 3.6), width_ratios=[3, 2])
@@ -177,10 +169,9 @@ def history_figure(r, out: Path | None = None) -> str | None:
     failed = kinds == "failed"
     low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
     ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
-    maximize = _maximize(r)
     vals = started[obj].where(ok)
-    ax.step(x, vals.cummax() if maximize else vals.cummin(), where="post", color="tab:blue", alpha=0.5,
-            label="best so far")
+    ax.step(x, vals.cummax() if r.search.goal == "maximize" else vals.cummin(), where="post", color="tab:blue",
+            alpha=0.5, label="best so far")
     ax.set_xlabel("trial (server start)")
     ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
     ax.legend(fontsize=8, loc="best")
