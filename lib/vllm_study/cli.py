@@ -5,6 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from .executors import EXECUTORS
 from .params import StudyError
 
 
@@ -20,8 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     sw.add_argument("--max-minutes", type=float, help="stop cleanly between points after this long")
     sw.add_argument("--resume", type=Path, help="a run folder to complete (finished points are skipped)")
     sw.add_argument("--retry-failed", action="store_true", help="with --resume: run failed points again")
-    sw.add_argument("--executor", choices=["local", "gpus", "ray"], default="local",
-                    help="local: one start at a time; gpus: one per free GPU set of this host; ray: Ray tasks")
+    sw.add_argument("--executor", choices=list(EXECUTORS), default="local",
+                    help="who runs the server starts (docs/scale-out.md). local: one at a time; gpus: one per "
+                    "free GPU set of this host; ray: Ray tasks")
     sw.add_argument("--ray-address", help="with --executor ray: the cluster (default: a local Ray)")
     sw.add_argument("--parallel", type=int, help="at most this many server starts at once")
     sw.add_argument("--no-report", action="store_true",
