@@ -707,16 +707,18 @@ def test_chunk_not_a_multiple_of_the_block_says_where_it_splits_the_prompts():
     assert "4 of those 4 ends fall inside a block (at offsets 72, 16, 88, 32)" in w
 
 
-def test_the_wall_time_estimate_counts_a_start_ahead_as_a_quarter_of_a_start():
-    """Twelve 7B starts on one H200: started ahead, every start after the first leaves a
-    quarter of its start-up on the critical path; without it (the default), all of it."""
-    from vllm_study.timing import AHEAD_SHARE, GPU_START_S, GPU_START_S_PER_GB, estimate_minutes
+def test_the_wall_time_estimate_counts_a_start_ahead_as_a_quarter_or_half_of_a_start():
+    """Twelve 7B starts of two points on one H200: started ahead, every start after the
+    first leaves a quarter of its start-up on the critical path where its configuration
+    compiled before, half where it is new (the second point's first start); without it
+    (the default), all of it."""
+    from vllm_study.timing import AHEAD_SHARE, AHEAD_SHARE_NEW, GPU_START_S, GPU_START_S_PER_GB, estimate_minutes
     base = {"name": "t", "model": {"card": "qwen2.5-7b"}, "grid": {"max_num_batched_tokens": [64, 128]},
             "replicates": 6, "rounds": 2}
     ahead = estimate_minutes(study_from_dict({**base, "server": {"start_ahead": True}}), "gpu", 2, "NVIDIA H200")
     off = estimate_minutes(study_from_dict(base), "gpu", 2, "NVIDIA H200")
     start = GPU_START_S + GPU_START_S_PER_GB * 2 * 7.6  # 7.6e9 parameters in bf16
-    assert (off - ahead) * 60 == pytest.approx(11 * (1 - AHEAD_SHARE) * start, rel=0.02)
+    assert (off - ahead) * 60 == pytest.approx(((1 - AHEAD_SHARE_NEW) + 10 * (1 - AHEAD_SHARE)) * start, rel=0.02)
 
 
 def test_start_ahead_is_off_unless_asked_and_an_older_null_reads_as_off():

@@ -5,8 +5,9 @@ hours, not to plan to the minute:
 - a server start: 75 s on the CPU engine; on a GPU 90 s plus 1 s per GB of weights
   (dummy-weight init, torch.compile with a cold cache, CUDA graph capture); started
   ahead (server.start_ahead), every start but the first leaves a quarter of that on
-  the critical path (7B on one H200: 13-16 s once the compile cache holds the config,
-  33-52 s while it does not, against 48-104 s in all);
+  the critical path once the compile cache holds its configuration, half while it
+  does not (a grid point's first start, every trial of a search). 7B on one H200:
+  13-16 s and 33-62 s, against 48-128 s in all;
 - a decode step: the weights read once from memory at 60% of the GPU's datasheet
   bandwidth (or at 10 GB/s on a CPU), plus 3 ms; a request's prefill at 40% of the
   GPU's peak FLOP/s (prefix-cached tokens skipped);
@@ -22,7 +23,9 @@ from . import capacity, hardware, models
 from .params import Study
 
 CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
-AHEAD_SHARE = 0.25  # of a GPU start, left on the critical path by a start ahead
+# of a GPU start, left on the critical path by a start ahead: its configuration compiled
+# before, or new to the compile cache
+AHEAD_SHARE, AHEAD_SHARE_NEW = 0.25, 0.5
 KIT_S_PER_START, REPORT_S = 15.0, 40.0
 
 
@@ -94,9 +97,10 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
         start = 0.0
     measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
-    starts = n_points * study.replicates
+    starts, new = n_points * study.replicates, n_points  # new: configurations the compile cache has not seen
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
         starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
+        new = study.search.trials + 1
     ahead = study.server.start_ahead and not study.targets
-    later_start = AHEAD_SHARE * start if ahead else start
-    return (start + measure + (starts - 1) * (later_start + measure) + REPORT_S) / 60
+    on_path = (new - 1) * (AHEAD_SHARE_NEW if ahead else 1) + (starts - new) * (AHEAD_SHARE if ahead else 1)
+    return (start + starts * measure + on_path * start + REPORT_S) / 60
