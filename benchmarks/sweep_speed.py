@@ -12,7 +12,8 @@ GPU-side start-up (model loading plus engine init, which holds torch.compile, CU
 capture and the KV cache, from the servers' own logs) plus the measuring time (warm-up
 and runs), each the smaller of the two tools'; the kit's wall time over that limit; and
 both tools' per-point medians over runs side by side ([min, max]: three runs are too few
-for an interval on a median). Everything goes to --out/sweep_speed.json as well.
+for an interval on a median). --out keeps both tools' files, sweep_speed.json (what ran,
+and each tool's wall time) and summary.json (the figures printed).
 
     python benchmarks/sweep_speed.py params/h200-sweep-speed.yaml --out results/sweep-speed/<run>
     python benchmarks/sweep_speed.py --summarize results/sweep-speed/<run>   # again, from its files
@@ -45,7 +46,7 @@ from vllm_study.build_workload import make_workload
 from vllm_study.grid import expand
 from vllm_study.machine import resolve_engine, vllm_distribution
 from vllm_study.params import load_study
-from vllm_study.results import RunFolder, read_log, read_rounds
+from vllm_study.results import RunFolder, read_log
 from vllm_study.server import cpu_uni_env, free_port, serve_command
 
 # (label, the kit's round metric, vllm bench's result key)
@@ -155,10 +156,10 @@ def kit_points(run: RunFolder) -> dict[str, dict]:
         rec = folder.start(1)
         if rec is None:
             continue
-        sdir, t = folder.start_dir(1), rec.timeline
-        rounds = [r.metrics for r in read_rounds(sdir / "rounds.jsonl") if r.status == "ok"]
+        t = rec.timeline
+        rounds = [r.metrics for r in folder.rounds() if r.start == 1 and r.status == "ok"]
         out[pid] = {"status": rec.status, "runs": rounds,
-                    "gpu_startup_s": startup_log.figures(read_log(sdir))["gpu_startup_s"],
+                    "gpu_startup_s": startup_log.figures(read_log(folder.start_dir(1)))["gpu_startup_s"],
                     "measure_s": t["measured"] - t["warmup"] if {"warmup", "measured"} <= t.keys() else None}
     return out
 
@@ -173,17 +174,15 @@ def bench_points(exp: Path, points: dict[str, dict]) -> dict[str, dict]:
         return next((pid for pid, values in points.items() if all(record.get(k) == v for k, v in values.items())),
                     None)
 
-    for f in sorted(exp.rglob("*.json")):
-        data = json.loads(f.read_text())
-        if not isinstance(data, dict) or "duration" not in data:
-            continue  # summary.json (a list), serve_params.json
-        pid = owner(data) if f.name.startswith("run=") else owner(json.loads(next(
-            (g.read_text() for g in sorted(f.parent.glob("run=*.json"))), "{}")))
+    for folder in sorted(p for p in exp.iterdir() if p.is_dir()) if exp.exists() else []:  # one a point
+        runs = [d for f in sorted(folder.glob("run=*.json")) if "duration" in (d := json.loads(f.read_text()))]
+        pid = owner(runs[0]) if runs else None  # (a run=k.failure.json has no duration)
         if pid is None:
             continue
-        out[pid]["measure_s"] += data["duration"]  # warm-up.json's too: the kit's measuring time holds its warm-up
-        if f.name.startswith("run="):
-            out[pid]["runs"].append(data)
+        warm = folder / "warmup.json"  # the kit's measuring time holds its warm-up: this one's too
+        out[pid]["runs"] = runs
+        out[pid]["measure_s"] = sum(r["duration"] for r in runs) + (json.loads(warm.read_text())["duration"]
+                                                                     if warm.exists() else 0.0)
     log = exp.parent / "bench.log.gz"
     segments = gzip.open(log, "rt", errors="replace").read().split("[BEGIN SERVER]")[1:] if log.exists() else []
     for pid, seg in zip(points, segments):  # vllm bench starts the servers in the serve-params order

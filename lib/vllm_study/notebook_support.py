@@ -208,7 +208,7 @@ def axis_effects(r: report.Run, axis: str = "", quiet: bool = False) -> pd.DataF
         return None
     for note in report.axis_effect_notes(r, axis):
         print(note)
-    deferrals = report.deferral_table(r) if axes.get(axis).binds == "scheduler" else None
+    deferrals = report.deferral_table(r) if axis == axes.SCHEDULER_AXIS else None
     if deferrals is not None:
         from IPython.display import display
         print("\nrequests the budget deferred per round at each of its points: median over measured rounds "
