@@ -3,6 +3,7 @@ that are never tried again (nor anything like them), the SLO reaches the sampler
 constraint, measured configurations are not started twice, a journal resumes."""
 from __future__ import annotations
 
+import pandas as pd
 import optuna
 import pytest
 
@@ -148,3 +149,10 @@ def test_a_search_replaces_the_grid_and_the_replicates():
                          "capacity": {"over": "concurrency", "lo": 1, "hi": 8},
                          "search": {"space": {"max_num_seqs": [8, 16]}}})
     assert s.search.objective == "capacity_rps"
+
+
+def test_best_so_far_holds_across_trials_without_a_feasible_value():
+    from vllm_study.search_report import best_so_far
+    vals = pd.Series([3.1, 5.3, 5.3, float("nan"), 5.3, 6.1, 6.1, 5.3])  # trial 4 missed the SLO
+    assert best_so_far(vals, "maximize").tolist() == [3.1, 5.3, 5.3, 5.3, 5.3, 6.1, 6.1, 6.1]
+    assert best_so_far(pd.Series([float("nan"), 9.0, float("nan"), 4.0]), "minimize").tolist()[1:] == [9.0, 9.0, 4.0]

@@ -148,6 +148,12 @@ def objective_lines(r) -> list[str]:
     return lines
 
 
+def best_so_far(values: pd.Series, goal: str) -> pd.Series:
+    """The best feasible objective up to each trial; a trial without one (failed, SLO
+    missed: NaN) leaves it as it was (cummax alone gives NaN there, a gap in the line)."""
+    return (values.cummax() if goal == "maximize" else values.cummin()).ffill()
+
+
 def history_figure(r, out: Path | None = None) -> str | None:
     """The objective over the trials (failed trials marked at the bottom, the best
     feasible so far as a line) beside Optuna's parameter importances. Returns why not
@@ -170,9 +176,9 @@ def history_figure(r, out: Path | None = None) -> str | None:
     low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
     ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
     vals = started[obj].where(ok)
-    ax.step(x, vals.cummax() if r.search.goal == "maximize" else vals.cummin(), where="post", color="tab:blue",
-            alpha=0.5, label="best so far")
-    ax.set_xlabel("trial (server start)")
+    ax.step(x, best_so_far(vals, r.search.goal), where="post", color="tab:blue", alpha=0.5, label="best so far")
+    ax.set_xticks(x, [str(t) for t in started["trial"]])  # the numbers the trial table shows
+    ax.set_xlabel("trial, in the order started (a refused one never started)")
     ax.set_ylabel(f"{m.label} ({m.unit})" if m.unit else m.label)
     ax.legend(fontsize=8, loc="best")
     ax.set_title("the search, trial by trial", fontsize=10)
