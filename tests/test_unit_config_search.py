@@ -3,12 +3,13 @@ that are never tried again (nor anything like them), the SLO reaches the sampler
 constraint, measured configurations are not started twice, a journal resumes."""
 from __future__ import annotations
 
-import pandas as pd
 import optuna
+import pandas as pd
 import pytest
 
 from vllm_study import config_search as cs
 from vllm_study.params import StudyError, study_from_dict
+from vllm_study.search_report import best_so_far
 
 SPACE = {"max_num_batched_tokens": [256, 512, 1024, 2048], "max_num_seqs": [8, 32, 128],
          "gpu_memory_utilization": {"float": [0.80, 0.95], "step": 0.05}}
@@ -152,7 +153,6 @@ def test_a_search_replaces_the_grid_and_the_replicates():
 
 
 def test_best_so_far_holds_across_trials_without_a_feasible_value():
-    from vllm_study.search_report import best_so_far
     vals = pd.Series([3.1, 5.3, 5.3, float("nan"), 5.3, 6.1, 6.1, 5.3])  # trial 4 missed the SLO
     assert best_so_far(vals, "maximize").tolist() == [3.1, 5.3, 5.3, 5.3, 5.3, 6.1, 6.1, 6.1]
     assert best_so_far(pd.Series([float("nan"), 9.0, float("nan"), 4.0]), "minimize").tolist()[1:] == [9.0, 9.0, 4.0]
