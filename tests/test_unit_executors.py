@@ -179,10 +179,14 @@ def test_a_unit_that_did_not_fit_behind_a_running_one_is_asked_again_when_it_end
 SCALE = 5
 
 
-def _at_the_slot_lock(tmp_path, ran: list, rest_s: float):
+def _at_the_slot_lock(tmp_path, ran: list, rest_s: float, tail_s: float = 0.0, events: list | None = None):
     """As a sweep's units do: wait at the slot's lock, release the slot (the server has
-    spawned and has it), then hold it for 0.9 s (p0) or `rest_s` (the others), x SCALE."""
+    spawned and has it), then hold it for 0.9 s (p0) or `rest_s` (the others), x SCALE;
+    then take `tail_s` more after handing the lock on (a start writing its summary once
+    its server is stopped). `events`: (point, "handed" | "ended", monotonic time)."""
     def work(unit, slot, release):
+        if events is not None:
+            events.append((unit.point, "handed", time.monotonic()))
         lock = SlotLock(slot_lock_path(tmp_path, slot))
         lock.acquire()
         try:
@@ -191,6 +195,9 @@ def _at_the_slot_lock(tmp_path, ran: list, rest_s: float):
             time.sleep(SCALE * (0.9 if unit.point == "p0" else rest_s))
         finally:
             lock.release()
+        time.sleep(SCALE * tail_s)
+        if events is not None:
+            events.append((unit.point, "ended", time.monotonic()))
     return work
 
 
@@ -204,6 +211,21 @@ def test_a_unit_prepared_behind_another_still_counts_as_running(tmp_path):
     work = _at_the_slot_lock(tmp_path, ran, rest_s=0.4)
     left, _ = Dispatcher([[0]], work, time.monotonic(), max_minutes=SCALE * 2.9 / 60).run(_units(6))
     assert ran == ["p0", "p1", "p2", "p3"] and left == 2
+
+
+def test_a_unit_that_took_the_slot_is_counted_from_then_though_the_one_before_has_not_ended(tmp_path):
+    """The next unit takes the slot's lock while the one before still ends (0.3 s after
+    handing the lock on); the dispatcher must count the running unit's time from when it
+    took the slot, not from when the one before ended. p0: 0.9 s + 0.3 s; the rest 0.4 s +
+    0.3 s; 3.8 s budget. p2 is prepared behind p1 (by ~3.6 s); when p2 takes the slot
+    (~1.6 s) p3 does not fit behind it (~4.0 s: counted from p1's handing, ~3.6 s, it
+    would) and is handed the slot only once p2 has ended (then it fits by ~3.5 s)."""
+    ran, events = [], []
+    work = _at_the_slot_lock(tmp_path, ran, rest_s=0.4, tail_s=0.3, events=events)
+    left, _ = Dispatcher([[0]], work, time.monotonic(), max_minutes=SCALE * 3.8 / 60).run(_units(6))
+    at = {(p, what): t for p, what, t in events}
+    assert ran == ["p0", "p1", "p2", "p3"] and left == 2
+    assert at["p2", "handed"] < at["p1", "ended"] and at["p3", "handed"] >= at["p2", "ended"]
 
 
 def test_units_queued_behind_another_are_charged_the_longest_of_their_own_kind(tmp_path):

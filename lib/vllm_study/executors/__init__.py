@@ -99,8 +99,12 @@ class Dispatcher:
         # `lengths`: what an earlier dispatcher of the same sweep measured (its precision
         # blocks are dispatched anew)
         self.lengths = lengths or UnitLengths()
-        self.began: dict[int, float] = {}  # slot index: when its latest unit was handed to it
-        self.began_behind: dict[int, bool] = {}  # slot index: whether that unit was queued behind another
+        # slot index: when the unit that has the slot began to count against the budget:
+        # handed a free slot, when it was handed; queued behind another, when it took the
+        # slot (its early release). Taken from the unit itself, not from when the dispatcher
+        # saw the one before end: the next unit can take the slot's lock before that.
+        self.since: dict[int, float] = {}
+        self.since_behind: dict[int, bool] = {}  # slot index: whether that unit was queued behind another
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
         self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
@@ -117,23 +121,34 @@ class Dispatcher:
         need = self.lengths.bound(behind)
         if behind:
             with self.lock:
-                since = max(self.began[i], self.ended.get(i, 0.0))
-                running = self.lengths.bound(self.began_behind[i])
+                since, running = self.since[i], self.lengths.bound(self.since_behind[i])
             need += max(0.0, running - (now - since))
         return now - self.t0 + need <= self.max_minutes * 60
 
     def _timed(self, unit: Unit, i: int, release, behind: bool):
         ts = time.monotonic()
+        took: list[float] = []  # when a unit queued behind another took the slot
+
+        def early():
+            if behind and not took:
+                with self.lock:
+                    took.append(time.monotonic())
+                    self.since[i], self.since_behind[i] = took[0], True
+            release(early=True)
+
         with self.lock:
-            self.began[i], self.began_behind[i] = ts, behind
+            if not behind:  # one queued behind counts from when it takes the slot (early())
+                self.since[i], self.since_behind[i] = ts, False
             self.running[i] = self.running.get(i, 0) + 1
         try:
-            return self.work(unit, self.slots[i], lambda: release(early=True))
+            return self.work(unit, self.slots[i], early)
         finally:
             with self.lock:
                 now = time.monotonic()
-                # a unit queued behind another had its slot only once that one ended
-                self.lengths.add(now - max(ts, self.ended.get(i, ts)), behind)
+                # a unit queued behind another had its slot only once that one ended; one
+                # that never took it (it failed first) is counted from then
+                had = took[0] if took else max(ts, self.ended.get(i, ts)) if behind else ts
+                self.lengths.add(now - had, behind)
                 self.ended[i] = now
                 self.running[i] -= 1
             release(early=False)
