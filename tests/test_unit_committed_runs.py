@@ -30,3 +30,20 @@ def test_a_committed_run_loads_with_its_typed_study(folder):
     if folder.name == BUDGET_RUN:  # its min_reuse_ratio values make the scheduler an axis: heatmaps chunk x ratio
         assert r.axes == ["max_num_batched_tokens", "min_reuse_ratio"]
         assert report.scheduler_axis(r) == "min_reuse_ratio"
+
+
+SEARCH_RUN = "20261202T122846Z-h200-mooncake-search-6581d2b"
+
+
+def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
+    """vLLM's defaults and trial 4 missed the SLO at the search's lowest load (1 x the
+    trace's 3.08 req/s): their capacity is unmeasured below it, not 0."""
+    from vllm_study import search_report
+    r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
+    capacity = next(c for c in report.headline_table(r).columns if c.startswith("capacity"))
+    assert report.headline_table(r).loc["vllm-defaults", capacity] == "below 3.08"
+    assert report.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "below 3.08"
+    trials = ns.search_trials(r)
+    assert trials.loc[4, "capacity_rps"] == "below 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
+    assert "fewer than 20" in search_report.importance_caveat(r) and "8 measured trials" in \
+        search_report.importance_caveat(r)

@@ -109,7 +109,7 @@ def _conclude(run) -> int:
         return 1
     if r.search and not r.measured:
         from . import search_report
-        print(search_report.trials_table(r).to_string())
+        print(report.search_trials(r).to_string())
         print("\n" + search_report.NOT_CONFIRMED.format(run=run.path))
         return 0
     print(report.short_table(run).to_string())

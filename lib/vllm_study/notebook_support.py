@@ -147,7 +147,8 @@ def answer_figure(r: report.Run) -> None:
         plt.show()
         caption = ("Left: each trial's objective from its one server start, in the order they started (a cross: "
                    "the start failed; a ring: it missed the SLO); the line is the best so far. Right: how much "
-                   "each knob moved the objective over the measured trials (Optuna's PED-ANOVA importances).")
+                   "each knob moved the objective (Optuna's PED-ANOVA importances), "
+                   f"{search_report.importance_caveat(r)}.")
         _markdown(caption)
         return
     if not r.axes:
@@ -178,8 +179,7 @@ def search_trials(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
         if not quiet:
             print("not a search")
         return None
-    from . import search_report
-    return search_report.trials_table(r)
+    return report.search_trials(r)
 
 
 def noise_floor(r: report.Run) -> pd.DataFrame:

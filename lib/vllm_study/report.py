@@ -174,7 +174,8 @@ def headline_table(r: Run) -> pd.DataFrame:
             row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
         for n in names:
             m = metrics.get(n)
-            row[m.title] = metrics.with_interval(r.interval(s.point, n), m)
+            row[m.title] = capacity_cell(r, s.point) if n == "capacity_rps" and is_capacity_study(r) else \
+                metrics.with_interval(r.interval(s.point, n), m)
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
 
@@ -960,6 +961,34 @@ def _gain_over_below(r: Run, best: str, base: str) -> str:
             f"({iv['ci_low'] / lo_rps:.1f} x or more: its interval's low end over that rate), a resolved gain.")
 
 
+def _all_below(r: Run, point: str) -> bool:
+    """Every completed start of the point missed the SLO at the search's lowest load: its
+    capacity is unmeasured below the bracket (recorded as 0, which it is not)."""
+    ok = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
+    return bool(ok) and all(c.censored == "below" for c in ok)
+
+
+def below_lowest_load(r: Run) -> str:
+    """'below 3.08' (req/s), or the load in the search's own unit where no rate fixes it."""
+    words, lo_rps = _lowest_load(r)
+    return f"below {lo_rps:.2f}" if lo_rps else f"below {words}"
+
+
+def capacity_cell(r: Run, point: str) -> str:
+    """A point's capacity in req/s [95% interval] for a table, or 'below ...' where every
+    start missed at the lowest load."""
+    if _all_below(r, point):
+        return below_lowest_load(r)
+    return metrics.with_interval(r.interval(point, "capacity_rps"), metrics.get("capacity_rps"))
+
+
+def search_trials(r: Run) -> pd.DataFrame | None:
+    """A search's trials, one row per server start; in a capacity search, a trial that
+    missed the SLO missed it at the lowest load and shows that bound."""
+    from . import search_report
+    return search_report.trials_table(r, below=below_lowest_load(r) if is_capacity_study(r) else None)
+
+
 def capacity_table(r: Run) -> pd.DataFrame | None:
     """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
     bracket and steps, and the latencies at capacity."""
@@ -973,12 +1002,9 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
                              f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
                              f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
-        ok = [st.capacity for st in starts if st.status == "ok"]
-        below = bool(ok) and all(c.censored == "below" for c in ok)  # unmeasured, not 0
-        words, lo_rps = _lowest_load(r)
+        below = _all_below(r, s.point)
         row = {"point": s.point, "status": status_label(s),
-               "capacity (req/s)": (f"below {lo_rps:.2f}" if lo_rps else f"below {words}") if below else
-               metrics.with_interval(r.interval(s.point, "capacity_rps"), metrics.get("capacity_rps")),
+               "capacity (req/s)": capacity_cell(r, s.point),
                f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
                metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}

@@ -60,15 +60,17 @@ def trials_frame(r) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def trials_table(r) -> pd.DataFrame | None:
+def trials_table(r, below: str | None = None) -> pd.DataFrame | None:
     """The trials that started a server, in order (the refused and the skipped are counted
-    in the answer and listed in the journal)."""
+    in the answer and listed in the journal). `below`: what a capacity trial that missed
+    the SLO at the lowest load shows (report.below_lowest_load: its 0 is a bound, not a value)."""
     df = trials_frame(r)
     if df.empty:
         return None
     started = df[df["point"] != ""].copy()
     m = metrics.get(r.search.objective)
-    started[m.name] = [("" if pd.isna(v) else format(v, m.fmt)) for v in started[m.name]]
+    started[m.name] = [("" if pd.isna(v) else below if below and kind == "measured, SLO missed" else
+                        format(v, m.fmt)) for v, kind in zip(started[m.name], started["what became of it"])]
     return started.set_index("trial")
 
 
@@ -187,7 +189,9 @@ def history_figure(r, out: Path | None = None) -> str | None:
         names = list(imp)[::-1]
         bx.barh(names, [imp[n] for n in names], color="tab:green")
         bx.set_xlabel("importance (Optuna, PED-ANOVA; sums to 1)")
-        bx.set_title("which knobs mattered", fontsize=10)
+        n = len(_measured_trials(r))
+        bx.set_title(f"which knobs mattered, over {n} measured trials"
+                     + ("\n(few: where the sampler looked, not an effect)" if n < FEW_TRIALS else ""), fontsize=10)
     else:
         bx.axis("off")
         bx.text(0.5, 0.5, "too few measured trials\nfor parameter importances", ha="center", va="center")
@@ -197,18 +201,40 @@ def history_figure(r, out: Path | None = None) -> str | None:
     return None
 
 
+# Below this many measured trials the importances are read as where the sampler looked: a
+# knob TPE stopped varying early gets little weight whatever its effect, and no interval is
+# given. (Tuners built on Optuna advise 30-150 trials for one objective; 20 is a loose floor.)
+FEW_TRIALS = 20
+
+
+def _measured_trials(r) -> list:
+    """The trials the importances are computed over: each started a server and measured
+    the objective (an SLO missed included)."""
+    import optuna
+    study = journal_study(r)
+    if study is None:
+        return []
+    return [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
+            if "point" in t.user_attrs]
+
+
+def importance_caveat(r) -> str:
+    """What the importances rest on, for the figure's caption."""
+    n = len(_measured_trials(r))
+    words = f"over the {n} measured trial{'s' * (n != 1)}"
+    if n < FEW_TRIALS:
+        words += (f": with fewer than {FEW_TRIALS} they say where the sampler looked, not which knob has an "
+                  "effect (they have no interval; the confirmation starts decide)")
+    return words
+
+
 def importances(r) -> dict[str, float]:
     """Optuna's parameter importances over the measured trials ({} where it cannot say:
     too few trials, or every one measured the same)."""
     import optuna
-    study = journal_study(r)
-    if study is None:
-        return {}
-    done = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
-            if "point" in t.user_attrs]
-    if len(done) < 3:
+    if len(_measured_trials(r)) < 3:
         return {}
     try:
-        return optuna.importance.get_param_importances(study)
+        return optuna.importance.get_param_importances(journal_study(r))
     except (ValueError, RuntimeError, ZeroDivisionError):
         return {}
