@@ -47,3 +47,19 @@ def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
     assert trials.loc[4, "capacity_rps"] == "below 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
     assert "fewer than 20" in search_report.importance_caveat(r) and "8 measured trials" in \
         search_report.importance_caveat(r)
+
+
+def test_the_search_history_draws_a_trial_below_the_bracket_at_the_lowest_load_not_at_0():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllm_study import search_report
+    r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
+    assert search_report.history_figure(r, below_at=report.lowest_load_rps(r)) is None
+    ax = plt.gcf().axes[0]
+    missed = [c for c in ax.collections if c.get_label().startswith("SLO missed at the lowest load")]
+    at_trial_4 = next(t.get_position()[0] for t in ax.get_xticklabels() if t.get_text() == "4")
+    assert len(missed) == 1 and [tuple(p) for p in missed[0].get_offsets()] == [(at_trial_4, report.lowest_load_rps(r))]
+    assert abs(report.lowest_load_rps(r) - 3.08) < 0.005
+    plt.close("all")

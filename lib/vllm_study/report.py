@@ -968,6 +968,11 @@ def _all_below(r: Run, point: str) -> bool:
     return bool(ok) and all(c.censored == "below" for c in ok)
 
 
+def lowest_load_rps(r: Run) -> float | None:
+    """The capacity search's lowest load as requests/s, where the load fixes the rate."""
+    return _lowest_load(r)[1] if is_capacity_study(r) else None
+
+
 def below_lowest_load(r: Run) -> str:
     """'below 3.08' (req/s), or the load in the search's own unit where no rate fixes it."""
     words, lo_rps = _lowest_load(r)

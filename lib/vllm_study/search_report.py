@@ -156,10 +156,11 @@ def best_so_far(values: pd.Series, goal: str) -> pd.Series:
     return (values.cummax() if goal == "maximize" else values.cummin()).ffill()
 
 
-def history_figure(r, out: Path | None = None) -> str | None:
+def history_figure(r, out: Path | None = None, below_at: float | None = None) -> str | None:
     """The objective over the trials (failed trials marked at the bottom, the best
-    feasible so far as a line) beside Optuna's parameter importances. Returns why not
-    where nothing can be drawn."""
+    feasible so far as a line) beside Optuna's parameter importances. `below_at`: in a
+    capacity search, the lowest load's rate: a trial that missed the SLO there is drawn
+    under it (its capacity is below it, not 0). Returns why not where nothing can be drawn."""
     import matplotlib.pyplot as plt
     df = trials_frame(r)
     if df.empty:
@@ -173,7 +174,11 @@ def history_figure(r, out: Path | None = None) -> str | None:
     ok = kinds == "measured"
     ax.scatter(x[ok], started[obj][ok], color="tab:blue", label="measured", zorder=3)
     miss = kinds == "measured, SLO missed"
-    ax.scatter(x[miss], started[obj][miss], facecolors="none", edgecolors="grey", label="SLO missed", zorder=3)
+    if below_at is not None:
+        ax.scatter(x[miss], [below_at] * int(miss.sum()), marker="v", color="grey", zorder=3,
+                   label=f"SLO missed at the lowest load: below {below_at:.3g}")
+    else:
+        ax.scatter(x[miss], started[obj][miss], facecolors="none", edgecolors="grey", label="SLO missed", zorder=3)
     failed = kinds == "failed"
     low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
     ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
