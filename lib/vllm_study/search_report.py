@@ -180,7 +180,8 @@ def history_figure(r, out: Path | None = None, below_at: float | None = None) ->
     else:
         ax.scatter(x[miss], started[obj][miss], facecolors="none", edgecolors="grey", label="SLO missed", zorder=3)
     failed = kinds == "failed"
-    low = np.nanmin(started[obj]) if started[obj].notna().any() else 0
+    # a failed start at the bottom: the lowest load in a capacity search (not a censored trial's 0)
+    low = below_at if below_at is not None else np.nanmin(started[obj]) if started[obj].notna().any() else 0
     ax.scatter(x[failed], [low] * int(failed.sum()), marker="x", color="tab:red", label="failed start", zorder=3)
     vals = started[obj].where(ok)
     ax.step(x, best_so_far(vals, r.search.goal), where="post", color="tab:blue", alpha=0.5, label="best so far")
