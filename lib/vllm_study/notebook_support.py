@@ -140,13 +140,14 @@ def answer_figure(r: report.Run) -> None:
     none (nothing is shown: its answer is the target comparison)."""
     if r.search:  # its confirmed points are too few for heatmaps: the search's own history instead
         from . import search_report
-        why = search_report.history_figure(r, out=r.folder.figures / "search.png", below_at=report.lowest_load_rps(r))
+        below_at = report.lowest_load_rps(r)
+        why = search_report.history_figure(r, out=r.folder.figures / "search.png", below_at=below_at)
         if why:
             _markdown(report.md_escape(why), why)
             return
         plt.show()
-        missed = ("a triangle: it missed the SLO at the lowest load, so its capacity is below it" if r.study.capacity
-                  else "a ring: it missed the SLO")
+        missed = ("a triangle: it missed the SLO at the lowest load, so its capacity is below it"
+                  if below_at is not None else "a ring: it missed the SLO")
         caption = ("Left: each trial's objective from its one server start, in the order they started (a cross: "
                    f"the start failed; {missed}); the line is the best so far. Right: how much each knob moved the "
                    f"objective (Optuna's PED-ANOVA importances), {search_report.importance_caveat(r)}.")

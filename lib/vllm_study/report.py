@@ -174,7 +174,7 @@ def headline_table(r: Run) -> pd.DataFrame:
             row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
         for n in names:
             m = metrics.get(n)
-            row[m.title] = capacity_cell(r, s.point) if n == "capacity_rps" and is_capacity_study(r) else \
+            row[m.title] = capacity_cell(r, s.point) if n == "capacity_rps" else \
                 metrics.with_interval(r.interval(s.point, n), m)
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
@@ -909,8 +909,13 @@ def cost_per_million(r: Run, point: str) -> str | None:
     return f"{per(iv['value']):.3g}"
 
 
+def _completed_capacities(r: Run, point: str) -> list:
+    """The capacity searches of the point's starts that completed."""
+    return [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
+
+
 def _censored(r: Run, point: str) -> str | None:
-    starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
+    starts = _completed_capacities(r, point)
     above = sum(1 for c in starts if c.censored == "above")
     below = sum(1 for c in starts if c.censored == "below")
     cap = r.study.capacity
@@ -937,8 +942,8 @@ def _lowest_load(r: Run) -> tuple[str, float | None]:
 def _baseline_below(r: Run, point: str) -> str | None:
     """Where every start of a point missed the SLO at the search's lowest load, say so with
     why each missed: its capacity is not 0 but unmeasured below the bracket."""
-    starts = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
-    if not starts or any(c.censored != "below" for c in starts):
+    starts = _completed_capacities(r, point)
+    if not _all_below(starts):
         return None
     lo = r.study.capacity.lo
     why = "; ".join(sorted({s["why"] for c in starts for s in c.steps if s["load"] == lo and s.get("why")}))
@@ -961,11 +966,11 @@ def _gain_over_below(r: Run, best: str, base: str) -> str:
             f"({iv['ci_low'] / lo_rps:.1f} x or more: its interval's low end over that rate), a resolved gain.")
 
 
-def _all_below(r: Run, point: str) -> bool:
-    """Every completed start of the point missed the SLO at the search's lowest load: its
-    capacity is unmeasured below the bracket (recorded as 0, which it is not)."""
-    ok = [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
-    return bool(ok) and all(c.censored == "below" for c in ok)
+def _all_below(completed: list) -> bool:
+    """Every completed start of a point (_completed_capacities) missed the SLO at the
+    search's lowest load: its capacity is unmeasured below the bracket (recorded as 0,
+    which it is not)."""
+    return bool(completed) and all(c.censored == "below" for c in completed)
 
 
 def lowest_load_rps(r: Run) -> float | None:
@@ -979,10 +984,10 @@ def below_lowest_load(r: Run) -> str:
     return f"below {lo_rps:.2f}" if lo_rps else f"below {words}"
 
 
-def capacity_cell(r: Run, point: str) -> str:
+def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
     """A point's capacity in req/s [95% interval] for a table, or 'below ...' where every
-    start missed at the lowest load."""
-    if _all_below(r, point):
+    start missed at the lowest load (`completed`: its _completed_capacities, if read)."""
+    if _all_below(_completed_capacities(r, point) if completed is None else completed):
         return below_lowest_load(r)
     return metrics.with_interval(r.interval(point, "capacity_rps"), metrics.get("capacity_rps"))
 
@@ -1007,9 +1012,10 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
                              f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
                              f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
-        below = _all_below(r, s.point)
+        completed = [st.capacity for st in starts if st.status == "ok"]
+        below = _all_below(completed)
         row = {"point": s.point, "status": status_label(s),
-               "capacity (req/s)": capacity_cell(r, s.point),
+               "capacity (req/s)": capacity_cell(r, s.point, completed),
                f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
                metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}

@@ -195,7 +195,7 @@ def history_figure(r, out: Path | None = None, below_at: float | None = None) ->
         names = list(imp)[::-1]
         bx.barh(names, [imp[n] for n in names], color="tab:green")
         bx.set_xlabel("importance (Optuna, PED-ANOVA; sums to 1)")
-        n = len(_measured_trials(r))
+        n = len(_measured_trials(journal_study(r)))
         bx.set_title(f"which knobs mattered, over {n} measured trials"
                      + ("\n(few: where the sampler looked, not an effect)" if n < FEW_TRIALS else ""), fontsize=10)
     else:
@@ -213,11 +213,11 @@ def history_figure(r, out: Path | None = None, below_at: float | None = None) ->
 FEW_TRIALS = 20
 
 
-def _measured_trials(r) -> list:
-    """The trials the importances are computed over: each started a server and measured
-    the objective (an SLO missed included)."""
+def _measured_trials(study) -> list:
+    """The trials of the run's Optuna study (journal_study; None: no journal) that the
+    importances are computed over: each started a server and measured the objective (an
+    SLO missed included)."""
     import optuna
-    study = journal_study(r)
     if study is None:
         return []
     return [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,))
@@ -226,7 +226,7 @@ def _measured_trials(r) -> list:
 
 def importance_caveat(r) -> str:
     """What the importances rest on, for the figure's caption."""
-    n = len(_measured_trials(r))
+    n = len(_measured_trials(journal_study(r)))
     words = f"over the {n} measured trial{'s' * (n != 1)}"
     if n < FEW_TRIALS:
         words += (f": with fewer than {FEW_TRIALS} they say where the sampler looked, not which knob has an "
@@ -238,9 +238,10 @@ def importances(r) -> dict[str, float]:
     """Optuna's parameter importances over the measured trials ({} where it cannot say:
     too few trials, or every one measured the same)."""
     import optuna
-    if len(_measured_trials(r)) < 3:
+    study = journal_study(r)
+    if len(_measured_trials(study)) < 3:
         return {}
     try:
-        return optuna.importance.get_param_importances(journal_study(r))
+        return optuna.importance.get_param_importances(study)
     except (ValueError, RuntimeError, ZeroDivisionError):
         return {}
