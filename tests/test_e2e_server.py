@@ -311,8 +311,16 @@ def test_mixed_long_documents_and_short_chats(server, tmp_path):
     assert groups["class=short"]["requests"] == 16 - n_long
     for cls in ("long", "short"):
         assert groups[f"class={cls}"]["ttft_p90_ms"] > 0 and groups[f"class={cls}"]["itl_p90_ms"] > 0
-    # a long document has to be prefilled; a short chat reuses the cached system prompt
-    assert groups["class=long"]["ttft_p50_ms"] > groups["class=short"]["ttft_p50_ms"]
+    # A short chat reuses the cached system prompt, a long document nothing. Not checked
+    # through TTFT: on this tiny CPU model the two classes' medians can land within a
+    # millisecond of each other at concurrency 4 (159.2 vs 158.8 ms in one run). A short
+    # prompt's first 256 tokens (template head, system prompt) are the blocks it can hit;
+    # the cache is reset before the round, and the first four requests, sent together,
+    # may all miss.
+    block = int(counters.cache_config(counters.scrape(server[0].url))["block_size"])
+    shared = 256 // block * block
+    n_short = 16 - n_long
+    assert shared * (n_short - 4) <= row.metrics["prefix_cache_hits"] <= shared * (n_short - 1)
 
 
 def test_random_lengths_from_distributions(server, tmp_path):
