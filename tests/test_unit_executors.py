@@ -124,6 +124,12 @@ def test_a_released_slot_takes_its_next_unit_while_the_last_one_finishes(tmp_pat
             assert prepared[b[1]] < a[4]  # the next began preparing while the last one stopped
 
 
+# The budget tests below are stated in seconds and run SCALE times slower: their margins
+# (0.1-0.2 s stated) then outlast a loaded machine's thread and lock latencies (at 3x,
+# a CI machine running vLLM servers beside them once let a unit through that should not fit).
+SCALE = 5
+
+
 def test_a_unit_queued_behind_another_counts_that_ones_time_against_the_budget():
     """Units of 0.3 s that release their slot at once, under a 0.8 s budget: the second
     waits for the first to end (no length known yet), then a third queued behind the
@@ -133,9 +139,9 @@ def test_a_unit_queued_behind_another_counts_that_ones_time_against_the_budget()
     def work(unit, slot, release):
         release()
         ran.append(unit.point)
-        time.sleep(0.3)
+        time.sleep(SCALE * 0.3)
 
-    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=0.8 / 60).run(_units(4))
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=SCALE * 0.8 / 60).run(_units(4))
     assert ran == ["p0", "p1"] and left == 2
 
 
@@ -149,11 +155,11 @@ def test_a_queued_unit_is_charged_only_what_the_running_one_may_still_take():
 
     def work(unit, slot, release):
         ran.append(unit.point)
-        time.sleep(0.4)
+        time.sleep(SCALE * 0.4)
         release()
-        time.sleep(0.2)
+        time.sleep(SCALE * 0.2)
 
-    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=2.0 / 60).run(_units(5))
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=SCALE * 2.0 / 60).run(_units(5))
     assert ran == ["p0", "p1", "p2"] and left == 2
 
 
@@ -167,16 +173,10 @@ def test_a_unit_that_did_not_fit_behind_a_running_one_is_asked_again_when_it_end
     def work(unit, slot, release):
         ran.append(unit.point)
         release()
-        time.sleep(0.9 if unit.point == "p0" else 0.4)
+        time.sleep(SCALE * (0.9 if unit.point == "p0" else 0.4))
 
-    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=2.4 / 60).run(_units(5))
+    left, _ = Dispatcher([None], work, time.monotonic(), max_minutes=SCALE * 2.4 / 60).run(_units(5))
     assert ran == ["p0", "p1", "p2"] and left == 2
-
-
-# The two tests below are stated in seconds and run SCALE times slower: their margins
-# (0.1-0.15 s stated) then outlast a loaded machine's thread and lock latencies (at 3x,
-# a CI machine running vLLM servers beside them once let a unit through that should not fit).
-SCALE = 5
 
 
 def _at_the_slot_lock(tmp_path, ran: list, rest_s: float, tail_s: float = 0.0, events: list | None = None):
