@@ -300,9 +300,10 @@ def _round(server, tmp_path, workload: dict):
 
 
 def test_mixed_long_documents_and_short_chats(server, tmp_path):
+    system_tokens = 256
     row, groups, results, w = _round(server, tmp_path, {
         "kind": "mixed", "long_fraction": 0.25, "long_prompt_tokens": {"uniform": [1200, 1600]},
-        "system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
+        "system_prompt_tokens": system_tokens, "question_tokens": 16, "output_tokens": 16,
         "requests_per_round": 16, "concurrency": 4})
     sent = w.requests(16)
     assert [r["prompt_tokens"] for r in results] == [q.prompt_tokens for q in sent]  # as the server counted
@@ -314,11 +315,11 @@ def test_mixed_long_documents_and_short_chats(server, tmp_path):
     # A short chat reuses the cached system prompt, a long document nothing. Not checked
     # through TTFT: on this tiny CPU model the two classes' medians can land within a
     # millisecond of each other at concurrency 4 (159.2 vs 158.8 ms in one run). A short
-    # prompt's first 256 tokens (template head, system prompt) are the blocks it can hit;
+    # prompt's first system_tokens (template head, system prompt) are the blocks it can hit;
     # the cache is reset before the round, and the first four requests, sent together,
     # may all miss.
     block = int(counters.cache_config(counters.scrape(server[0].url))["block_size"])
-    shared = 256 // block * block
+    shared = system_tokens // block * block
     n_short = 16 - n_long
     assert shared * (n_short - 4) <= row.metrics["prefix_cache_hits"] <= shared * (n_short - 1)
 
