@@ -158,6 +158,12 @@ def test_greedy_outputs_are_identical_with_and_without_the_plugin(servers):
 BURST = "cchhchh"  # the lead cold prompt, then cold, shared, shared, cold, shared, shared
 BURST_GAP_S, BURSTS = 0.002, 8
 HOLDERS = 48  # shared requests kept in flight while the cold one waits: 16 fit beside the prefix
+# Each holder's answer lasts ~65 engine steps, so the 16 clients of a finished wave have
+# that long to send again while the 16 still queued are admitted: the engine's queue
+# never runs dry of shared requests, however slow the HTTP side is on a loaded machine.
+# (With 8-token answers on a 2-core CI machine it ran dry at 533 ms: the idle rule let
+# the cold prompt go before the age bound.)
+HOLDER_OUTPUT_TOKENS = 64
 
 
 def _burst(seed: int) -> list[client.Request]:
@@ -190,6 +196,14 @@ def _round(srv, reqs, offsets):
     return results, counters.round_deltas(m0, counters.scrape(srv.url))
 
 
+def _wait_for_waiting(srv, n: int, timeout_s: float = 120.0) -> None:
+    """Until the engine's own queue (not the HTTP front end's) holds n requests."""
+    deadline = time.monotonic() + timeout_s
+    while counters.scrape(srv.url)["values"].get("vllm:num_requests_waiting", 0) < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests reached the engine's queue"
+        time.sleep(0.05)
+
+
 def _held_cold_prompt(srv, rng: random.Random) -> None:
     _cache_only_the_prefix(srv)
     cold_done = threading.Event()
@@ -197,14 +211,14 @@ def _held_cold_prompt(srv, rng: random.Random) -> None:
     def keep_sending(seed: int) -> int:
         own, n = random.Random(seed), 0
         while not cold_done.is_set():
-            assert complete(srv.url, shared_prompt(own), OUTPUT_TOKENS)["usage"]["completion_tokens"] \
-                == OUTPUT_TOKENS
+            got = complete(srv.url, shared_prompt(own), HOLDER_OUTPUT_TOKENS)
+            assert got["usage"]["completion_tokens"] == HOLDER_OUTPUT_TOKENS
             n += 1
         return n
 
     with ThreadPoolExecutor(HOLDERS) as pool:
         holders = [pool.submit(keep_sending, rng.randrange(2**32)) for _ in range(HOLDERS)]
-        time.sleep(0.1)  # the queue fills
+        _wait_for_waiting(srv, HOLDERS // 2)
         try:
             cold = complete(srv.url, cold_prompt(rng), OUTPUT_TOKENS)
         finally:
@@ -243,10 +257,11 @@ def eviction_rounds(servers):
     hit_rate = {name: h / q for name, (h, q) in hits.items()}
     # On the plugin server alone: HOLDERS clients send shared prompts back to back, so
     # shared ones always wait (16 KV blocks are free beside the cached prefix, one per
-    # shared request), until a cold prompt sent among them has its answer. Others wait
-    # for as long as it is deferred, so only the age bound can let it go, however fast
-    # this machine's engine is. (A fixed list of shared prompts drained in 0.74 s on an
-    # AMX Xeon, and the cold one then went in by the idle rule, 0.26 s short of the bound.)
+    # shared request), until a cold prompt sent among them has its answer. The cold one
+    # is sent once half of them wait in the engine's queue, and others wait for as long
+    # as it is deferred, so only the age bound can let it go, however fast or loaded this
+    # machine is. (A fixed list of shared prompts drained in 0.74 s on an AMX Xeon, and
+    # the cold one then went in by the idle rule, 0.26 s short of the bound.)
     before = read_stats(stats_path)
     _held_cold_prompt(srvs["plugin"], random.Random(99))
     streamed = stats_delta(before, _settled_stats(stats_path))
