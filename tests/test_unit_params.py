@@ -732,3 +732,23 @@ def test_start_ahead_with_vllm_info_lines_hidden_is_refused_before_anything_star
                        match="start_ahead holds a server at its engine's INFO line.*VLLM_LOGGING_LEVEL=WARNING"):
         study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]},
                          "server": {"start_ahead": True, "env": {"VLLM_LOGGING_LEVEL": "WARNING"}}})
+
+
+@pytest.mark.parametrize("over, where, allowed", [
+    # a list item: the keys of its model (it said "allowed here: " and nothing)
+    ({"grid": None, "targets": [{"name": "a", "base_url": "http://127.0.0.1:8000", "model": "m", "api_key": "k"}]},
+     "targets.0.api_key", "allowed here: api_key_env, base_url, model, name, proxy"),
+    # a mapping's value, one member of a union: that member's keys
+    ({"grid": None, "search": {"space": {"max_num_seqs": {"int": [8, 64], "stepp": 8}}, "trials": 4}},
+     "search.space.max_num_seqs.IntRange.stepp", "allowed here: int, log, step"),
+    ({"grid": None, "search": {"space": {"gpu_memory_utilization": {"float": [0.5, 0.9], "stepp": 0.1}},
+                               "trials": 4}},
+     "search.space.gpu_memory_utilization.FloatRange.stepp", "allowed here: float, step"),
+])
+def test_an_unknown_key_inside_a_list_or_mapping_lists_the_keys_allowed_there(over, where, allowed):
+    with pytest.raises(StudyError) as ei:
+        study_from_dict(_study(**over))
+    assert "1 problem(s)" in str(ei.value)   # one mistake, one line (not one per union member)
+    line = next(ln for ln in str(ei.value).splitlines() if where in ln)
+    assert line.strip().startswith(f"{where}: unknown key")
+    assert line.endswith(allowed)

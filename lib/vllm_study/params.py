@@ -13,10 +13,11 @@ import difflib
 import math
 import random
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
+                      ValidationError, model_validator)
 
 
 class StudyError(ValueError):
@@ -427,8 +428,19 @@ class FloatRange(_Strict):
         return self
 
 
+def _dimension_form(value) -> str:
+    """Which form a knob's values take, read off its keys: a mistake in one form is then
+    reported against that form alone, not against every member of the union."""
+    if isinstance(value, (IntRange, FloatRange)):
+        return type(value).__name__
+    if isinstance(value, dict):
+        return "FloatRange" if "float" in value else "IntRange"
+    return "list"
+
+
 # A knob's values: a list (categorical: no order assumed), or an int or float range.
-Dimension = IntRange | FloatRange | list[Any]
+Dimension = Annotated[Annotated[IntRange, Tag("IntRange")] | Annotated[FloatRange, Tag("FloatRange")]
+                      | Annotated[list[Any], Tag("list")], Discriminator(_dimension_form)]
 CONDITION = r"^\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*(<=|>=|==|!=|<|>)\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*$"
 SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
 
@@ -663,8 +675,8 @@ def _explain(err: ValidationError, source: str) -> str:
         if e["type"] == "extra_forbidden":
             parent = _model_at(e["loc"][:-1])
             options = sorted(parent.model_fields) if parent else []
-            lines.append(f"  {loc}: unknown key{_did_you_mean(str(e['loc'][-1]), options)}; "
-                         f"allowed here: {', '.join(options)}")
+            allowed = f"; allowed here: {', '.join(options)}" if options else ""
+            lines.append(f"  {loc}: unknown key{_did_you_mean(str(e['loc'][-1]), options)}{allowed}")
         elif e["type"] == "missing":
             lines.append(f"  {loc}: required key is missing")
         elif not e["loc"]:  # a check across keys: its message says it all
@@ -675,14 +687,29 @@ def _explain(err: ValidationError, source: str) -> str:
 
 
 def _model_at(loc) -> type[BaseModel] | None:
+    """The model whose keys are allowed at `loc` (an error's location less its last key).
+    A list index or a mapping's key (targets.0, search.space.max_num_seqs) stays in the
+    model of the list or mapping it indexes; a union member's name (pydantic puts it in
+    the location: search.space.x.FloatRange) picks that member."""
     model: type[BaseModel] = Study
+    held: list[type[BaseModel]] = []   # the models the last field's annotation holds
     for part in loc:
-        field = model.model_fields.get(str(part))
-        ann = getattr(field, "annotation", None)
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return None
-        model = ann
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is not None:
+            held = _models_in(field.annotation)
+            if not held:
+                return None
+            model = held[0]
+        else:
+            model = next((m for m in held if m.__name__ == part), model)
     return model
+
+
+def _models_in(annotation) -> list[type[BaseModel]]:
+    """The models a field holds: itself, or inside `X | None`, `list[X]`, `dict[str, X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
 
 
 def load_study(*paths: str | Path) -> Study:
