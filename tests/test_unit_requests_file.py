@@ -14,7 +14,8 @@ def test_times_are_kept_to_the_microsecond_and_the_rest_unchanged(tmp_path):
                "e2e_s": 13.764576691999991, "itl_s": [0.023053441999991264, 0.0000004, 0.1670404],
                "error": None, "error_detail": None, "tags": {"class": "shared", "weight": 0.123456789},
                "text": None}
-    append_round(tmp_path, RoundRecord(point="p", start=2, round=1, status="ok", utc="2026-12-03T00:00:00Z", metrics={}), [request])
+    record = RoundRecord(point="p", start=2, round=1, status="ok", utc="2026-12-03T00:00:00Z", metrics={})
+    append_round(tmp_path, record, [request])
     with gzip.open(tmp_path / REQUESTS, "rt") as f:
         (line,) = f.read().splitlines()
     got = json.loads(line)
