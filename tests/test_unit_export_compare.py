@@ -4,6 +4,7 @@ which points it left out, and calls no change an effect across different workloa
 from __future__ import annotations
 
 import shlex
+import sys
 
 import yaml
 
@@ -32,7 +33,8 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     folder = run.point(B)
     plan = folder.plan()
     # what point.py records for a start: serve_command's argv and the variables the kit set
-    command = server.serve_command("/models/tiny-qwen2", 40123, plan.point.engine_args.cli(), "tiny", True,
+    (tmp_path / "tiny-qwen2").mkdir()  # the folder served, still where the run was made
+    command = server.serve_command(str(tmp_path / "tiny-qwen2"), 40123, plan.point.engine_args.cli(), "tiny", True,
                                    UNI + ["--custom-histogram-buckets", "[1, 256]"])
     kit_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}
     for st in folder.starts():
@@ -45,12 +47,35 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     assert line[:2] == ["OMP_NUM_THREADS=1", "VLLM_ENABLE_V1_MULTIPROCESSING=0"]  # the slot's GPU is not the config
     head = command[:command.index("--host")]  # interpreter, entry point, the model folder served
     assert line[2:] == head + ["--load-format", "dummy", "--config", cfg_path.name]
-    assert "/models/tiny-qwen2" in head
+    assert str(tmp_path / "tiny-qwen2") in head
     assert cfg_path.read_text().splitlines()[1] == "# " + note.read_text().splitlines()[2].strip()
     cfg = yaml.safe_load(cfg_path.read_text())
     assert cfg["distributed-executor-backend"] == "uni" and cfg["max-num-batched-tokens"] == 256
     assert "custom-histogram-buckets" not in cfg and "load-format" not in cfg
     assert "the launch a start of this point recorded" in note.read_text()
+
+
+def test_export_of_a_run_made_elsewhere_points_at_this_machines_interpreter_and_card_folder(tmp_path):
+    """A committed run's launch names the interpreter and card folder of the machine it ran
+    on; the printed command must start here."""
+    run = make_run(tmp_path / "r", _values([A, B, C, D]), {"server": {"extra_cli_args": UNI}})
+    folder = run.point(B)
+    plan = folder.plan()
+    elsewhere = server.serve_command("/gone/models/tiny-qwen2", 40123, plan.point.engine_args.cli(), "tiny", True, UNI)
+    elsewhere[0] = "/gone/.venv/bin/python"
+    for st in folder.starts():
+        st.launch = st.launch.model_copy(update={"command": elsewhere, "kit_env": {}})
+        st.save(folder.start_dir(st.start) / "start.json")
+    summarize(folder, plan)
+
+    cfg_path, note = export.export(run.path, point=B, out=tmp_path / "out")
+    line = _exported_command(note)
+    here, _ = models.resolve(ModelSpec(card="tiny-qwen2"))
+    assert line[0] == sys.executable and "/gone" not in " ".join(line)
+    assert line[line.index(here) - 1] in ("serve", "--model")   # the model folder, where the entry point takes it
+    text = note.read_text()
+    assert "its interpreter /gone/.venv/bin/python is not on this machine" in text
+    assert f"the card's folder /gone/models/tiny-qwen2 is not on this machine: the kit wrote it at {here}" in text
 
 
 def test_export_without_a_recorded_launch_builds_it_as_the_server_would(tmp_path):

@@ -10,18 +10,20 @@ writes `<study>.<point>.serve.yaml` (vLLM's config-file format: flag names witho
 dashes in front) and `<study>.<point>.md` (the numbers with their intervals, the SLO,
 the run, vLLM version, GPU, model) into --out. The command beside them is the one a
 start of the point ran (start.json's launch: model folder or id, load format, the
-environment the kit set), less its port and the flags the config file now holds.
+environment the kit set), less its port and the flags the config file now holds; where
+the run was made on another machine, with this machine's interpreter and card folder.
 """
 from __future__ import annotations
 
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
 from . import decision, metrics, models, report, server
-from .params import Load
+from .params import Load, ModelSpec
 from .point import PLACE_ENV
 from .results import RunFolder
 
@@ -108,7 +110,9 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     study_env = dict(r.study.server.env)  # the study's own: part of what ran
     if s.launch and s.launch.command:
         cmd, env = s.launch.command, {**study_env, **s.launch.kit_env}
-        source = "the launch a start of this point recorded (start.json)"
+        cmd, moved = _here(cmd, r.study.model)
+        source = "the launch a start of this point recorded (start.json)" + "".join(
+            f"; {what}" for what in moved)
     else:
         plan = r.folder.point(point).plan()
         model, dummy = models.resolve(plan.study.model)
@@ -118,6 +122,22 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
         source = "rebuilt by this kit, here (no start of this point recorded its launch)"
     argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
+
+
+def _here(cmd: list[str], model: ModelSpec) -> tuple[list[str], list[str]]:
+    """The recorded launch with the paths that only held where the run was made (its
+    interpreter; the folder the kit wrote a card's config and tokenizer into) replaced by
+    this machine's, and what was replaced, said. A model path or hub id is kept as is."""
+    cmd, moved = list(cmd), []
+    if Path(cmd[0]).is_absolute() and not Path(cmd[0]).exists():
+        moved.append(f"its interpreter {cmd[0]} is not on this machine: this one stands in")
+        cmd[0] = sys.executable
+    at = cmd.index("serve") + 1 if "serve" in cmd else cmd.index("--model") + 1 if "--model" in cmd else None
+    if model.card and not model.path and at is not None and not Path(cmd[at]).exists():
+        folder, _ = models.resolve(model)  # writes the card's folder here, as a sweep would
+        moved.append(f"the card's folder {cmd[at]} is not on this machine: the kit wrote it at {folder}")
+        cmd[at] = folder
+    return cmd, moved
 
 
 def shell_command(argv: list[str], env: dict[str, str], cfg_name: str) -> str:
