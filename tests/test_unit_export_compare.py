@@ -75,7 +75,7 @@ def test_export_of_a_run_made_elsewhere_points_at_this_machines_interpreter_and_
     assert line[line.index(here) - 1] in ("serve", "--model")   # the model folder, where the entry point takes it
     text = note.read_text()
     assert "its interpreter /gone/.venv/bin/python is not on this machine" in text
-    assert f"the card's folder /gone/models/tiny-qwen2 is not on this machine: the kit wrote it at {here}" in text
+    assert f"the card's folder /gone/models/tiny-qwen2 was not on this machine: the kit wrote it at {here}" in text
 
 
 def test_export_without_a_recorded_launch_builds_it_as_the_server_would(tmp_path):

@@ -111,15 +111,16 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     if s.launch and s.launch.command:
         cmd, env = s.launch.command, {**study_env, **s.launch.kit_env}
         cmd, moved = _here(cmd, r.study.model)
-        source = "the launch a start of this point recorded (start.json)" + "".join(
-            f"; {what}" for what in moved)
+        source = ("the launch a start of this point recorded (start.json), less its port (pick one with "
+                  "--port) and the flags the config holds" + "".join(f"; {what}" for what in moved))
     else:
         plan = r.folder.point(point).plan()
         model, dummy = models.resolve(plan.study.model)
         cmd = server.serve_command(model, 0, plan.point.engine_args.cli(), plan.study.model.served_name, dummy,
                                    plan.study.server.extra_cli_args)
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
-        source = "rebuilt by this kit, here (no start of this point recorded its launch)"
+        source = ("rebuilt by this kit, here (no start of this point recorded its launch), less its port "
+                  "(pick one with --port) and the flags the config holds")
     argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
 
@@ -135,7 +136,8 @@ def _here(cmd: list[str], model: ModelSpec) -> tuple[list[str], list[str]]:
     at = cmd.index("serve") + 1 if "serve" in cmd else cmd.index("--model") + 1 if "--model" in cmd else None
     if model.card and not model.path and at is not None and not Path(cmd[at]).exists():
         folder, _ = models.resolve(model)  # writes the card's folder here, as a sweep would
-        moved.append(f"the card's folder {cmd[at]} is not on this machine: the kit wrote it at {folder}")
+        where = "there" if folder == cmd[at] else f"at {folder}"
+        moved.append(f"the card's folder {cmd[at]} was not on this machine: the kit wrote it {where}")
         cmd[at] = folder
     return cmd, moved
 
@@ -214,7 +216,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     m, v, w = r.manifest, r.manifest.versions, r.study.workload
     gpus = ", ".join(g.name for g in m.machine.gpus) or f"none ({m.machine.cpu.model}, engine {m.engine})"
     lines = [f"# {m.study}: {point}", "", f"    {command}", "",
-             f"- command: {source}, less its port (pick one with --port) and the flags the config holds",
+             f"- command: {source}",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
              f"- workload: {w.kind}, " + (report._trace_line(w.trace) if w.trace else f"load {_load(w.load)}"),
