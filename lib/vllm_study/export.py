@@ -35,6 +35,8 @@ CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qw
 MEASUREMENT_ONLY = {"custom-histogram-buckets", "enable-mfu-metrics"}
 # The loopback address and free port the kit picked for one start (server.serve_command).
 PER_START_FLAGS = {"host", "port"}
+# what the printed command leaves out of the one that ran (_drop_flags), said in the evidence
+DROPPED = "less its port (pick one with --port) and the flags the config holds"
 
 
 def parse_flags(args: list[str]) -> dict:
@@ -111,16 +113,15 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     if s.launch and s.launch.command:
         cmd, env = s.launch.command, {**study_env, **s.launch.kit_env}
         cmd, moved = _here(cmd, r.study.model)
-        source = ("the launch a start of this point recorded (start.json), less its port (pick one with "
-                  "--port) and the flags the config holds" + "".join(f"; {what}" for what in moved))
+        source = f"the launch a start of this point recorded (start.json), {DROPPED}" + "".join(
+            f"; {what}" for what in moved)
     else:
         plan = r.folder.point(point).plan()
         model, dummy = models.resolve(plan.study.model)
         cmd = server.serve_command(model, 0, plan.point.engine_args.cli(), plan.study.model.served_name, dummy,
                                    plan.study.server.extra_cli_args)
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
-        source = ("rebuilt by this kit, here (no start of this point recorded its launch), less its port "
-                  "(pick one with --port) and the flags the config holds")
+        source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
     argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
 
