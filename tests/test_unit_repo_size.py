@@ -1,0 +1,24 @@
+"""The tracked tree stays small: every call to a GPU machine carries all of it (64 MiB at
+most), and the committed runs are most of it. tools/lean_run.py makes a run lean before
+it is committed (docs/results.md)."""
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT_MIB = 20
+
+
+def test_the_tracked_tree_weighs_under_20_mib():
+    try:
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: nothing is tracked")
+    sizes = {p: (ROOT / p).stat().st_size for p in listed.decode().split("\0") if p and (ROOT / p).is_file()}
+    total = sum(sizes.values()) / 2**20
+    largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
+    assert total < LIMIT_MIB, (f"the tracked tree is {total:.1f} MiB (limit {LIMIT_MIB}); largest: {largest}. "
+                               "Run tools/lean_run.py on new run folders (docs/results.md)")
