@@ -31,7 +31,8 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
              start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0,
              died: dict[str, tuple[int, int]] | None = None,
              groups: dict[str, dict[str, dict[str, float]]] | None = None,
-             counts: dict[str, dict[str, list[float]]] | None = None) -> RunFolder:
+             counts: dict[str, dict[str, list[float]]] | None = None,
+             died_round: dict[str, dict[str, float]] | None = None) -> RunFolder:
     """values[point id][metric] = the point's true value; each start scatters around it by
     start_sd and each round by round_sd (log-normal), the rest of the registry's latency
     metrics are left out. Every start ok unless values[point] is empty (a failed point), or
@@ -39,7 +40,9 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
     failed, and its later rounds never ran. groups[point]["class=shared"][metric]: a request
     group's true value, scattered like the whole round's (the same start shift, its own
     round noise). counts[point][metric]: exact per-round values of the whole round (e.g.
-    the budget's pb_deferred), round i of start k taking item (k-1)*rounds+i, cycled."""
+    the budget's pb_deferred), round i of start k taking item (k-1)*rounds+i, cycled.
+    died_round[point]: what the round its server died in recorded (point.run_round keeps
+    the figures of the requests it sent, e.g. 36 of 96 failed); none by default."""
     died = died or {}
     s = study_from_dict(study(**(study_over or {})))
     points = expand(s, "cpu")
@@ -72,7 +75,8 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
                                               for name, v in g.items()})
                          for label, g in (groups or {}).get(p.id, {}).items()]
                 rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok" if dies != i else "failed",
-                                  utc="2026-01-01T00:00:00", metrics=m if dies != i else {},
+                                  utc="2026-01-01T00:00:00",
+                                  metrics=m if dies != i else (died_round or {}).get(p.id, {}),
                                   groups=parts if dies != i else [])
                 with open(sdir / "rounds.jsonl", "a") as f:
                     f.write(rec.model_dump_json() + "\n")
@@ -88,3 +92,4 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
         summarize(folder, plan)
     run.write_summary_csv()
     return run
+

@@ -166,9 +166,15 @@ class Exported:
 
 def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
     """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
-    within (misses it, or not resolved: the interval straddles it; or not measured).
-    None where it meets every bound, or no SLO is set."""
+    within (misses it, or not resolved: the interval straddles it; or not measured), and
+    rounds that did not run (their requests are not in the intervals). None where it
+    meets every bound, or no SLO is set."""
     parts = []
+    s = next(x for x in r.summaries if x.point == point)
+    if slo and s.status != "ok":
+        parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
+                     + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
+                     + ": the rounds that did not run are not in its figures")
     for metric, bound in (slo or {}).items():
         t = decision.slo_table(r.intervals[r.intervals["point"] == point], {metric: bound})
         verdict = t.at[point, "SLO"] if point in t.index else "not measured"

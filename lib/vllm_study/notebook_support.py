@@ -253,7 +253,7 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
         print("\n(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
               "the points that meet it)")
         return None
-    return decision.slo_table(r.intervals, slo)
+    return decision.slo_table(r.intervals, slo, [s.point for s in r.summaries if s.status != "ok"])
 
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:

@@ -1122,7 +1122,8 @@ def answer_context(r: Run) -> str:
     n = len(r.summaries)
     parts = []
     if r.slo and not is_capacity_study(r):
-        verdicts = decision.slo_table(r.intervals, r.slo) if not r.intervals.empty else pd.DataFrame()
+        short = [s.point for s in r.summaries if s.status != "ok"]  # never surely within it
+        verdicts = decision.slo_table(r.intervals, r.slo, short) if not r.intervals.empty else pd.DataFrame()
         meets = int((verdicts["SLO"] == "meets").sum()) if "SLO" in verdicts else 0
         given = " (given at report time)" if r.slo_override else ""
         parts.append(f"SLO{given}: {_bound_words(r.slo)}; {meets} of {n} points meet every bound with their whole "
