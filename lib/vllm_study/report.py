@@ -859,12 +859,20 @@ def capacity_answer(r: Run) -> str | None:
     rec = decision.recommend(r.rounds, r.intervals, {})
     if rec.point is None:
         return f"No capacity was measured: {rec.reason}."
+    if _all_below(_completed_capacities(r, rec.point)):  # the best is below lo: so is every point
+        return (f"Capacity below {_load_words(r, r.study.capacity.lo)} at every point: the SLO ({bounds}) was "
+                "missed at every load measured; lower capacity.lo.")
     m = metrics.get("capacity_rps")
     trace = _trace_info(r)
     times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
     sustains = metrics.with_interval(r.interval(rec.point, "capacity_rps"), m)
-    lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
-    censored = _censored(r, rec.point)
+    above = _all_above(_completed_capacities(r, rec.point))
+    if above:  # met at hi in every start: a lower bound, no capacity found
+        lines = [f"{rec.point} sustains at least {_load_words(r, r.study.capacity.hi)} within the SLO ({bounds}): "
+                 "it met the SLO at the highest load measured; raise capacity.hi to find its capacity."]
+    else:
+        lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
+    censored = None if above else _censored(r, rec.point)
     if censored:
         lines.append(censored)
     base = r.baseline
@@ -887,7 +895,7 @@ def capacity_answer(r: Run) -> str | None:
     at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(rec.point, k), metrics.get(k))} ms"
           for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
     if at:
-        lines.append("At its capacity: " + "; ".join(at) + ".")
+        lines.append(("At the highest load: " if above else "At its capacity: ") + "; ".join(at) + ".")
     cost = cost_per_million(r, rec.point)
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
@@ -924,19 +932,34 @@ def _censored(r: Run, point: str) -> str | None:
                 "the capacity is at least that; raise capacity.hi to find it.")
     if below:
         return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap.lo:g}): "
-                "their capacity counts as 0; lower capacity.lo.")
+                "their capacity is below it, not measured; lower capacity.lo.")
     return None
 
 
-def _lowest_load(r: Run) -> tuple[str, float | None]:
-    """The search's lowest load in words, and as requests/s where the load fixes the rate."""
-    lo, over = r.study.capacity.lo, r.study.capacity.over
+def _lowest_load(r: Run, lo: float | None = None) -> tuple[str, float | None]:
+    """The search's lowest load (or `lo`) in words, and as requests/s where the load fixes the rate."""
+    lo, over = r.study.capacity.lo if lo is None else lo, r.study.capacity.over
     trace = _trace_info(r)
     if over == "speed" and trace and trace.get("rate"):
         return f"speed {lo:g} ({lo * trace['rate']:.2f} req/s)", lo * trace["rate"]
     if over == "rate":
         return f"{lo:g} req/s", lo
     return f"{over} {lo:g}", None
+
+
+def _load_words(r: Run, load: float) -> str:
+    """A load of the search as the user reads it: '10.17 req/s (12 x the trace's real
+    rate)', '2.00 req/s', or 'concurrency 4' where no rate fixes it."""
+    over, trace = r.study.capacity.over, _trace_info(r)
+    if over == "speed" and trace and trace.get("rate"):
+        return f"{load * trace['rate']:.2f} req/s ({load:g} x the trace's real rate)"
+    return f"{load:.2f} req/s" if over == "rate" else f"{over} {load:g}"
+
+
+def _all_above(completed: list) -> bool:
+    """Every completed start of a point met the SLO at the search's highest load: its
+    capacity is at least that load, not that load."""
+    return bool(completed) and all(c.censored == "above" for c in completed)
 
 
 def _baseline_below(r: Run, point: str) -> str | None:
@@ -986,9 +1009,14 @@ def below_lowest_load(r: Run) -> str:
 
 def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
     """A point's capacity in req/s [95% interval] for a table, or 'below ...' where every
-    start missed at the lowest load (`completed`: its _completed_capacities, if read)."""
-    if _all_below(_completed_capacities(r, point) if completed is None else completed):
+    start missed at the lowest load, 'at least ...' where every start met at the highest
+    (`completed`: its _completed_capacities, if read)."""
+    completed = _completed_capacities(r, point) if completed is None else completed
+    if _all_below(completed):
         return below_lowest_load(r)
+    if _all_above(completed):
+        words, hi_rps = _lowest_load(r, r.study.capacity.hi)
+        return f"at least {hi_rps:.2f}" if hi_rps else f"at least {words}"
     return metrics.with_interval(r.interval(point, "capacity_rps"), metrics.get("capacity_rps"))
 
 
@@ -1017,10 +1045,13 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
         row = {"point": s.point, "status": status_label(s),
                "capacity (req/s)": capacity_cell(r, s.point, completed),
                f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
+               f"at least {r.study.capacity.hi:g}" if _all_above(completed) else
                metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
-            row[f"{metrics.get(k).title} at capacity"] = metrics.with_interval(r.interval(s.point, k), metrics.get(k))
+            # below lo there is no capacity to be at: its round is the lowest load's, which missed
+            row[f"{metrics.get(k).title} at capacity"] = "-" if below else \
+                metrics.with_interval(r.interval(s.point, k), metrics.get(k))
         if r.study.gpu_hour_price:
             row["cost per 1M output tokens"] = cost_per_million(r, s.point) or ""
         rows.append(row)
@@ -1149,7 +1180,10 @@ def best_point(r: Run) -> str | None:
     if r.search:
         from . import search_report
         return search_report.best(r)
-    return decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    best = decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    if best and is_capacity_study(r) and _all_below(_completed_capacities(r, best)):
+        return None  # no point met the SLO at any load: nothing to run
+    return best
 
 
 def answer_markdown(r: Run) -> str:
