@@ -248,3 +248,15 @@ def test_the_pareto_figure_keeps_its_size_where_its_labels_fit():
     fig = plt.gcf()
     assert repr(fig) == "<Figure size 1100x420 with 2 Axes>"
     plt.close(fig)
+
+
+@pytest.mark.parametrize("slo, says", [("ttft_p95_ms=300", "ttft_p95_ms: not a latency bound the kit knows"),
+                                       ("ttft_p90_ms", "write it as metric=bound pairs")])
+def test_a_bad_slo_is_refused_by_report_as_by_export_with_exit_2(tmp_path, capsys, slo, says):
+    from vllm_study import cli
+    run = make_run(tmp_path, _vals({A: 100.0, B: 200.0, C: 110.0, D: 120.0}))
+    for cmd in ("report", "export"):
+        assert cli.main([cmd, str(run.path), "--slo", slo]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --slo {slo!r}: ") and says in err and "Traceback" not in err
+        assert not (run.path / "report.ipynb").exists()

@@ -96,16 +96,20 @@ class Run:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is."""
-    from .params import _check_slo
+    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is.
+    The one parser of report's and export's --slo: a bad one is a StudyError (the CLI's exit 2)."""
+    from .params import StudyError, _check_slo
     if not text.strip():
         return {}
     try:
         bounds = {k.strip(): float(v) for k, v in (re.split("[=:]", part, maxsplit=1) for part in text.split(","))}
     except ValueError:
-        raise ValueError(f"SLO {text!r}: write it as metric=bound pairs, "
+        raise StudyError(f"--slo {text!r}: write it as metric=bound pairs, "
                          "e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
-    return _check_slo(bounds)
+    try:
+        return _check_slo(bounds)
+    except ValueError as e:
+        raise StudyError(f"--slo {text!r}: {e}") from None
 
 
 def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
