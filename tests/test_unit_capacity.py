@@ -194,3 +194,21 @@ def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
     assert table.loc["mbt=256", "capacity (req/s)"].startswith("2.83 [")
     note = export.export_point(run.path, None, tmp_path / "o").notes.read_text()
     assert "| capacity (req/s) | at least 8.00 |" in note
+
+
+def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(tmp_path, capsys):
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import cli, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
+    assert cli._conclude(run) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "status" in line).split()
+    assert header[:5] == ["status", "capacity", "(req/s)", "rate", "bracket"], header
+    row = next(line for line in out.splitlines() if line.startswith("mbt=256 "))
+    assert "2.83 [" in row and "s1: [2.83, 3.08]" in row
+    # the committed H200 search, as its sweep and report end
+    t = report.short_table(report.Run.load(H200_RUN).folder)
+    assert list(t.columns[:3]) == ["status", "capacity (req/s)", "speed bracket per start"]
+    assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
+    assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"

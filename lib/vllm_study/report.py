@@ -296,9 +296,17 @@ def study_failed(r: Run) -> bool:
 
 
 def short_table(folder: RunFolder) -> pd.DataFrame:
-    t = headline_table(Run.load(folder))
+    """The console's table (sweep's and report's last words); a capacity study's leads with
+    each point's capacity, its interval and each start's bracket."""
+    r = Run.load(folder)
+    t = headline_table(r)
     keep = [c for c in t.columns if c in ("status", "TTFT P90 (ms)", "ITL P90 (ms)", "TPOT P50 (ms)",
                                           "output tokens/s (tok/s)", "prefix-cache hit rate")]
+    if is_capacity_study(r):
+        cap = capacity_table(r)
+        lead = [c for c in ("status", "capacity (req/s)", f"{r.study.capacity.over} bracket per start")
+                if c in cap.columns]
+        return cap[lead].join(t[[c for c in keep if c != "status"]])
     return t[keep]
 
 
