@@ -100,7 +100,7 @@ def test_the_answer_is_the_printed_recommendation_as_prose(tmp_path):
     assert md.startswith(f"Run **`{B}`**: output tokens/s")  # the point to run, in bold, first
     assert "\\[" in md  # the interval's brackets are text, not a link
     assert "Every point completed every planned round." in md
-    assert f"`python -m vllm_study export results/{run.path.name} --best`" in md
+    assert f"`python -m vllm_study export {run.path.resolve()} --best`" in md  # not under results/: where it is
     html = markdown2html(md)
     soup = BeautifulSoup(html, "html.parser")
     assert soup.find("strong").get_text() == B and not soup.find("pre")

@@ -1198,6 +1198,14 @@ def best_point(r: Run) -> str | None:
     return best
 
 
+def run_arg(path: Path) -> str:
+    """A run folder as a command takes it: results/<run> where it sits in a folder named
+    results (the kit's default, and every committed run), else its absolute path (a sweep
+    with --results elsewhere)."""
+    p = path.resolve()
+    return f"results/{p.name}" if p.parent.name == "results" else str(p)
+
+
 def answer_markdown(r: Run) -> str:
     """The answer as prose for the top of the report: `answer_text`, a paragraph per line
     (the recommended point in bold), then its context and how to freeze it."""
@@ -1211,5 +1219,5 @@ def answer_markdown(r: Run) -> str:
     paras.append(_md_prose(answer_context(r), points))
     if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
         paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
-                     f"`python -m vllm_study export results/{r.folder.path.resolve().name} --best`.")
+                     f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
     return "\n\n".join(paras)
