@@ -212,3 +212,23 @@ def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(t
     assert list(t.columns[:3]) == ["status", "capacity (req/s)", "speed bracket per start"]
     assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
     assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
+
+
+def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_path, capsys):
+    """Each point's figures come from its own capacity step: the committed H200 search's
+    fronts were vLLM's defaults, measured at the lowest load, where they missed the SLO."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import notebook_support as ns
+    from vllm_study import report
+    for r in (report.Run.load(H200_RUN), report.Run.load(make_capacity_run(tmp_path / "r", {"mbt=256": 3.0,
+                                                                                            "mbt=512": 5.0}).path)):
+        figures = r.folder.path / "figures" / "pareto.png"
+        before = figures.stat().st_mtime if figures.exists() else None
+        ns.pareto_figure(r)
+        assert "No Pareto fronts in a capacity study" in capsys.readouterr().out
+        assert ns.pareto(r) is None and ns.pareto_points(r) is None
+        assert "different loads" in capsys.readouterr().out
+        assert (figures.stat().st_mtime if figures.exists() else None) == before  # nothing drawn
