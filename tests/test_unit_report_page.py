@@ -100,7 +100,7 @@ def test_the_answer_is_the_printed_recommendation_as_prose(tmp_path):
     assert md.startswith(f"Run **`{B}`**: output tokens/s")  # the point to run, in bold, first
     assert "\\[" in md  # the interval's brackets are text, not a link
     assert "Every point completed every planned round." in md
-    assert f"`python -m vllm_study export results/{run.path.name} --best`" in md
+    assert f"`python -m vllm_study export {run.path.resolve()} --best`" in md  # not under results/: where it is
     html = markdown2html(md)
     soup = BeautifulSoup(html, "html.parser")
     assert soup.find("strong").get_text() == B and not soup.find("pre")
@@ -112,7 +112,7 @@ def test_the_answer_names_failures_and_the_slo_given_at_report_time(tmp_path):
     r = notebook_support.load_run(run, "ttft_p90_ms=500", quiet=True)
     md = report.answer_markdown(r)
     assert "1 of 4 points did not complete every planned round" in md
-    assert "SLO (given at report time): TTFT P90 ≤ 500 ms; 4 of 4 points meet every bound" in md
+    assert "SLO (given at report time): TTFT P90 ≤ 500 ms; 3 of 4 points meet every bound" in md  # not D
     assert f"`{D}`" in md  # left out, and named
 
 
@@ -248,3 +248,15 @@ def test_the_pareto_figure_keeps_its_size_where_its_labels_fit():
     fig = plt.gcf()
     assert repr(fig) == "<Figure size 1100x420 with 2 Axes>"
     plt.close(fig)
+
+
+@pytest.mark.parametrize("slo, says", [("ttft_p95_ms=300", "ttft_p95_ms: not a latency bound the kit knows"),
+                                       ("ttft_p90_ms", "write it as metric=bound pairs")])
+def test_a_bad_slo_is_refused_by_report_as_by_export_with_exit_2(tmp_path, capsys, slo, says):
+    from vllm_study import cli
+    run = make_run(tmp_path, _vals({A: 100.0, B: 200.0, C: 110.0, D: 120.0}))
+    for cmd in ("report", "export"):
+        assert cli.main([cmd, str(run.path), "--slo", slo]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --slo {slo!r}: ") and says in err and "Traceback" not in err
+        assert not (run.path / "report.ipynb").exists()

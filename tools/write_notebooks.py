@@ -129,11 +129,12 @@ a gateway): each target's medians and the latency it adds over the first target.
 """),
     md("""
 ### The answer, point by point
-The point to run: the highest goodput among the points whose 95% intervals meet every
-bound of the study's `slo:` (without an SLO, the highest output throughput), the points
-this study cannot tell apart from it, and what the runner-up trades; below, each point
-against each bound (a capacity study: each point's capacity). Freeze it with
-`python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
+The point to run, by the study's own rule (its first line below says which): in a capacity
+study, the highest capacity within the SLO, with each point's capacity below; otherwise the
+highest goodput among the points whose 95% intervals meet every bound of the study's `slo:`
+(without an SLO, the highest output throughput), with each point against each bound below.
+Then the points this study cannot tell apart from it, and what the runner-up trades. Freeze
+it with `python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
 evidence beside it.
 """, **DETAILS),
     code("ns.recommendation(r)", **CHECK),

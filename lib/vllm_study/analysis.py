@@ -65,9 +65,11 @@ class NoiseFloor:
                f"(df {self.round_df})"
 
 
-def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None) -> pd.DataFrame:
+def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None,
+              failed_too: bool = False) -> pd.DataFrame:
     """Rows of rounds that completed: the whole round, or one request group of it
-    (e.g. ("class", "long")); summary.csv holds both."""
+    (e.g. ("class", "long")); summary.csv holds both. failed_too: rounds that failed as
+    well (metrics.FAILURES_COUNT; a round that never sent a request has no value there)."""
     if rounds.empty:
         return rounds
     key, value = group or ("all", "")
@@ -77,7 +79,7 @@ def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None) -> pd.
         # or, where even the lowest load missed, that round, which carries capacity 0)
         sel &= rounds["at_capacity"].astype(str) == "True"
     else:
-        sel &= rounds["round_status"] == "ok"
+        sel &= rounds["round_status"].isin(["ok", "failed"] if failed_too else ["ok"])
     if group:
         sel &= rounds["group_value"].astype(str) == str(value)
     return rounds[sel]
@@ -127,7 +129,7 @@ class MetricData:
     @classmethod
     def from_rounds(cls, rounds: pd.DataFrame, metric: str,
                     group: tuple[str, str] | None = None) -> "MetricData | None":
-        df = ok_rounds(rounds, group)
+        df = ok_rounds(rounds, group, failed_too=metric in metrics.FAILURES_COUNT)
         if df.empty or metric not in df.columns or df[metric].isna().all():
             return None
         log, scaled = _scale(df[metric])

@@ -16,10 +16,11 @@ import pandas as pd
 from . import analysis, metrics
 
 
-def slo_table(intervals: pd.DataFrame, slo: dict[str, float]) -> pd.DataFrame:
+def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=()) -> pd.DataFrame:
     """Per point and SLO bound: the value [interval] and 'meets' (the interval lies
     within the bound), 'misses' (it lies outside) or 'not resolved'; plus the overall
-    verdict (meets every bound / misses one / not resolved)."""
+    verdict (meets every bound / misses one / not resolved). A point in `incomplete`
+    (not every planned round ran) never meets it: the rounds it lacks were not measured."""
     rows = {}
     for metric, bound in slo.items():
         m = metrics.get(metric)
@@ -33,8 +34,8 @@ def slo_table(intervals: pd.DataFrame, slo: dict[str, float]) -> pd.DataFrame:
     t = pd.DataFrame.from_dict(rows, orient="index")
     if t.empty:
         return t
-    t["SLO"] = ["misses" if (r == "misses").any() else "meets" if (r == "meets").all() else "not resolved"
-                for _, r in t.iterrows()]
+    t["SLO"] = ["misses" if (r == "misses").any() else "meets" if (r == "meets").all() and p not in incomplete
+                else "not resolved" for p, r in t.iterrows()]
     return t.rename_axis("point")
 
 
@@ -101,7 +102,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
     if by_capacity:  # every step was judged against the SLO already: capacity is the load that met it
         reason = "the highest capacity within the SLO"
     elif slo:
-        verdicts = slo_table(intervals, slo)
+        verdicts = slo_table(intervals, slo, left_out)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
         if judge != "goodput":

@@ -166,9 +166,15 @@ class Exported:
 
 def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
     """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
-    within (misses it, or not resolved: the interval straddles it; or not measured).
-    None where it meets every bound, or no SLO is set."""
+    within (misses it, or not resolved: the interval straddles it; or not measured), and
+    rounds that did not run (their requests are not in the intervals). None where it
+    meets every bound, or no SLO is set."""
     parts = []
+    s = next(x for x in r.summaries if x.point == point)
+    if slo and s.status != "ok":
+        parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
+                     + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
+                     + ": the rounds that did not run are not in its figures")
     for metric, bound in (slo or {}).items():
         t = decision.slo_table(r.intervals[r.intervals["point"] == point], {metric: bound})
         verdict = t.at[point, "SLO"] if point in t.index else "not measured"
@@ -194,9 +200,10 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
     rec = decision.recommend(r.rounds, r.intervals, slo)
-    point = point or (report.best_point(r) if r.search else rec.point)
+    point = point or report.best_point(r)
     if point is None:
-        raise ValueError(f"no point to export: {rec.reason}")
+        why = rec.reason if rec.point is None else report.answer_text(r).splitlines()[0]
+        raise ValueError(f"no point to export: {why}")
     cfg = serve_config(r, point)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{r.manifest.study}.{point}"
@@ -209,7 +216,11 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
               f"# {command}\n# evidence: {note_path.name}\n")
     cfg_path.write_text(header + yaml.safe_dump(cfg, sort_keys=True))
     note_path.write_text(_justification(r, point, rec, slo, model, model_note, command, source))
-    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), slo_shortfall(r, point, slo))
+    shortfall = slo_shortfall(r, point, slo)
+    if report.is_capacity_study(r) and report._all_below(report._completed_capacities(r, point)):
+        shortfall = "; ".join(filter(None, [f"the SLO was missed at every load measured (capacity "
+                                            f"{report.below_lowest_load(r)} req/s)", shortfall]))
+    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall)
 
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,
@@ -224,18 +235,26 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     s = next(x for x in r.summaries if x.point == point)
     method = r.intervals[r.intervals["point"] == point]["method"]
-    lines[-1:-1] = [f"- status: {report.status_label(s)}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
+    status = report.status_label(s)
+    if report.is_capacity_study(r) and report._all_below(report._completed_capacities(r, point)):
+        status = (f"missed the SLO at every load measured: capacity {report.below_lowest_load(r)} req/s "
+                  "(each start's search completed)")
+    lines[-1:-1] = [f"- status: {status}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
                     f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
-    if point == rec.point:
+    best = report.best_point(r)
+    if point == best:
         # a capacity study is justified by the load each config sustains within the SLO
         lines += ["Why this point:", "", report.capacity_answer(r) or rec.text(), ""]
     else:
-        lines += [f"Chosen by hand; the report recommends {rec.point}.", ""]
+        lines += [f"Chosen by hand; the report recommends {best}." if best else
+                  f"Chosen by hand; the report recommends no point: {report.answer_text(r).splitlines()[0]}", ""]
     lines += ["| metric | value [95% interval] |", "|---|---|"]
     for name in metrics.HEADLINE:
         iv = r.interval(point, name)
         if iv is not None:
-            lines.append(f"| {metrics.get(name).title} | {metrics.with_interval(iv, metrics.get(name))} |")
+            cell = report.capacity_cell(r, point) if name == "capacity_rps" else \
+                metrics.with_interval(iv, metrics.get(name))  # a censored capacity is a bound, never 0
+            lines.append(f"| {metrics.get(name).title} | {cell} |")
     return "\n".join(lines) + "\n"
 
 

@@ -250,6 +250,9 @@ HEADLINE = ("capacity_rps", "ttft_sched_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "
             "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
             "expected_prefix_hit_rate", "preemptions", "kv_usage_peak",
             "gpu_mem_peak_frac")
+# Drawn from every round that sent its requests, a round whose server died included: its
+# failed requests missed the SLO, and leaving the round out would hide them.
+FAILURES_COUNT = ("goodput", "slo_attainment")
 # One figure per metric in the report's heatmap grid.
 HEATMAPS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate",
             "kv_usage_peak", "preemptions", "long_prefills", "running_peak",

@@ -253,7 +253,7 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
         print("\n(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
               "the points that meet it)")
         return None
-    return decision.slo_table(r.intervals, slo)
+    return decision.slo_table(r.intervals, slo, [s.point for s in r.summaries if s.status != "ok"])
 
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:
@@ -262,7 +262,19 @@ def _pareto_table(r: report.Run) -> pd.DataFrame:
     return decision.pareto_table(r.intervals, tp)
 
 
+# A capacity study's figures per point are those of the round at its own capacity: fronts
+# over them would set loads against each other, not configurations.
+NO_FRONTS_AT_CAPACITY = (
+    "No Pareto fronts in a capacity study: each point's throughput and latencies come from the round at its own "
+    "capacity, so the points were measured at different loads, and a front would favour the point measured at the "
+    "lowest load (one that missed the SLO even there among them). Each point's capacity, and its latencies at it, "
+    "are in the capacity table.")
+
+
 def pareto(r: report.Run) -> pd.DataFrame | None:
+    if report.is_capacity_study(r):
+        print(NO_FRONTS_AT_CAPACITY)
+        return None
     t = _pareto_table(r)
     why = plots.pareto_plot(t, out=r.folder.figures / "pareto.png")
     _show(why)
@@ -271,15 +283,19 @@ def pareto(r: report.Run) -> pd.DataFrame | None:
 
 def pareto_figure(r: report.Run) -> None:
     """The Pareto fronts alone (their points' values: `pareto_points`); nothing where no
-    point has throughput, TPOT and TTFT."""
+    point has throughput, TPOT and TTFT; a capacity study's: why there are none."""
+    if report.is_capacity_study(r):
+        print(NO_FRONTS_AT_CAPACITY)
+        return
     why = plots.pareto_plot(_pareto_table(r), out=r.folder.figures / "pareto.png")
     if not why:
         plt.show()
 
 
 def pareto_points(r: report.Run) -> pd.DataFrame | None:
-    """Every point's values on the Pareto fronts' axes, and whether it is on each front."""
-    t = _pareto_table(r)
+    """Every point's values on the Pareto fronts' axes, and whether it is on each front
+    (none in a capacity study: pareto_figure says why)."""
+    t = pd.DataFrame() if report.is_capacity_study(r) else _pareto_table(r)
     return None if t.empty else t.round(1)
 
 

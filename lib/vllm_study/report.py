@@ -96,16 +96,20 @@ class Run:
 
 
 def parse_slo(text: str) -> dict[str, float]:
-    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is."""
-    from .params import _check_slo
+    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is.
+    The one parser of report's and export's --slo: a bad one is a StudyError (the CLI's exit 2)."""
+    from .params import StudyError, _check_slo
     if not text.strip():
         return {}
     try:
         bounds = {k.strip(): float(v) for k, v in (re.split("[=:]", part, maxsplit=1) for part in text.split(","))}
     except ValueError:
-        raise ValueError(f"SLO {text!r}: write it as metric=bound pairs, "
+        raise StudyError(f"--slo {text!r}: write it as metric=bound pairs, "
                          "e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
-    return _check_slo(bounds)
+    try:
+        return _check_slo(bounds)
+    except ValueError as e:
+        raise StudyError(f"--slo {text!r}: {e}") from None
 
 
 def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
@@ -292,9 +296,17 @@ def study_failed(r: Run) -> bool:
 
 
 def short_table(folder: RunFolder) -> pd.DataFrame:
-    t = headline_table(Run.load(folder))
+    """The console's table (sweep's and report's last words); a capacity study's leads with
+    each point's capacity, its interval and each start's bracket."""
+    r = Run.load(folder)
+    t = headline_table(r)
     keep = [c for c in t.columns if c in ("status", "TTFT P90 (ms)", "ITL P90 (ms)", "TPOT P50 (ms)",
                                           "output tokens/s (tok/s)", "prefix-cache hit rate")]
+    if is_capacity_study(r):
+        cap = capacity_table(r)
+        lead = [c for c in ("status", "capacity (req/s)", f"{r.study.capacity.over} bracket per start")
+                if c in cap.columns]
+        return cap[lead].join(t[[c for c in keep if c != "status"]])
     return t[keep]
 
 
@@ -859,12 +871,20 @@ def capacity_answer(r: Run) -> str | None:
     rec = decision.recommend(r.rounds, r.intervals, {})
     if rec.point is None:
         return f"No capacity was measured: {rec.reason}."
+    if _all_below(_completed_capacities(r, rec.point)):  # the best is below lo: so is every point
+        return (f"Capacity below {_load_words(r, r.study.capacity.lo)} at every point: the SLO ({bounds}) was "
+                "missed at every load measured; lower capacity.lo.")
     m = metrics.get("capacity_rps")
     trace = _trace_info(r)
     times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
     sustains = metrics.with_interval(r.interval(rec.point, "capacity_rps"), m)
-    lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
-    censored = _censored(r, rec.point)
+    above = _all_above(_completed_capacities(r, rec.point))
+    if above:  # met at hi in every start: a lower bound, no capacity found
+        lines = [f"{rec.point} sustains at least {_load_words(r, r.study.capacity.hi)} within the SLO ({bounds}): "
+                 "it met the SLO at the highest load measured; raise capacity.hi to find its capacity."]
+    else:
+        lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
+    censored = None if above else _censored(r, rec.point)
     if censored:
         lines.append(censored)
     base = r.baseline
@@ -887,7 +907,7 @@ def capacity_answer(r: Run) -> str | None:
     at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(rec.point, k), metrics.get(k))} ms"
           for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
     if at:
-        lines.append("At its capacity: " + "; ".join(at) + ".")
+        lines.append(("At the highest load: " if above else "At its capacity: ") + "; ".join(at) + ".")
     cost = cost_per_million(r, rec.point)
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
@@ -924,19 +944,34 @@ def _censored(r: Run, point: str) -> str | None:
                 "the capacity is at least that; raise capacity.hi to find it.")
     if below:
         return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap.lo:g}): "
-                "their capacity counts as 0; lower capacity.lo.")
+                "their capacity is below it, not measured; lower capacity.lo.")
     return None
 
 
-def _lowest_load(r: Run) -> tuple[str, float | None]:
-    """The search's lowest load in words, and as requests/s where the load fixes the rate."""
-    lo, over = r.study.capacity.lo, r.study.capacity.over
+def _lowest_load(r: Run, lo: float | None = None) -> tuple[str, float | None]:
+    """The search's lowest load (or `lo`) in words, and as requests/s where the load fixes the rate."""
+    lo, over = r.study.capacity.lo if lo is None else lo, r.study.capacity.over
     trace = _trace_info(r)
     if over == "speed" and trace and trace.get("rate"):
         return f"speed {lo:g} ({lo * trace['rate']:.2f} req/s)", lo * trace["rate"]
     if over == "rate":
         return f"{lo:g} req/s", lo
     return f"{over} {lo:g}", None
+
+
+def _load_words(r: Run, load: float) -> str:
+    """A load of the search as the user reads it: '10.17 req/s (12 x the trace's real
+    rate)', '2.00 req/s', or 'concurrency 4' where no rate fixes it."""
+    over, trace = r.study.capacity.over, _trace_info(r)
+    if over == "speed" and trace and trace.get("rate"):
+        return f"{load * trace['rate']:.2f} req/s ({load:g} x the trace's real rate)"
+    return f"{load:.2f} req/s" if over == "rate" else f"{over} {load:g}"
+
+
+def _all_above(completed: list) -> bool:
+    """Every completed start of a point met the SLO at the search's highest load: its
+    capacity is at least that load, not that load."""
+    return bool(completed) and all(c.censored == "above" for c in completed)
 
 
 def _baseline_below(r: Run, point: str) -> str | None:
@@ -986,9 +1021,14 @@ def below_lowest_load(r: Run) -> str:
 
 def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
     """A point's capacity in req/s [95% interval] for a table, or 'below ...' where every
-    start missed at the lowest load (`completed`: its _completed_capacities, if read)."""
-    if _all_below(_completed_capacities(r, point) if completed is None else completed):
+    start missed at the lowest load, 'at least ...' where every start met at the highest
+    (`completed`: its _completed_capacities, if read)."""
+    completed = _completed_capacities(r, point) if completed is None else completed
+    if _all_below(completed):
         return below_lowest_load(r)
+    if _all_above(completed):
+        words, hi_rps = _lowest_load(r, r.study.capacity.hi)
+        return f"at least {hi_rps:.2f}" if hi_rps else f"at least {words}"
     return metrics.with_interval(r.interval(point, "capacity_rps"), metrics.get("capacity_rps"))
 
 
@@ -1017,10 +1057,13 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
         row = {"point": s.point, "status": status_label(s),
                "capacity (req/s)": capacity_cell(r, s.point, completed),
                f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
+               f"at least {r.study.capacity.hi:g}" if _all_above(completed) else
                metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
-            row[f"{metrics.get(k).title} at capacity"] = metrics.with_interval(r.interval(s.point, k), metrics.get(k))
+            # below lo there is no capacity to be at: its round is the lowest load's, which missed
+            row[f"{metrics.get(k).title} at capacity"] = "-" if below else \
+                metrics.with_interval(r.interval(s.point, k), metrics.get(k))
         if r.study.gpu_hour_price:
             row["cost per 1M output tokens"] = cost_per_million(r, s.point) or ""
         rows.append(row)
@@ -1122,7 +1165,8 @@ def answer_context(r: Run) -> str:
     n = len(r.summaries)
     parts = []
     if r.slo and not is_capacity_study(r):
-        verdicts = decision.slo_table(r.intervals, r.slo) if not r.intervals.empty else pd.DataFrame()
+        short = [s.point for s in r.summaries if s.status != "ok"]  # never surely within it
+        verdicts = decision.slo_table(r.intervals, r.slo, short) if not r.intervals.empty else pd.DataFrame()
         meets = int((verdicts["SLO"] == "meets").sum()) if "SLO" in verdicts else 0
         given = " (given at report time)" if r.slo_override else ""
         parts.append(f"SLO{given}: {_bound_words(r.slo)}; {meets} of {n} points meet every bound with their whole "
@@ -1148,7 +1192,18 @@ def best_point(r: Run) -> str | None:
     if r.search:
         from . import search_report
         return search_report.best(r)
-    return decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    best = decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    if best and is_capacity_study(r) and _all_below(_completed_capacities(r, best)):
+        return None  # no point met the SLO at any load: nothing to run
+    return best
+
+
+def run_arg(path: Path) -> str:
+    """A run folder as a command takes it: results/<run> where it sits in a folder named
+    results (the kit's default, and every committed run), else its absolute path (a sweep
+    with --results elsewhere)."""
+    p = path.resolve()
+    return f"results/{p.name}" if p.parent.name == "results" else str(p)
 
 
 def answer_markdown(r: Run) -> str:
@@ -1164,5 +1219,5 @@ def answer_markdown(r: Run) -> str:
     paras.append(_md_prose(answer_context(r), points))
     if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
         paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
-                     f"`python -m vllm_study export results/{r.folder.path.resolve().name} --best`.")
+                     f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
     return "\n\n".join(paras)

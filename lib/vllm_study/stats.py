@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .metrics import GROUP_METRICS, PERCENTILES
+from .metrics import FAILURES_COUNT, GROUP_METRICS, PERCENTILES
 from .results import Estimate, GroupRecord, RoundRecord
 
 GROUP_KEYS = ("class", "turn", "step", "prefix")  # tags the workloads and load models set
@@ -137,10 +137,11 @@ def _by_start(rounds: list[RoundRecord], value) -> list[list[float]]:
 
 
 def point_estimates(rounds: list[RoundRecord]) -> dict[str, Estimate]:
-    """Every metric of a point's ok rounds."""
+    """Every metric of a point's ok rounds; metrics.FAILURES_COUNT of its failed rounds too."""
     ok = [r for r in rounds if r.status == "ok"]
-    names = sorted({k for r in ok for k, v in r.metrics.items() if v is not None})
-    out = {m: estimate(_by_start(ok, lambda r: r.metrics.get(m))) for m in names}
+    names = sorted({k for r in rounds for k, v in r.metrics.items() if v is not None})
+    out = {m: estimate(_by_start(rounds if m in FAILURES_COUNT else ok, lambda r: r.metrics.get(m)))
+           for m in names}
     return {m: e for m, e in out.items() if e is not None}
 
 

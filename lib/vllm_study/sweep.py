@@ -248,19 +248,20 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
                 on_done(u, s)
             rec = run.point(u.point).start(u.start)
             with lock:
-                # the watcher counted the rounds that landed here; a Ray task's arrive at once;
-                # a failed start's missing rounds count as done
+                # the watcher counted the rounds that landed here; a Ray task's arrive at once
                 on_disk = len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS))
-                # (a capacity search that stopped short of max_steps: its unused steps count as done)
-                per = study.steps_per_start
-                bar.update(max(0, per - on_disk) if runner.rounds_live else per)
+                if not runner.rounds_live:
+                    bar.update(on_disk)
+                # rounds that never ran (a capacity search that stopped short of max_steps, a failed
+                # start) leave the total: the bar counts the rounds measured, and still ends at 100%
+                bar.total -= max(0, study.steps_per_start - on_disk)
+                bar.refresh()
                 if rec is not None and rec.status == "failed":
                     tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
                 elif s.status == "failed":
                     tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
                 if (rec is not None and rec.status == "failed") or s.status == "failed":
-                    # a failed start's rounds that never ran count as done, so the bar can end at
-                    # 100%; its postfix says how many starts that hides
+                    # its rounds that never ran left the total; the postfix says how many starts failed
                     failed.append(u)
                     bar.set_postfix_str(f"{len(failed)} of {len(todo)} starts FAILED", refresh=True)
 
@@ -333,7 +334,8 @@ def report_folder(run: RunFolder, overwrite: bool = False) -> RunFolder:
     clean and later runs are not stamped with uncommitted changes."""
     if overwrite or git_output("ls-files", "--error-unmatch", "report.ipynb", cwd=run.path) is None:
         return run
-    copy = Path(tempfile.mkdtemp(prefix="vllm-study-report-")) / run.path.name
+    # under its parent's name too, so the report names the run as it is named where it is committed
+    copy = Path(tempfile.mkdtemp(prefix="vllm-study-report-")) / run.path.resolve().parent.name / run.path.name
     shutil.copytree(run.path, copy)
     print(f"{run.path} is committed (git tracks its report): rendering into {copy}; "
           "`report --overwrite` renders into the run itself", file=sys.stderr)

@@ -1,0 +1,53 @@
+"""What the user reads around a run: the export command the report offers names the run
+where it is, the point-by-point section opens with the study's own rule, and the
+progress bar counts the rounds that ran."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from synthetic_run import make_capacity_run, make_run
+from vllm_study import executors, report, sweep
+from vllm_study.results import ROUNDS, read_rounds
+
+A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
+VALUES = {p: {"output_throughput": v, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0}
+          for p, v in {A: 100.0, B: 200.0, C: 110.0, D: 120.0}.items()}
+
+
+def test_the_freeze_command_names_the_run_where_it_was_written(tmp_path):
+    elsewhere = make_run(tmp_path / "runs", VALUES)  # sweep --results runs
+    md = report.answer_markdown(report.Run.load(elsewhere.path))
+    assert f"`python -m vllm_study export {elsewhere.path.resolve()} --best`" in md
+    default = make_run(tmp_path / "results", VALUES)
+    md = report.answer_markdown(report.Run.load(default.path))
+    assert f"`python -m vllm_study export results/{default.path.name} --best`" in md
+
+
+def test_the_point_by_point_section_does_not_open_with_the_goodput_rule():
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    text = next("".join(c["source"]) for c in nb["cells"]
+                if "".join(c["source"]).startswith("### The answer, point by point"))
+    opening = text.splitlines()[1]
+    assert "goodput" not in opening and "rule" in opening
+    words = " ".join(text.split())
+    assert words.index("capacity study") < words.index("goodput")
+
+
+class _Done(executors.Executor):
+    """Hands back units whose rounds are already on disk, as a Ray task's come back."""
+    rounds_live = False
+
+    def __call__(self, unit, slot, bar, release=None):
+        return self.run.point(unit.point).summary()
+
+
+def test_the_progress_bar_counts_the_steps_a_capacity_search_ran(tmp_path, capsys):
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
+    study = report.Run.load(run.path).study
+    units = run.manifest().order
+    ran = sum(len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS)) for u in units)
+    assert ran < len(units) * study.steps_per_start  # the searches stopped short of max_steps
+    sweep._run_units(run, units, study, 0.0, None, _Done(run, study, "cpu", []))
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert f" {ran}/{ran} " in last, last
