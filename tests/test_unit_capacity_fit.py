@@ -1,0 +1,208 @@
+"""capacity_fit: crossings of fitted margins, censored starts as bounds, bootstrap
+intervals that widen with the bracket, the censored likelihood over starts, the gain."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats
+
+from vllm_study.capacity_fit import (Bound, ConfigCapacity, StartCapacity, StepData, _StepSample,
+                                     bounds_from_slo, combine, crossing, fit_start, gain)
+
+TTFT = bounds_from_slo({"ttft_p90_ms": 1000})
+
+
+def lm(*margins):
+    """per-step log margins of one bound"""
+    return np.log(np.array(margins))[:, None]
+
+
+# -- crossings ---------------------------------------------------------------------------
+def test_crossing_interpolates_log_margin_against_log_load():
+    # log margin -0.2 at 1, +0.2 at 2: crosses halfway on the log scale, at sqrt(2)
+    x = crossing([1, 2, 4], np.array([[-0.2], [0.2], [0.6]]))
+    assert math.exp(x) == pytest.approx(math.sqrt(2), rel=1e-12)
+
+
+def test_a_violation_is_pooled_into_one_knot_at_its_blocks_centre():
+    # 0.3 at 2 then 0.1 at 4 violate monotonicity: pooled to 0.2 at the centre of log 2 and log 4
+    x = crossing([1, 2, 4], np.array([[-0.2], [0.3], [0.1]]))
+    assert math.exp(x) == pytest.approx(2 ** 0.75, rel=1e-12)
+    # a heavier step pulls the block's value and centre toward it
+    x = crossing([1, 2, 4], np.array([[-0.2], [0.3], [0.1]]), weights=[1, 1, 3])
+    y_block, x_block = (0.3 + 3 * 0.1) / 4, (math.log(2) + 3 * math.log(4)) / 4
+    assert x == pytest.approx(0.2 / (0.2 + y_block) * x_block, rel=1e-12)
+
+
+def test_the_first_bound_to_cross_decides():
+    m = np.column_stack([np.log([0.5, 0.8, 1.25]), np.log([0.9, 1.1, 1.3])])
+    ttft_only = crossing([1, 2, 4], m[:, :1])
+    itl_only = crossing([1, 2, 4], m[:, 1:])
+    assert crossing([1, 2, 4], m) == min(ttft_only, itl_only) == itl_only
+
+
+def test_a_plateau_at_the_limit_crosses_at_its_highest_load():
+    assert math.exp(crossing([1, 2, 3, 4], lm(0.9, 1.0, 1.0, 1.3))) == pytest.approx(3)
+
+
+def test_no_crossing_inside_the_loads_measured_is_infinite_not_zero():
+    assert crossing([1, 2], lm(1.1, 1.4)) == -math.inf
+    assert crossing([1, 2], lm(0.5, 1.0)) == math.inf
+
+
+def test_steps_at_one_load_are_pooled_before_the_fit():
+    # two rounds at 2: margins 0.9 and 1.3 (log mean ~ +0.04), crossing just below 2
+    x = crossing([1, 2, 2, 4], lm(0.8, 0.9, 1.3, 1.5))
+    y2 = (math.log(0.9) + math.log(1.3)) / 2
+    lx = -math.log(0.8) / (y2 - math.log(0.8)) * math.log(2)
+    assert x == pytest.approx(lx, rel=1e-12)
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9, 0.99])
+def test_resampled_quantiles_are_the_kits_percentiles(q):
+    """The counts-based quantile equals np.percentile over the pooled values of the same
+    requests drawn with repetition, per-request values and per-request gap arrays alike."""
+    rng = np.random.default_rng(3)
+    gaps = [rng.lognormal(3, 0.5, rng.integers(1, 30)) for _ in range(25)]
+    ttft = rng.lognormal(6, 0.4, 25)
+    b = [Bound(name="a", quantile=q, limit=1), Bound(name="b", quantile=q, limit=1)]
+    s = _StepSample(StepData(load=1, latencies={"a": ttft, "b": gaps}), b)
+    idx = rng.integers(0, 25, (7, 25))
+    counts = np.stack([np.bincount(i, minlength=25) for i in idx])
+    got = s.quantiles(counts, b)
+    for r, i in enumerate(idx):
+        assert got[r, 0] == pytest.approx(np.percentile(ttft[i], 100 * q), rel=1e-12)
+        assert got[r, 1] == pytest.approx(np.percentile(np.concatenate([gaps[j] for j in i]), 100 * q), rel=1e-12)
+
+
+# -- one start ---------------------------------------------------------------------------
+def step(load: float, margin: float, n: int = 40, seed: int = 0, spread: float = 0.02) -> StepData:
+    """A step whose TTFT P90 is exactly margin * 1000 ms, its requests spread about it."""
+    v = np.exp(spread * np.random.default_rng(seed).standard_normal(n))
+    v *= margin * 1000 / np.percentile(v, 90)
+    return StepData(load=load, latencies={"ttft_p90_ms": v})
+
+
+def test_a_start_that_missed_at_its_lowest_load_is_a_bound_never_zero():
+    s = fit_start([step(4, 1.6), step(2, 1.3), step(1, 1.05)], TTFT, n_resamples=99)
+    assert s.kind == "below" and s.value == 1.0 and str(s) == "below 1"
+    # a failed lowest step (no latencies) is a miss as well
+    s = fit_start([step(4, 1.6), StepData(load=0.5, failed=True)], TTFT, n_resamples=99)
+    assert s.kind == "below" and s.value == 0.5
+    c = combine([s, fit_start([step(4, 1.6), step(1, 1.2)], TTFT, n_resamples=99)])
+    assert c.kind == "below" and c.value == 1.0 and c.censored == 2
+
+
+def test_a_start_that_met_at_its_highest_load_is_at_least_that():
+    s = fit_start([step(4, 0.97), step(2, 0.6)], TTFT, n_resamples=99)
+    assert s.kind == "at_least" and s.value == 4 and str(s) == "at least 4"
+
+
+def test_a_resolved_start_has_its_crossing_bracket_and_interval():
+    steps = [step(4, 1.5, seed=1), step(2, 1.05, seed=2), step(1.41, 0.95, seed=3), step(1, 0.8, seed=4)]
+    s = fit_start(steps, TTFT, n_resamples=999, seed=5)
+    exact = math.exp(math.log(1.41) + math.log(1 / 0.95) / math.log(1.05 / 0.95) * math.log(2 / 1.41))
+    assert s.kind == "value" and s.value == pytest.approx(exact, rel=1e-9)
+    assert s.bracket == (1.41, 2)
+    assert 1.41 < s.low < s.value < s.high < 2
+    assert s.log_se > 0
+
+
+def test_a_wider_bracket_gives_a_wider_interval():
+    """Identical requests at each step, the failing step further away: the bootstrap's
+    resamples are the same, so each crossing lies at the same fraction of its bracket and
+    the interval widens with the bracket (on the log scale, in its proportion)."""
+    def at(hi):
+        steps = [step(1, 0.8, seed=1), step(2, 0.97, seed=2), step(hi, 1.04, seed=3), step(6, 1.5, seed=4)]
+        return fit_start(steps, TTFT, n_resamples=499, seed=9)
+    narrow, wide = at(2.2), at(3.0)
+    assert narrow.bracket == (2, 2.2) and wide.bracket == (2, 3.0)
+    w_narrow, w_wide = math.log(narrow.high / narrow.low), math.log(wide.high / wide.low)
+    assert w_wide > w_narrow
+    assert w_wide / w_narrow == pytest.approx(math.log(1.5) / math.log(1.1), rel=1e-6)
+
+
+def test_bad_steps_are_named():
+    with pytest.raises(ValueError, match="no latencies for SLO bound ttft_p90_ms"):
+        fit_start([StepData(load=1, latencies={"itl_p99_ms": np.ones(5)})], TTFT)
+    with pytest.raises(ValueError, match="positive numbers"):
+        fit_start([StepData(load=0, latencies={"ttft_p90_ms": np.ones(5)})], TTFT)
+    with pytest.raises(ValueError, match="ttft_p90_ms or itl_p99_ms"):
+        bounds_from_slo({"goodput": 3})
+    with pytest.raises(ValueError, match="at least 2"):
+        fit_start([StepData(load=1, latencies={"ttft_p90_ms": np.ones(1)})], TTFT)
+
+
+# -- over starts -------------------------------------------------------------------------
+def resolved(v: float, se: float = 0.0) -> StartCapacity:
+    return StartCapacity(kind="value", value=v, low=v * math.exp(-1.96 * se), high=v * math.exp(1.96 * se),
+                         bracket=(v * 0.9, v * 1.1), lowest=0.125, highest=4, log_se=se)
+
+
+def test_without_censoring_or_within_start_noise_the_interval_is_the_t_interval():
+    vals = [1.8, 2.0, 2.1, 1.7]
+    c = combine([resolved(v) for v in vals])
+    y = np.log(vals)
+    h = stats.t.ppf(0.975, 3) * y.std(ddof=1) / 2
+    assert math.log(c.value) == pytest.approx(y.mean(), abs=1e-5)
+    assert math.log(c.low) == pytest.approx(y.mean() - h, abs=1e-4)
+    assert math.log(c.high) == pytest.approx(y.mean() + h, abs=1e-4)
+    assert c.spread == pytest.approx(y.std(ddof=0), rel=1e-3)
+
+
+def test_censored_starts_enter_as_bounds():
+    vals = [1.0, 1.1, 0.95]
+    base = combine([resolved(v, 0.03) for v in vals])
+    below = StartCapacity(kind="below", value=0.9, lowest=0.9, highest=4)
+    with_below = combine([resolved(v, 0.03) for v in vals] + [below])
+    assert with_below.kind == "value" and with_below.censored == 1 and with_below.starts == 4
+    # a start below 0.9 pulls the estimate down, but not to 0: it says only "< 0.9"
+    assert 0.85 < with_below.value < base.value
+    assert with_below.low > 0.5
+    above = StartCapacity(kind="at_least", value=1.2, lowest=0.9, highest=1.2)
+    assert combine([resolved(v, 0.03) for v in vals] + [above]).value > base.value
+    # the likelihood's maximum: a censored start adds its normal CDF term
+    mu, sd = math.log(with_below.value), with_below.spread
+
+    def ll(m, s):
+        t = math.hypot(s, 0.03)
+        return stats.norm.logpdf(np.log(vals), m, t).sum() + stats.norm.logcdf(math.log(0.9), m, t)
+    assert ll(mu, sd) >= max(ll(mu + d, sd * f) for d in (-0.01, 0.01) for f in (0.9, 1.1))
+
+
+def test_one_start_says_its_spread_was_not_measured():
+    c = combine([resolved(2.0, 0.02)])
+    assert not c.spread_measured and c.value == 2.0 and c.low < 2.0 < c.high
+
+
+def test_a_given_spread_fixes_sigma():
+    c = combine([resolved(2.0, 0.0), resolved(2.2, 0.0)], spread=0.05)
+    h = 1.96 * 0.05 / math.sqrt(2)
+    assert math.log(c.high / c.low) / 2 == pytest.approx(h, rel=1e-3)
+
+
+# -- the gain ----------------------------------------------------------------------------
+def test_the_gain_over_a_baseline_below_its_lowest_load_is_a_lower_bound():
+    best = ConfigCapacity(kind="value", value=1.9, low=1.7, high=2.1, starts=3)
+    defaults = ConfigCapacity(kind="below", value=0.9, starts=2, censored=2)
+    g = gain(best, defaults)
+    assert g.kind == "at_least" and g.value == pytest.approx(1.7 / 0.9) and g.resolved
+    assert str(g) == "at least 1.89x"
+    # the mirror: a baseline at least hi bounds the gain from above
+    g = gain(best, ConfigCapacity(kind="at_least", value=4.0, starts=2, censored=2))
+    assert g.kind == "at_most" and g.value == pytest.approx(2.1 / 4) and g.resolved
+    # both bounds on one side say nothing
+    assert gain(ConfigCapacity(kind="below", value=1.0), defaults).kind == "unresolved"
+
+
+def test_the_gain_of_two_resolved_configs_is_a_ratio_with_its_interval():
+    a = ConfigCapacity(kind="value", value=2.0, low=1.8, high=2.3, starts=3)
+    b = ConfigCapacity(kind="value", value=1.0, low=0.9, high=1.1, starts=3)
+    g = gain(a, b)
+    assert g.value == pytest.approx(2.0)
+    assert math.log(g.value / g.low) == pytest.approx(math.hypot(math.log(2 / 1.8), math.log(1.1)))
+    assert math.log(g.high / g.value) == pytest.approx(math.hypot(math.log(2.3 / 2), math.log(1 / 0.9)))
+    assert g.resolved
+    assert not gain(a, ConfigCapacity(kind="value", value=1.9, low=1.6, high=2.2)).resolved
