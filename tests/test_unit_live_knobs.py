@@ -1,6 +1,7 @@
 """Live scheduler limits without a vLLM server: the control message's checks and caps,
 the control channel inside vLLM's real scheduler (driven in-process, its watcher thread
 reading a real control file), and the kit's side against a real Prometheus endpoint."""
+# ruff: noqa: F811  (vllm_parts, the imported fixture, is every test's argument)
 from __future__ import annotations
 
 import json
@@ -9,6 +10,7 @@ import time
 
 import pytest
 
+# vllm_parts is the prefix-budget tests' fixture (a real scheduler's configs), shared here
 from test_unit_prefix_budget import _req, admitted, make_scheduler, vllm_parts  # noqa: F401
 from vllm_study import live_knobs
 from vllm_study.prefix_budget import CONTROL_ENV, Limits, Refused, check_message, read_stats
@@ -66,7 +68,7 @@ def test_without_chunked_prefill_the_token_budget_stays():
 
 
 # -- inside vLLM's real scheduler -------------------------------------------------------
-def _live(vllm_parts, tmp_path, monkeypatch, budget=False, **kw):  # noqa: F811
+def _live(vllm_parts, tmp_path, monkeypatch, budget=False, **kw):
     from vllm_study.prefix_budget import LiveLimitsScheduler
     monkeypatch.setenv(CONTROL_ENV, str(tmp_path / "control.json"))
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
@@ -170,8 +172,9 @@ def test_a_message_waits_until_the_engine_holds_no_request(vllm_parts, tmp_path,
     s.schedule()
     _send(tmp_path, {"seq": 1, "max_num_seqs": 2})  # 3 running: lowering now would break vLLM
     time.sleep(0.5)
-    k = s._kn_stats.snapshot()["knobs"]
+    k = read_stats(tmp_path / "stats.json")["knobs"]
     assert k["status"] == "pending" and k["applied_seq"] == 0 and s.max_num_running_reqs == 8
+    assert k["requests"] == 3  # what the kit's drain check reads
     s.finish_requests(["R0", "R1", "R2"], RequestStatus.FINISHED_ABORTED)
     assert _answer(s, 1)["status"] == "applied" and s.max_num_running_reqs == 2
     s.shutdown()
@@ -249,6 +252,16 @@ def test_no_message_while_the_server_holds_requests(tmp_path, metrics_server):
     assert time.monotonic() - t0 >= 0.3
     gauges["waiting"].set(0)
     live_knobs.wait_drained(url, timeout_s=0.3)
+    # /metrics at 0 but the engine holds requests without stepping (paused): not drained
+    from vllm_study.prefix_budget import StatsRecorder
+    rec = StatsRecorder(tmp_path / "stats.json", {}, interval_s=3600)
+    rec.set_section("knobs", {"requests": 2})
+    rec.flush()
+    with pytest.raises(live_knobs.KnobsError, match="still holds 2 request"):
+        live_knobs.wait_drained(url, timeout_s=0.3, stats_path=tmp_path / "stats.json")
+    rec.set_section("knobs", {"requests": 0})
+    rec.close()
+    live_knobs.wait_drained(url, timeout_s=0.3, stats_path=tmp_path / "stats.json")
 
 
 def test_a_server_without_the_channel_is_named(tmp_path):

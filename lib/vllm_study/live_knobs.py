@@ -49,12 +49,17 @@ def knobs_state(stats_path: str | os.PathLike) -> dict:
     return state
 
 
-def wait_drained(url: str, timeout_s: float = 120.0, api_key: str | None = None) -> None:
-    """Until vLLM's /metrics shows no running and no waiting request."""
+def wait_drained(url: str, timeout_s: float = 120.0, api_key: str | None = None,
+                 stats_path: str | os.PathLike | None = None) -> None:
+    """Until vLLM's /metrics shows no running and no waiting request and, with
+    stats_path, the plugin reports the engine holds none (the gauges move only when
+    the engine steps; a paused engine holds requests without stepping)."""
     deadline = time.monotonic() + timeout_s
     while True:
         v = counters.scrape(url, api_key)["values"]
         busy = v.get("vllm:num_requests_running", 0) + v.get("vllm:num_requests_waiting", 0)
+        if busy == 0 and stats_path is not None:
+            busy = knobs_state(stats_path).get("requests", 0)
         if busy == 0:
             return
         if time.monotonic() > deadline:
@@ -81,7 +86,7 @@ def send_message(url: str, stats_path: str | os.PathLike, control_path: str | os
     set_limits checks it here first.
     """
     state = knobs_state(stats_path)
-    wait_drained(url, drain_timeout_s, api_key)
+    wait_drained(url, drain_timeout_s, api_key, stats_path)
     seq = int(state["seq"]) + 1
     _write(Path(control_path), {**message, "seq": seq})
     deadline = time.monotonic() + timeout_s

@@ -23,7 +23,10 @@ How a message becomes the limits in force:
   the start of schedule().
 - The counters file's ``knobs`` section: launch, in_force, applied_seq, seq, status,
   reason, and since the last application the steps, the largest step in tokens and
-  the most running requests: what the engine did, beside what it was told.
+  the most running requests: what the engine did, beside what it was told. Also
+  ``requests``, the requests the engine holds (as of the last poll): vLLM's /metrics
+  gauges move only when the engine steps, and a paused engine holds requests without
+  stepping.
 """
 from __future__ import annotations
 
@@ -63,12 +66,13 @@ class LiveLimitsMixin:
         self._kn_seq = 0
         self._kn_pending: tuple[int, Limits] | None = None
         self._kn_last_text: str | None = None
+        self._kn_held = 0
         self._kn_stop = threading.Event()
         self._kn_stats.set_section("knobs", {
             "control_path": str(self._kn_path), "launch": self._kn_launch.to_dict(),
             "in_force": self._kn_launch.to_dict(), "applied_seq": 0, "seq": 0,
             "status": "launch", "reason": None, "applied_at": time.time(),
-            "steps": 0, "peak_step_tokens": 0, "peak_running": 0})
+            "steps": 0, "peak_step_tokens": 0, "peak_running": 0, "requests": 0})
         self._kn_stats.flush()  # the kit can read the launch values as soon as the engine is up
         self._kn_thread = threading.Thread(target=self._kn_loop, name="live-limits", daemon=True)
         self._kn_thread.start()
@@ -131,6 +135,11 @@ class LiveLimitsMixin:
         except FileNotFoundError:
             text = None
         changed = False
+        held = len(self.requests)
+        if held != self._kn_held:  # the kit's drain check: /metrics moves only when the engine steps
+            self._kn_held = held
+            self._kn_stats.set_section("knobs", {"requests": held})
+            changed = True
         if text is not None and text != self._kn_last_text:
             self._kn_last_text = text
             changed = self._kn_read(text)
