@@ -180,6 +180,18 @@ def test_a_message_waits_until_the_engine_holds_no_request(vllm_parts, tmp_path,
     s.shutdown()
 
 
+def test_a_message_from_an_earlier_start_is_not_applied(vllm_parts, tmp_path, monkeypatch):
+    _send(tmp_path, {"seq": 7, "max_num_seqs": 1})  # left by the server started before
+    s = _live(vllm_parts, tmp_path, monkeypatch, max_num_seqs=8)
+    time.sleep(0.3)
+    k = read_stats(tmp_path / "stats.json")["knobs"]
+    assert (k["seq"], k["applied_seq"], k["status"]) == (7, 0, "launch")
+    assert "before this engine started" in k["reason"] and s.max_num_running_reqs == 8
+    _send(tmp_path, {"seq": 8, "max_num_seqs": 2})  # the kit's next number is applied
+    assert _answer(s, 8)["status"] == "applied" and s.max_num_running_reqs == 2
+    s.shutdown()
+
+
 def test_without_a_control_file_nothing_changes(vllm_parts, tmp_path, monkeypatch):
     monkeypatch.delenv(CONTROL_ENV, raising=False)
     s = make_scheduler(vllm_parts, {"stats_path": str(tmp_path / "pb.json")})

@@ -120,7 +120,7 @@ def set_limits(url: str, stats_path: str | os.PathLike, control_path: str | os.P
                                           long_prefill_token_threshold)) if v is not None}
     state = knobs_state(stats_path)
     # The engine's own check, here first: a wrong value fails before any wait or write
-    check_message({"seq": 1, **asked}, Limits(**state["launch"]))
+    check_message({"seq": 1, **asked}, Limits(**state["launch"]), state.get("chunked_prefill", True))
     state = send_message(url, stats_path, control_path, asked, timeout_s, drain_timeout_s, api_key)
     expected = {**state["launch"], **asked}
     if state["in_force"] != expected:

@@ -68,15 +68,30 @@ class LiveLimitsMixin:
         self._kn_last_text: str | None = None
         self._kn_held = 0
         self._kn_stop = threading.Event()
+        stale = self._kn_stale()
         self._kn_stats.set_section("knobs", {
             "control_path": str(self._kn_path), "launch": self._kn_launch.to_dict(),
-            "in_force": self._kn_launch.to_dict(), "applied_seq": 0, "seq": 0,
-            "status": "launch", "reason": None, "applied_at": time.time(),
+            "chunked_prefill": self._kn_chunked,
+            "in_force": self._kn_launch.to_dict(), "applied_seq": 0, "seq": self._kn_seq,
+            "status": "launch", "applied_at": time.time(),
+            "reason": stale and f"message {self._kn_seq} was in the control file before this "
+                                "engine started: not applied",
             "steps": 0, "peak_step_tokens": 0, "peak_running": 0, "requests": 0})
         self._kn_stats.flush()  # the kit can read the launch values as soon as the engine is up
         self._kn_thread = threading.Thread(target=self._kn_loop, name="live-limits", daemon=True)
         self._kn_thread.start()
         log.info("live limits: control %s, launch %s", self._kn_path, self._kn_launch)
+
+    def _kn_stale(self) -> bool:
+        """A message left from an earlier server start is not this engine's to apply:
+        its number becomes the last one handled (the kit sends the next)."""
+        try:
+            text = self._kn_path.read_text()
+            self._kn_seq = message_seq(parse_control(text))
+        except (FileNotFoundError, Refused):
+            return False
+        self._kn_last_text = text
+        return True
 
     def _kn_recorder(self) -> tuple[StatsRecorder, bool]:
         """The Prefix Reuse Budget's recorder when there is one, else a recorder of our own."""
