@@ -13,14 +13,22 @@ use the budget. Everything else is vLLM's default scheduling.
     before = read_stats("/tmp/pb.json"); ...run a round...; after = read_stats(...)
     stats_delta(before, after)  # deferred, admitted_by_age, admitted_idle, defer_ms_p50/p99
 
-Modules: ``policy`` (the rule as pure functions, parameter validation), ``stats``
-(counters file, read_stats, stats_delta), ``scheduler`` (the vLLM subclasses; it
-imports vLLM only when the engine builds the scheduler).
+With VLLM_STUDY_KNOBS_CONTROL set, the same scheduler (or ``LiveLimitsScheduler``,
+without the budget rule) also takes max_num_batched_tokens, max_num_seqs and
+long_prefill_token_threshold from a control file, capped at the launch values
+(``knobs``, ``live``; the kit's side is vllm_study.live_knobs).
+
+Modules: ``policy`` (the rule as pure functions, parameter validation),
+``counters_file`` (counters file, read_stats, stats_delta), ``knobs`` (the control
+message's checks), ``live`` (the control channel in the engine), ``scheduler`` (the
+vLLM subclasses; it imports vLLM only when the engine builds the scheduler).
 """
 from .policy import CONFIG_KEY, Decision, Params, decide, params_from_config, passes_alone
-from .scheduler import PrefixBudgetMixin, PrefixBudgetScheduler, scheduler_class
+from .scheduler import LiveLimitsScheduler, PrefixBudgetMixin, PrefixBudgetScheduler, scheduler_class
 from .counters_file import StatsRecorder, percentile, read_stats, stats_delta
+from .knobs import CONTROL_ENV, Limits, Refused, check_message
 
 __all__ = ["CONFIG_KEY", "Decision", "Params", "decide", "params_from_config", "passes_alone",
            "PrefixBudgetMixin", "PrefixBudgetScheduler", "scheduler_class",
-           "StatsRecorder", "percentile", "read_stats", "stats_delta"]
+           "StatsRecorder", "percentile", "read_stats", "stats_delta",
+           "LiveLimitsScheduler", "CONTROL_ENV", "Limits", "Refused", "check_message"]

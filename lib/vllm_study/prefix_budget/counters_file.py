@@ -18,6 +18,8 @@ File layout (``schema`` 1):
                             that released it and the step before, i.e. one engine step
     admit_wait_ms: [...]    parallel to defer_ms: release -> admission by vLLM (its own
                             FCFS queueing, not the plugin's; usually 0)
+    knobs: {...}            only with live limits on (live.py): the limits in force and
+                            the last control message handled
 Every deferred request's durations are kept (append-only), so a delta's percentiles
 are exact; the file grows by ~3 numbers per deferred request.
 """
@@ -45,10 +47,12 @@ class StatsRecorder:
         self.interval_s = interval_s
         self.counters = {k: 0 for k in COUNTERS}
         self.series: dict[str, list[float]] = {k: [] for k in SERIES}
+        self.sections: dict[str, dict] = {}  # e.g. "knobs" (live.py): written as top-level keys
         now = time.time()
         self.meta = {"schema": SCHEMA, "run_id": f"{os.getpid()}-{now:.6f}", "pid": os.getpid(),
                      "started_at": now, **meta}
         self._lock = threading.Lock()
+        self._write_lock = threading.Lock()  # flush() from any thread: one tmp file at a time
         self._dirty = True
         self._stop = threading.Event()
         self._thread = None
@@ -74,19 +78,33 @@ class StatsRecorder:
             self.series["admit_wait_ms"].append(round(admit_wait_ms, 3))
             self._dirty = True
 
+    def set_section(self, name: str, values: dict) -> None:
+        """Merge values into a section of the file (created on first use)."""
+        with self._lock:
+            self.sections.setdefault(name, {}).update(values)
+            self._dirty = True
+
+    def update_section(self, name: str, change) -> None:
+        """change(section) under the lock: a read-modify-write no snapshot can split."""
+        with self._lock:
+            change(self.sections[name])
+            self._dirty = True
+
     def snapshot(self) -> dict:
         with self._lock:
             self._dirty = False
             return {**self.meta, "updated_at": time.time(), "counters": dict(self.counters),
-                    **{k: list(v) for k, v in self.series.items()}}
+                    **{k: list(v) for k, v in self.series.items()},
+                    **{k: dict(v) for k, v in self.sections.items()}}
 
     def flush(self) -> None:
         if self.path is None:
             return
-        data = self.snapshot()
-        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        with self._write_lock:
+            data = self.snapshot()
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data))
+            os.replace(tmp, self.path)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -102,6 +120,22 @@ class StatsRecorder:
             self._thread.join(timeout=2)
             self._thread = None
         self.flush()
+
+
+STATS_ENV = "VLLM_STUDY_PB_STATS"
+
+
+def stats_path_for(params, vllm_config) -> str | None:
+    # The environment variable serves a launcher that changes the path per server start:
+    # additional_config is part of vLLM's compile-cache hash, the environment is not.
+    path = params.stats_path or os.environ.get(STATS_ENV) or None
+    pc = getattr(vllm_config, "parallel_config", None)
+    if path and pc is not None and getattr(pc, "data_parallel_size", 1) > 1:
+        # one EngineCore per data-parallel rank: one file each, not one clobbered file
+        stem, dot, ext = path.rpartition(".")
+        rank = getattr(pc, "data_parallel_rank", 0)
+        path = f"{stem}.dp{rank}.{ext}" if dot and "/" not in ext else f"{path}.dp{rank}"
+    return path
 
 
 def read_stats(path: str | os.PathLike) -> dict:

@@ -70,13 +70,13 @@ Notes for whoever measures with it:
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .policy import Decision, Params, decide, params_from_config, passes_alone
-from .counters_file import StatsRecorder
+from .policy import Decision, decide, params_from_config, passes_alone
+from .counters_file import STATS_ENV, StatsRecorder, stats_path_for  # noqa: F401 (STATS_ENV: point.py)
+from .live import LiveLimitsMixin
 
 # Under the "vllm" logger: vLLM's logging config gives that tree its handler in the
 # EngineCore process, where a logger of our own would print nothing.
@@ -97,22 +97,6 @@ class _Step:
     held: list = field(default_factory=list)
     passed: list = field(default_factory=list)  # (request, Decision) for rule-subject requests
     order: list = field(default_factory=list)   # self.waiting before the hold, in order
-
-
-STATS_ENV = "VLLM_STUDY_PB_STATS"
-
-
-def _stats_path_for(params: Params, vllm_config) -> str | None:
-    # The environment variable serves a launcher that changes the path per server start:
-    # additional_config is part of vLLM's compile-cache hash, the environment is not.
-    path = params.stats_path or os.environ.get(STATS_ENV) or None
-    pc = getattr(vllm_config, "parallel_config", None)
-    if path and pc is not None and getattr(pc, "data_parallel_size", 1) > 1:
-        # one EngineCore per data-parallel rank: one file each, not one clobbered file
-        stem, dot, ext = path.rpartition(".")
-        rank = getattr(pc, "data_parallel_rank", 0)
-        path = f"{stem}.dp{rank}.{ext}" if dot and "/" not in ext else f"{path}.dp{rank}"
-    return path
 
 
 class PrefixBudgetMixin:
@@ -137,7 +121,7 @@ class PrefixBudgetMixin:
         base = next((c.__name__ for c in type(self).__mro__
                      if c.__module__.startswith("vllm.v1.core.sched")), "unknown")
         self._pb_stats = StatsRecorder(
-            _stats_path_for(self._pb_params, self.vllm_config),
+            stats_path_for(self._pb_params, self.vllm_config),
             {"vllm_version": vllm_version, "base_class": base,
              "async_scheduling": bool(self.scheduler_config.async_scheduling),
              "prefix_caching": self._pb_enabled, "params": self._pb_params.to_dict()})
@@ -276,33 +260,48 @@ class PrefixBudgetMixin:
 
 
 @lru_cache(maxsize=None)
-def scheduler_class(async_scheduling: bool) -> type:
+def scheduler_class(async_scheduling: bool, budget: bool = True) -> type:
     """The concrete class for an engine with async scheduling on or off (built on first
-    use, so this package imports without vLLM)."""
+    use, so this package imports without vLLM). budget=False leaves the Prefix Reuse
+    Budget out: vLLM's own admission with live limits only (live.py)."""
     if async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Base
-        name = "PrefixBudgetAsyncScheduler"
     else:
         from vllm.v1.core.sched.scheduler import Scheduler as Base
-        name = "PrefixBudgetSyncScheduler"
-    return type(name, (PrefixBudgetMixin, Base), {"__module__": __name__})
+    name = ("PrefixBudget" if budget else "LiveLimits") + ("Async" if async_scheduling else "Sync")
+    mixins = (LiveLimitsMixin, PrefixBudgetMixin) if budget else (LiveLimitsMixin,)
+    return type(name + "Scheduler", (*mixins, Base), {"__module__": __name__})
+
+
+def _build(args, kwargs, budget: bool):
+    vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
+    impl = scheduler_class(bool(vllm_config.scheduler_config.async_scheduling), budget)
+    return impl(*args, **kwargs)
 
 
 class PrefixBudgetScheduler:
     """The class to name in --scheduler-cls: builds the variant that matches the
-    engine's async_scheduling setting (see the module docstring for why)."""
+    engine's async_scheduling setting (see the module docstring for why). With
+    VLLM_STUDY_KNOBS_CONTROL set it also takes live limits (live.py)."""
 
     def __new__(cls, *args, **kwargs):
-        vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
-        impl = scheduler_class(bool(vllm_config.scheduler_config.async_scheduling))
-        return impl(*args, **kwargs)
+        return _build(args, kwargs, budget=True)
+
+
+class LiveLimitsScheduler:
+    """vLLM's own scheduling with live limits only (live.py), async or sync as the
+    engine's config asks: `--scheduler-cls vllm_study.prefix_budget.LiveLimitsScheduler`."""
+
+    def __new__(cls, *args, **kwargs):
+        return _build(args, kwargs, budget=False)
 
 
 def __getattr__(name: str):
     # `--scheduler-cls vllm_study.prefix_budget.scheduler.PrefixBudgetAsyncScheduler`
-    # (or ...SyncScheduler) picks a variant explicitly.
-    if name == "PrefixBudgetAsyncScheduler":
-        return scheduler_class(True)
-    if name == "PrefixBudgetSyncScheduler":
-        return scheduler_class(False)
+    # (or ...SyncScheduler, LiveLimitsAsyncScheduler, LiveLimitsSyncScheduler) picks a
+    # variant explicitly.
+    for budget, stem in ((True, "PrefixBudget"), (False, "LiveLimits")):
+        for async_scheduling, kind in ((True, "Async"), (False, "Sync")):
+            if name == f"{stem}{kind}Scheduler":
+                return scheduler_class(async_scheduling, budget)
     raise AttributeError(name)
