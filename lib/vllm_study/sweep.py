@@ -423,6 +423,12 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
             print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:
             print(f"  warning: {w}")
+    if study.workload.kind == "trace" and not study.targets:
+        # a trace's shortest prompts depend on the chat template: its tokenizer is read (seconds),
+        # and what it finds is said here as the sweep will say it (the sweep refuses a FAIL)
+        for f in doctor._model_findings(study):
+            if f.status != doctor.OK:
+                print(f"\n{f}")
     # the targets are asked (about a second) as the sweep will ask them; the model is not loaded here
     found = doctor.target_findings(study)
     if found:
