@@ -2,7 +2,7 @@
 with its 95% interval and each start's bracket, the latencies at capacity, and whether
 the replay reproduced the trace (prompt tokens against the trace, the hit rate the
 trace's prefix ids allow against vLLM's, send lateness), then every step of every
-start with its verdict.
+start with its verdict. A plain trace run (no `capacity:`) gets the fidelity figures alone.
 
     python benchmarks/capacity_table.py results/<run> [--price 3.5]
 """
@@ -35,11 +35,16 @@ def main() -> int:
     ap.add_argument("--price", type=float, help="a GPU-hour's price, for the cost per million output tokens")
     a = ap.parse_args()
     r = report.Run.load(a.run)
+    pd.set_option("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60)
     if not report.is_capacity_study(r):
-        raise SystemExit(f"{a.run} is not a capacity study (its study has no `capacity:`)")
+        fidelity = report.fidelity_table(r)
+        if fidelity is None and r.study.workload.kind != "trace":
+            raise SystemExit(f"{a.run} is neither a capacity study (its study has no `capacity:`) nor a trace "
+                             "replay: there is nothing for this table")
+        print(fidelity.to_string() if fidelity is not None else "no round of this trace run was measured")
+        return 0
     if a.price:
         r.study.gpu_hour_price = a.price  # the report reads the typed study
-    pd.set_option("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60)
     print(report.capacity_answer(r), end="\n\n")
     print(report.capacity_table(r).to_string(), end="\n\n")
     fidelity = report.fidelity_table(r)

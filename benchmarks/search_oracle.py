@@ -30,6 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from vllm_study import analysis, config_search as cs, metrics  # noqa: E402
 from vllm_study.params import Search  # noqa: E402
+
+MIN_TRIALS = Search.model_fields["trials"].metadata[0].ge  # the fewest trials a search takes
 from vllm_study.report import Run  # noqa: E402
 
 
@@ -38,7 +40,10 @@ def oracle(run: Run, objective: str):
     the point_intervals rows of the objective)."""
     data = analysis.MetricData.from_rounds(run.rounds, objective)
     if data is None:
-        raise SystemExit(f"{run.folder.path}: no {objective} measured")
+        why = (" (goodput counts the requests within the SLO, and the study sets no `slo:`)"
+               if objective == "goodput" and not run.slo else "")
+        raise SystemExit(f"{run.folder.path}: no {objective} measured{why}; name a metric the grid measured "
+                         "with --objective, e.g. --objective output_throughput")
     starts = {p: [float(data.back(v)) for v in vs] for p, vs in data.starts.items()}
     values = {s.point: s.values for s in run.summaries}
     iv = analysis.point_intervals(run.rounds, [objective]).set_index("point")
@@ -83,6 +88,11 @@ def main() -> int:
     direction = "maximize" if m.better == "higher" else "minimize"
     n_points = int(np.prod([len(v) for v in axes.values()]))
     trials = a.trials or n_points // 3
+    if trials < MIN_TRIALS:
+        given = f"--trials {trials}" if a.trials else \
+            f"the grid's {n_points} points give a search {trials} trial(s) (a third of them), which"
+        raise SystemExit(f"{given} is below the {MIN_TRIALS} trials a search needs; pass --trials {MIN_TRIALS} "
+                         "or more")
     best = iv["value"].idxmax() if direction == "maximize" else iv["value"].idxmin()
     lo, hi = iv.loc[best, "ci_low"], iv.loc[best, "ci_high"]
     n_starts = sum(len(v) for v in starts.values())

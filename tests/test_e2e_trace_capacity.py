@@ -108,3 +108,38 @@ def test_a_trace_with_prefix_blocks_gets_the_hit_rate_it_allows(tmp_path):
     assert rec.metrics["prefix_cache_hit_rate"] == pytest.approx(expected)
     assert rec.metrics["prompt_tokens_vs_trace"] == 0.0
     assert group_gone(run.record.launch.server_pgid)
+
+
+@pytest.mark.e2e
+def test_a_plain_trace_run_says_what_it_could_not_replay_exactly(tmp_path):
+    """A trace study without `capacity:`: a prompt under the chat template's floor and a
+    request over max_model_len are said on the console and in the report's fidelity
+    section, and trace.max_output_tokens caps what vLLM generates."""
+    import gzip
+    rows = [{"t_s": 0.0, "input_tokens": 5, "output_tokens": 30},       # under the chat template's floor
+            {"t_s": 0.5, "input_tokens": 300, "output_tokens": 40},
+            {"t_s": 1.0, "input_tokens": 2100, "output_tokens": 4},     # over max_model_len 2048
+            {"t_s": 1.5, "input_tokens": 200, "output_tokens": 3}]
+    f = tmp_path / "trace.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    study = tiny(name="e2e-trace-plain", workload={"kind": "trace", "warmup_requests": 1, "trace": {
+        "file": str(f), "format": "jsonl", "max_output_tokens": 8}}, rounds=1, replicates=1)
+    results = tmp_path / "results"
+    r = sweep(write(tmp_path, study), "--results", results)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "chat template: 1 of 4 trace prompts are shorter than the chat template's floor of " in r.stdout
+    assert "1 of 4 trace requests are longer than max_model_len=2048" in r.stdout
+    (path,) = results.iterdir()
+    run = RunFolder(path)
+    (summary,) = run.summaries()
+    assert summary.status == "ok", summary.reasons
+    (start,) = run.point(summary.point).starts()
+    floor = start.trace["prompt_floor"]
+    assert start.trace["inexact"] == 1 and start.trace["requests"] == 3 and floor > 5
+    with gzip.open(run.point(summary.point).start_dir(1) / "requests.jsonl.gz", "rt") as g:
+        sent = sorted((json.loads(line) for line in g), key=lambda q: q["index"])
+    assert [(q["prompt_tokens"], q["output_tokens"]) for q in sent] == [(floor, 8), (300, 8), (200, 3)]
+    nb = json.loads((path / "report.ipynb").read_text())
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    assert "3 requests kept, 1 longer than max_model_len=2048 left out" in text
+    assert f"warning: 1 of 3 trace prompts are shorter than the chat template's floor of {floor} tokens" in text

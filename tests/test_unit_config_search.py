@@ -156,3 +156,32 @@ def test_best_so_far_holds_across_trials_without_a_feasible_value():
     vals = pd.Series([3.1, 5.3, 5.3, float("nan"), 5.3, 6.1, 6.1, 5.3])  # trial 4 missed the SLO
     assert best_so_far(vals, "maximize").tolist() == [3.1, 5.3, 5.3, 5.3, 5.3, 6.1, 6.1, 6.1]
     assert best_so_far(pd.Series([float("nan"), 9.0, float("nan"), 4.0]), "minimize").tolist()[1:] == [9.0, 9.0, 4.0]
+
+
+def _oracle(run) -> tuple[int, str]:
+    """benchmarks/search_oracle.py on a run, as a user runs it: (exit status, stderr)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "search_oracle.py"
+    done = subprocess.run([sys.executable, str(script), str(run.path), "--seeds", "2"], capture_output=True, text=True)
+    return done.returncode, done.stderr
+
+
+def test_the_search_oracle_explains_a_grid_it_cannot_search(tmp_path):
+    from synthetic_run import make_run
+    # no `slo:`, so no goodput: the message says why and names --objective
+    run = make_run(tmp_path / "a", {p: {"output_throughput": 500.0} for p in
+                                    ("mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB",
+                                     "mbt=512__kv=128MiB")})
+    rc, err = _oracle(run)
+    assert rc == 1 and "Traceback" not in err
+    assert "no goodput measured (goodput counts the requests within the SLO, and the study sets no `slo:`); " \
+           "name a metric the grid measured with --objective" in err
+    # three points give one trial (a third of them): refused before any search, without a traceback
+    small = make_run(tmp_path / "b", {p: {"goodput": 5.0} for p in ("mbt=256", "mbt=512", "mbt=1024")},
+                     study_over={"grid": {"max_num_batched_tokens": [256, 512, 1024]}, "slo": {"ttft_p90_ms": 900}})
+    rc, err = _oracle(small)
+    assert rc == 1 and "Traceback" not in err
+    assert "the grid's 3 points give a search 1 trial(s) (a third of them), which is below the 2 trials a search " \
+           "needs; pass --trials 2 or more" in err

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from vllm_study.grid import expand
-from vllm_study.params import StudyError, study_from_dict
+from vllm_study.params import StudyError, load_study, study_from_dict
 
 
 def _study(trace: dict, **over) -> dict:
@@ -98,3 +98,104 @@ def test_a_relative_trace_path_is_resolved_where_the_study_is_loaded(tmp_path, m
     monkeypatch.chdir("/")
     (p,) = expand(s, "cpu")  # read from another folder
     assert p.id == "mbt=512"
+
+
+def test_output_tokens_on_a_trace_is_refused_with_the_cap_to_use_instead(tmp_path):
+    with pytest.raises(StudyError, match=r"workload\.output_tokens is not used by a trace .*set "
+                                         r"workload\.trace\.max_output_tokens"):
+        study_from_dict({**_study({"file": "azure_conv"}),
+                         "workload": {"kind": "trace", "trace": {"file": "azure_conv"}, "output_tokens": 16}})
+    s = study_from_dict(_study({"file": "azure_conv", "max_output_tokens": 16}))
+    assert s.workload.trace.max_output_tokens == 16
+    # a base file's synthetic output length is not inherited by a study that replays a trace
+    (tmp_path / "base.yaml").write_text("name: b\ngrid: {max_num_batched_tokens: [512]}\n"
+                                        "workload: {output_tokens: 32}\n")
+    (tmp_path / "t.yaml").write_text("extends: base.yaml\nworkload: {kind: trace, trace: {file: azure_conv}}\n")
+    assert load_study(tmp_path / "t.yaml").workload.kind == "trace"
+    (tmp_path / "u.yaml").write_text("extends: base.yaml\n"
+                                     "workload: {kind: trace, trace: {file: azure_conv}, output_tokens: 8}\n")
+    with pytest.raises(StudyError, match="max_output_tokens"):
+        load_study(tmp_path / "u.yaml")
+
+
+def test_failed_burstgpt_rows_are_said_before_the_study_runs(tmp_path):
+    f = tmp_path / "b.csv"
+    f.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                 "0,ChatGPT,400,20,420,Conversation log\n1,ChatGPT,300,0,300,Conversation log\n"
+                 "2,ChatGPT,350,0,350,Conversation log\n3,ChatGPT,200,10,210,Conversation log\n")
+    (p,) = _expand(_study({"file": str(f), "format": "burstgpt"}))
+    assert "2 trace rows within the window are failed (0 output tokens) and are left out (counted in each " \
+           "start's record)" in p.warnings
+
+
+def test_a_trace_none_of_whose_requests_fits_is_refused_by_the_kit(tmp_path):
+    f = _jsonl(tmp_path, [json.dumps({"t_s": t, "input_tokens": 5000, "output_tokens": 10}) for t in (0, 1)])
+    with pytest.raises(StudyError) as e:
+        _expand(_study({"file": f, "format": "jsonl"}))
+    assert str(e.value).startswith("the kit refuses these points of the grid") and "vLLM would" not in str(e.value)
+
+
+def test_the_dry_run_warns_of_prompts_under_the_template_floor(tmp_path, capsys):
+    from vllm_study.sweep import dry_run
+    f = _jsonl(tmp_path, [json.dumps({"t_s": t, "input_tokens": n, "output_tokens": 2})
+                          for t, n in ((0, 5), (1, 400), (2, 600))])
+    study = tmp_path / "s.yaml"
+    study.write_text(json.dumps(_study({"file": f, "format": "jsonl"})))  # JSON is YAML
+    dry_run([str(study)], "cpu")
+    out = capsys.readouterr().out
+    assert "[warn] chat template: 1 of 3 trace prompts are shorter than the chat template's floor of " in out
+
+
+def _trace_run(tmp_path, record: dict):
+    """A plain trace run (no `capacity:`) with fidelity figures in its rounds and `record`
+    as each start's trace record."""
+    from synthetic_run import make_run
+    values = {"ttft_p90_ms": 300.0, "output_throughput": 500.0, "prompt_tokens_vs_trace": 0.002,
+              "send_lateness_p50_ms": 1.5, "send_lateness_p99_ms": 9.0}
+    run = make_run(tmp_path, {p: values for p in ("mbt=256", "mbt=512")},
+                   study_over={"grid": {"max_num_batched_tokens": [256, 512]},
+                               "workload": {"kind": "trace", "trace": {"file": "azure_conv", "requests": 60}}})
+    for start in run.path.glob("points/*/s*/start.json"):
+        data = json.loads(start.read_text())
+        start.write_text(json.dumps({**data, "trace": record}))
+    return run
+
+
+RECORD = {"source": "azure_conv.csv.gz (azure, 60 requests from 0 s)", "format": "azure", "start_s": 0.0,
+          "requests": 30, "dropped_over_max_model_len": 30, "max_model_len": 2048,
+          "skipped": {"longer than max_model_len 2048": 30, "failed (0 output tokens)": 4}, "inexact": 2,
+          "prompt_floor": 20, "rate": 4.5, "duration_s": 12.0}
+
+
+def test_a_plain_trace_run_reports_its_fidelity(tmp_path, capsys):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm_study import notebook_support as ns
+    run = _trace_run(tmp_path, RECORD)
+    r = ns.load_run(run, quiet=True)
+    table = ns.fidelity(r)
+    out = capsys.readouterr().out
+    assert list(table.index) == ["mbt=256", "mbt=512"] and (table["rounds"] == 6).all()
+    assert table.filter(like="send lateness").shape[1] == 2 and table.filter(like="prompt tokens").shape[1] == 1
+    assert "30 requests kept, 30 longer than max_model_len=2048 left out" in out
+    assert "4 rows failed (0 output tokens) left out" in out
+    assert "warning: 2 of 30 trace prompts are shorter than the chat template's floor of 20 tokens" in out
+    # the report notebook shows it for every trace run
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    assert "ns.fidelity(r)" in ["".join(c["source"]) for c in nb["cells"]]
+    # and the script docs/workloads.md names prints it for a plain trace run
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "capacity_table.py"
+    done = subprocess.run([sys.executable, str(script), str(run.path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "30 longer than max_model_len=2048 left out" in done.stdout and "mbt=512" in done.stdout
+
+
+def test_fidelity_is_not_repeated_nor_invented_where_it_does_not_apply(tmp_path, capsys):
+    from synthetic_run import make_run
+
+    from vllm_study import notebook_support as ns
+    run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p90_ms": 300.0}})
+    assert ns.fidelity(ns.load_run(run, quiet=True)) is None
+    assert capsys.readouterr().out == ""

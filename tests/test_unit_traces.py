@@ -172,7 +172,8 @@ GOOD = [_mooncake_row(0), _mooncake_row(1000)]
     (_mooncake_row(n=-4, ids=[]), r"line 3: input_length is -4, not a positive token count"),
     (_mooncake_row(out="5"), r"line 3: output_length is '5', not a whole number"),
     ('[1, 2]', r"line 3: a JSON list, not an object"),
-    ('{"t_s": 0, "input_tokens": 5, "output_tokens": 1}', r"line 3: missing key 'timestamp'.*jsonl trace\?"),
+    ('{"t_s": 0, "input_tokens": 5, "output_tokens": 1}',
+     r"line 3: missing key 'timestamp'.*this looks like a jsonl file: set trace\.format: jsonl"),
 ])
 def test_bad_mooncake_rows_name_the_line(tmp_path, bad, match):
     f = _write(tmp_path / "mooncake_x.jsonl.gz", "\n".join(GOOD + [bad]) + "\n", gz=True)
@@ -213,12 +214,56 @@ def test_jsonl_prefix_needs_block_tokens(tmp_path):
     ("TIMESTAMP,Context,Generated\n2023-11-16 18:15:46.6805900,374,44\n",
      r"az\.csv line 1: the header has no column 'ContextTokens'"),
     ("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,ChatGPT,472,18,490,x\n",
-     r"az\.csv line 1: the header has no column 'TIMESTAMP'.*is it a burstgpt trace\? set trace\.format"),
+     r"az\.csv line 1: the header has no column 'TIMESTAMP'.*this looks like a burstgpt file: "
+     r"set trace\.format: burstgpt"),
 ])
 def test_bad_azure_rows_name_the_line(tmp_path, body, match):
     f = _write(tmp_path / "az.csv", body)
     with pytest.raises(TraceError, match=match):
         read_trace(_spec(f, format="azure"))
+
+
+def test_a_line_cut_short_says_so_with_the_file_line_alone(tmp_path):
+    """json's own "line 2 column 1" (the newline after a cut line) would contradict the file's line."""
+    f = _write(tmp_path / "m.jsonl", "\n".join(GOOD + ['{"timestamp": 5, "input_length": 10,', GOOD[0]]) + "\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(_spec(f, format="mooncake"))
+    assert "m.jsonl line 3: not JSON (the line ends before its object does" in str(e.value)
+    assert "line 2" not in str(e.value) and "column" not in str(e.value)
+    g = _write(tmp_path / "n.jsonl", GOOD[0] + "\n" + '{"timestamp": 5, x}\n')
+    with pytest.raises(TraceError, match=r"n\.jsonl line 2: not JSON \(Expecting property name enclosed in "
+                                         r"double quotes at character 18\)"):
+        read_trace(_spec(g, format="mooncake"))
+
+
+AZURE_ROWS = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+
+
+@pytest.mark.parametrize("body, name, fmt, match", [
+    ("\n".join(GOOD) + "\n", "m.jsonl", "azure",
+     r"m\.jsonl line 1: a JSON object, not a CSV header: this looks like a mooncake file; "
+     r"set trace\.format: mooncake$"),
+    ("\n".join(GOOD) + "\n", "m.jsonl", "burstgpt", r"this looks like a mooncake file; set trace\.format: mooncake$"),
+    (AZURE_ROWS, "a.csv", "mooncake", r"a\.csv line 1: not JSON: this looks like an azure file; "
+                                      r"set trace\.format: azure$"),
+    (AZURE_ROWS, "a.csv", "jsonl", r"this looks like an azure file; set trace\.format: azure$"),
+    ('{"t_s": 0, "input_tokens": 5, "output_tokens": 1}\n', "k.jsonl", "azure",
+     r"this looks like a jsonl file; set trace\.format: jsonl$"),
+])
+def test_a_file_in_another_format_is_named_by_what_it_looks_like(tmp_path, body, name, fmt, match):
+    with pytest.raises(TraceError, match=match) as e:
+        read_trace(_spec(_write(tmp_path / name, body), format=fmt))
+    assert "timestamp" not in str(e.value)  # the JSON line is not quoted back as "the header"
+
+
+def test_max_output_tokens_caps_the_window_outputs_only():
+    spec = dict(file="mooncake_conversation", requests=50)
+    whole, capped = read_trace(TraceSpec(**spec)), read_trace(TraceSpec(**spec, max_output_tokens=16))
+    assert max(r.output_tokens for r in whole.requests) > 16
+    assert [r.output_tokens for r in capped.requests] == [min(r.output_tokens, 16) for r in whole.requests]
+    assert [(r.t_s, r.input_tokens, r.prefix) for r in capped.requests] == \
+        [(r.t_s, r.input_tokens, r.prefix) for r in whole.requests]
+    assert "outputs capped at 16 tokens" in capped.source
 
 
 def test_a_missing_file_and_a_wrong_mooncake_block(tmp_path):
@@ -418,6 +463,35 @@ def test_short_requests_azure_and_jsonl_prompts(tok, tmp_path):
     assert [r.prompt_tokens for r in ra] == [r.input_tokens for r in az.requests]
     first = [wa._ids(r.messages, None) for r in ra[:4]]
     assert max(_shared_ids(a, b) for a in first for b in first if a is not b) < wa.lead_tokens + 4
+
+
+def test_prompts_under_the_template_floor_are_counted_and_warned(tok, tmp_path):
+    """The chat template's lead-in and tail around one content token are the shortest prompt
+    the kit can send: shorter trace prompts are sent at that floor, said before the study runs."""
+    from vllm_study.build_workload import check_template
+    from vllm_study.params import Workload
+    rows = [{"t_s": t, "input_tokens": n, "output_tokens": 2} for t, n in ((0, 3), (1, 17), (2, 300))]
+    f = _write(tmp_path / "t.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    w = TraceWorkload(tok, api="chat", seed=0, trace=read_trace(_spec(f, format="jsonl")))
+    floor = w.lead_tokens + 1 + w.tail_tokens
+    assert w.prompt_floor == floor and 17 < floor < 300
+    assert w.inexact == 2 and [r.prompt_tokens for r in w.requests()] == [floor, floor, 300]
+    wl = Workload(kind="trace", trace={"file": str(f), "format": "jsonl"})
+    problems, warnings = check_template(tok, wl)
+    assert problems == [] and warnings == [f"2 of 3 trace prompts are shorter than the chat template's floor of "
+                                           f"{floor} tokens (its lead-in and tail around one content token): they "
+                                           f"are sent as {floor} tokens, longer than the trace says; use "
+                                           "workload.api: completions (a shorter floor) or another window"]
+    assert check_template(tok, wl.model_copy(update={"api": "completions"})) == ([], [])
+
+
+def test_the_output_cap_reaches_the_requests(tok):
+    trace = read_trace(TraceSpec(file="azure_conv", requests=30, max_output_tokens=16))
+    w = TraceWorkload(tok, api="completions", seed=0, trace=trace)
+    whole = read_trace(TraceSpec(file="azure_conv", requests=30))
+    assert max(r.output_tokens for r in whole.requests) > 16
+    assert [r.max_tokens for r in w.requests()] == [min(r.output_tokens, 16) for r in whole.requests]
+    assert all(r.max_tokens <= 16 for r in w.requests(4, "warmup"))
 
 
 def test_warmup_is_capped_and_shares_nothing_with_the_measured(tok, mooncake_rows):

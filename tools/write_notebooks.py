@@ -139,6 +139,16 @@ evidence beside it.
 """, **DETAILS),
     code("ns.recommendation(r)", **CHECK),
     md("""
+### Did the replay reproduce the trace?
+A trace study: per point, over its measured rounds (median, and range), the prompt tokens vLLM
+counted against the trace's, the hit rate a never-evicting cache would reach on the window
+beside vLLM's, and how late the client sent against the trace's schedule; above them, the
+requests left out (longer than `max_model_len`, or failed rows of the trace) and the prompts
+shorter than the chat template allows (sent longer than the trace says). A capacity study
+shows this beside its answer.
+""", **DETAILS),
+    code("ns.fidelity(r)", **CHECK),
+    md("""
 ### Each point, with 95% intervals
 Each cell: the point's value (each server start's median round, averaged over the
 point's starts; on a log scale for metrics that are always positive), and in brackets

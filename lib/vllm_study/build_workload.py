@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from .trace_workload import TraceWorkload
-from .traces import read_trace
+from .traces import floor_warning, read_trace
 from .workload import (MixedWorkload, MultiTurnWorkload, RandomWorkload, SharedPrefixWorkload, TemplateError,
                        random_text)
 
@@ -40,6 +40,8 @@ def check_template(tokenizer, w) -> tuple[list[str], list[str]]:
         wl = make_workload(tokenizer, w)
     except TemplateError as e:
         return [str(e)], []
+    if w.kind == "trace" and wl.inexact:
+        warnings.append(floor_warning(wl.inexact, len(wl.trace.requests), wl.prompt_floor))
     if w.api != "chat" or w.kind == "trace":  # a trace's frame was checked as its workload was made
         return problems, warnings
     if not getattr(tokenizer, "chat_template", None):

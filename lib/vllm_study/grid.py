@@ -115,6 +115,9 @@ def _trace_fit(study: Study, max_model_len: int | None, warnings: list[str]) -> 
     none of whose requests fits is an error."""
     from .traces import TraceError, read_trace
     trace = read_trace(study.workload.trace)
+    for why, n in trace.skipped.items():  # BurstGPT's failed rows: in the window's span, not replayed
+        warnings.append(f"{n} trace rows within the window are {why} and are left out (counted in each "
+                        "start's record)")
     if not max_model_len:
         return []
     try:
@@ -217,7 +220,7 @@ class PointMaker:
 
     def make(self, values: dict, pid: str | None = None) -> tuple[Point | None, list[str]]:
         """The point at `values` (and the scheduler's ratio where it is an axis), or None
-        and why vLLM would reject it (each problem one indented line)."""
+        and why the kit refuses it (each problem one indented line)."""
         study, engine = self.study, self.engine
         ratios = study.scheduler.ratios
         ratio = values.get(SCHEDULER_AXIS, ratios[0])
@@ -267,7 +270,7 @@ def expand(study: Study, engine: str) -> list[Point]:
                                   .replace("recorded in the run's study.yaml", "for vLLM's defaults point (its "
                                            "point.json records it)"))
         if problems:
-            raise StudyError("vLLM's defaults with the study's engine_args would be rejected:\n" + "\n".join(problems))
+            raise StudyError("the kit refuses vLLM's defaults with the study's engine_args:\n" + "\n".join(problems))
         return [point]
     # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
     ratios = study.scheduler.ratios
@@ -290,7 +293,8 @@ def expand(study: Study, engine: str) -> list[Point]:
         problems.append(f"  baseline {study.baseline!r} is not a point of the grid; its points are: "
                         + ", ".join(p.id for p in points))
     if problems:
-        raise StudyError("the grid has points vLLM would reject:\n" + "\n".join(problems))
+        raise StudyError("the kit refuses these points of the grid (by vLLM's rules or its own):\n"
+                         + "\n".join(problems))
     return points
 
 

@@ -256,6 +256,12 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
     return decision.slo_table(r.intervals, slo, [s.point for s in r.summaries if s.status != "ok"])
 
 
+def fidelity(r: report.Run) -> pd.DataFrame | None:
+    """A trace run's replay against its trace (report.fidelity_table); nothing for other
+    workloads, nor for a capacity study, whose answer (`recommendation`) shows it."""
+    return None if report.is_capacity_study(r) else report.fidelity_table(r)
+
+
 def _pareto_table(r: report.Run) -> pd.DataFrame:
     from . import decision
     tp = r.study.engine_args.tensor_parallel_size or 1

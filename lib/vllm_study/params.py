@@ -168,6 +168,8 @@ class TraceSpec(_Strict):
     speed: float = Field(1.0, gt=0)
     block_tokens: int | None = Field(None, ge=1, description="tokens per prefix block id (jsonl `prefix`); "
                                      "Mooncake's are 512")
+    max_output_tokens: int | None = Field(None, ge=1, description="caps each request's output at this many "
+                                          "tokens (the trace's own where shorter): long outputs take minutes on a CPU")
 
     @model_validator(mode="after")
     def _window(self):
@@ -222,6 +224,10 @@ class Workload(_Strict):
         if (self.kind == "trace") != (self.trace is not None):
             raise ValueError("workload.kind trace needs workload.trace (file, window, speed), and "
                              "workload.trace needs kind: trace")
+        # (against the default, not model_fields_set: a run's manifest stores every key, defaults included)
+        if self.kind == "trace" and self.output_tokens != type(self).model_fields["output_tokens"].default:
+            raise ValueError("workload.output_tokens is not used by a trace (its outputs are the trace's own "
+                             "lengths): remove it; to cap them, set workload.trace.max_output_tokens")
         if self.kind == "trace" and self.load.kind != "closed":
             raise ValueError("a trace brings its own arrival times: leave workload.load out (its speed is "
                              "trace.speed; load.max_concurrency is not used either)")
@@ -630,9 +636,13 @@ def _did_you_mean(key: str, options) -> str:
 def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
     """Later keys win, mappings merge key by key; except that a later `grid` (or
     `search.space`) replaces the earlier one whole (a study that names a grid means that
-    grid, not a union)."""
+    grid, not a union). A layer that makes the workload a trace does not inherit its
+    base's output_tokens: a trace brings its own (and Workload refuses the key on one)."""
     out = dict(base)
     for k, v in over.items():
+        if top and k == "workload" and isinstance(v, dict) and v.get("kind") == "trace" \
+                and isinstance(out.get(k), dict) and out[k].get("kind") != "trace":
+            out[k] = {kk: vv for kk, vv in out[k].items() if kk != "output_tokens"}
         whole = (top and k == "grid") or k == "space"  # a grid or a search space is meant whole
         merge = isinstance(v, dict) and isinstance(out.get(k), dict) and not whole
         out[k] = _deep_merge(out[k], v, top=False) if merge else v

@@ -193,6 +193,7 @@ class PointStart:
         self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
                              "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
                              "max_model_len": limit, "skipped": kept.skipped, "inexact": wl.inexact,
+                             "prompt_floor": wl.prompt_floor,
                              "rate": kept.rate, "duration_s": kept.duration_s}
         return wl
 

@@ -1092,7 +1092,13 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
         rows.append(row)
     note = (f"trace {trace['source']}: {trace['requests']} requests kept, {trace['dropped_over_max_model_len']} "
             f"longer than max_model_len={trace['max_model_len']} left out; real rate {trace['rate']:.2f} req/s")
-    print(note)
+    print(note + "".join(f"\n{n} rows {why} left out" for why, n in (trace.get("skipped") or {}).items()
+                         if not why.startswith("longer than max_model_len")))  # (that one is said above)
+    if trace.get("inexact"):  # older runs counted these prompts without recording the floor
+        from .traces import floor_warning
+        print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
+              if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
+              "chat template allows and were sent longer than the trace says")
     return pd.DataFrame(rows).set_index("point") if rows else None
 
 

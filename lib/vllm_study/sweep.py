@@ -405,6 +405,18 @@ def rounds_label(study: Study) -> str:
     return f"{study.rounds} rounds"
 
 
+# More tokens than a chat template's own frame (Qwen2.5's is 19, with its default system
+# prompt): a trace whose prompts are all this long cannot have one under the floor, and
+# the dry run skips reading the tokenizer.
+FRAME_BOUND = 256
+
+
+def _shortest_prompt(study: Study) -> int:
+    from .traces import read_trace
+    return min((r.input_tokens for r in read_trace(study.workload.trace).requests if r.prompt is None),
+               default=FRAME_BOUND)
+
+
 def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
@@ -425,6 +437,12 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
             print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:
             print(f"  warning: {w}")
+    if study.workload.kind == "trace" and not study.targets and _shortest_prompt(study) < FRAME_BOUND:
+        # a prompt may be under the chat template's floor: its tokenizer is read (seconds), and
+        # what it finds is said here as the sweep will say it (the sweep refuses a FAIL)
+        for f in doctor._model_findings(study):
+            if f.status != doctor.OK:
+                print(f"\n{f}")
     # the targets are asked (about a second) as the sweep will ask them; the model is not loaded here
     found = doctor.target_findings(study)
     if found:

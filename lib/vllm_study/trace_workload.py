@@ -42,7 +42,6 @@ class TraceWorkload(_Base):
         self._anchor, self._lead, self._tail = self._frame()
         self._blocks: dict[int, list[int]] = {}  # block id -> its piece indices (block_tokens of them)
         self._measured: list[Request] | None = None
-        self._inexact = 0
         self._batch_ok: bool | None = None  # does the batch encoder agree with _Base._ids?
 
     # ------------------------------------------------------------ the template's frame
@@ -83,6 +82,12 @@ class TraceWorkload(_Base):
     def tail_tokens(self) -> int:
         return len(self._tail)
 
+    @property
+    def prompt_floor(self) -> int:
+        """The shortest prompt the kit can send: the template's lead-in and tail around
+        one content token. A trace's shorter prompts are sent at this length."""
+        return len(self._lead) + 1 + len(self._tail)
+
     # ------------------------------------------------------------ content
 
     def _block(self, block_id: int) -> list[int]:
@@ -119,8 +124,7 @@ class TraceWorkload(_Base):
         if r.prompt is not None:
             return self._request(index, None, r.prompt, r.output_tokens, {})
         n = self._content_tokens(r.input_tokens)
-        if n < 1:  # shorter than the template alone: the nearest the kit can send
-            self._inexact += 1
+        if n < 1:  # shorter than the template alone: the nearest the kit can send (prompt_floor)
             return _Draft(index, self._own_content(1, "measure", index), r.output_tokens, None)
         content = (self._prefix_content(r.prefix, n) if r.prefix and self.trace.block_tokens
                    else self._own_content(n, "measure", index))
@@ -182,16 +186,14 @@ class TraceWorkload(_Base):
 
     def _all(self) -> list[Request]:
         if self._measured is None:
-            self._inexact = 0
             self._measured = self._finish([self._draft(i, r) for i, r in enumerate(self.trace.requests)])
         return self._measured
 
     @property
     def inexact(self) -> int:
-        """Measured requests shorter than the template's lead-in + tail + 1 token: sent
-        with 1 content token, so longer than the trace says."""
-        self._all()
-        return self._inexact
+        """Measured requests shorter than prompt_floor: sent with 1 content token, so
+        longer than the trace says (counted from the lengths: nothing is rendered)."""
+        return sum(1 for r in self.trace.requests if r.prompt is None and r.input_tokens < self.prompt_floor)
 
     def request(self, index: int, stream: str = "measure") -> Request:
         return self._all()[index] if stream == "measure" else self._finish([self._warmup_draft(index)])[0]

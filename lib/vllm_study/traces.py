@@ -110,6 +110,14 @@ class Trace:
         return hits / total
 
 
+def floor_warning(short: int, of: int, floor: int) -> str:
+    """The words for a trace's prompts shorter than the template allows (the dry run,
+    the sweep and the report say the same)."""
+    return (f"{short} of {of} trace prompts are shorter than the chat template's floor of {floor} tokens "
+            f"(its lead-in and tail around one content token): they are sent as {floor} tokens, longer than "
+            "the trace says; use workload.api: completions (a shorter floor) or another window")
+
+
 @dataclass(frozen=True)
 class ShippedTrace:
     """A window of a public trace that ships with the kit (cut by tools/cut_trace_windows.py)."""
@@ -196,15 +204,26 @@ def _prefix(label, line, name, ids, input_tokens, block, fix) -> tuple[int, ...]
     return tuple(ids)
 
 
-def _json_rows(f, label: str):
+def _json_rows(f, label: str, fmt: str):
     """(line, object) per non-blank line."""
+    first = True
     for line, text in enumerate(f, 1):
         if not text.strip():
             continue
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as e:
-            raise _err(label, line, f"not JSON ({e})", "each line must be one JSON object") from None
+            other = _sniff(text) if first else None
+            if other not in (None, fmt):
+                raise _err(label, line, f"not JSON: this looks like {_a(other)} file",
+                           f"set trace.format: {other}") from None
+            # json's own position counts lines of this one line: a line cut short is
+            # "line 2 column 1", which would contradict the file's line number
+            cut = e.pos >= len(text.rstrip()) or e.msg.startswith("Unterminated string")
+            what = ("the line ends before its object does (cut short?)" if cut else
+                    f"{e.msg.removesuffix(' at')} at character {e.pos + 1}")
+            raise _err(label, line, f"not JSON ({what})", "each line must be one JSON object") from None
+        first = False
         if not isinstance(obj, dict):
             raise _err(label, line, f"a JSON {type(obj).__name__}, not an object", "each line must be one "
                        "JSON object")
@@ -219,7 +238,24 @@ def _need(label, line, obj: dict, keys, fmt: str):
 
 def _hint(keys, fmt: str) -> str:
     other = _other_format(keys)
-    return f" (is it a {other} trace? set trace.format)" if other not in (None, fmt) else ""
+    return f"; this looks like {_a(other)} file: set trace.format: {other}" if other not in (None, fmt) else ""
+
+
+def _a(fmt: str) -> str:
+    return ("an " if fmt[0] in "aeiou" else "a ") + fmt
+
+
+def _sniff(first_line: str) -> str | None:
+    """The format a file's first line says it is in: a JSON object's keys, or a CSV
+    header's columns (None: neither that the kit knows)."""
+    text = first_line.strip()
+    if text.startswith("{"):
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return _other_format(obj) if isinstance(obj, dict) else None
+    return _other_format(c.strip() for c in next(csv.reader([text]), []))
 
 
 def _other_format(row) -> str | None:
@@ -234,7 +270,7 @@ def _other_format(row) -> str | None:
 
 def _parse_mooncake(f, label, block_tokens):
     fix = "a Mooncake row is {\"timestamp\": ms, \"input_length\": n, \"output_length\": n, \"hash_ids\": [...]}"
-    for line, o in _json_rows(f, label):
+    for line, o in _json_rows(f, label, "mooncake"):
         _need(label, line, o, ("timestamp", "input_length", "output_length", "hash_ids"), "mooncake")
         n = _length(label, line, "input_length", o["input_length"], fix)
         yield TraceRequest(_seconds(label, line, "timestamp", o["timestamp"], fix) / 1000, n,
@@ -248,7 +284,7 @@ _JSONL_KEYS = ("t_s", "input_tokens", "output_tokens", "prefix", "prompt")
 def _parse_jsonl(f, label, block_tokens):
     fix = "a jsonl row is {\"t_s\": s, \"input_tokens\": n, \"output_tokens\": n} plus an optional " \
           "\"prefix\": [block ids] or \"prompt\": text"
-    for line, o in _json_rows(f, label):
+    for line, o in _json_rows(f, label, "jsonl"):
         _need(label, line, o, _JSONL_KEYS[:3], "jsonl")
         extra = [k for k in o if k not in _JSONL_KEYS]
         if extra:
@@ -275,6 +311,11 @@ def _csv_rows(f, label, columns: tuple[str, ...], fmt: str):
     reader = csv.DictReader(f)
     header = reader.fieldnames or []
     missing = [c for c in columns if c not in header]
+    if missing and header and header[0].lstrip().startswith("{"):  # a JSON line read as CSV: not its "header"
+        other = _sniff(",".join(header))
+        looks = f": this looks like {_a(other)} file" if other else ""
+        raise _err(label, 1, "a JSON object, not a CSV header" + looks, f"set trace.format: {other}" if other
+                   else f"a {fmt} trace is CSV with the header {','.join(columns)}")
     if missing:
         raise _err(label, 1, f"the header has no column {missing[0]!r} (it has {', '.join(header) or 'nothing'})",
                    f"a {fmt} trace's header has {', '.join(columns)}" + _hint(header, fmt))
@@ -413,8 +454,13 @@ def read_trace(spec) -> Trace:
     block = _block_tokens(spec, label)
     rows = _parse_file(str(path.resolve()), path.stat().st_mtime_ns, spec.format, block, label)
     requests, failed = _window(rows, spec, label)
+    cap = spec.max_output_tokens
+    if cap is not None:
+        requests = [replace(r, output_tokens=min(r.output_tokens, cap)) for r in requests]
     window = (f"{len(requests)} requests from {spec.start_s:g} s" if spec.requests is not None else
               f"{spec.start_s:g} s to {spec.start_s + spec.duration_s:g} s" if spec.duration_s is not None else
               f"from {spec.start_s:g} s" if spec.start_s else "whole file")
+    if cap is not None:
+        window += f", outputs capped at {cap} tokens"
     return Trace(requests, block if any(r.prefix for r in requests) else None,
                  f"{label} ({spec.format}, {window})", {BURSTGPT_FAILED: failed} if failed else {})
