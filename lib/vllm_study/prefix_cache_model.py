@@ -123,56 +123,64 @@ class _Cache:
 
     def allocate(self, n: int) -> None:
         self.free -= n
-        while self.free < 0 and self.lru:
-            self.lru.popitem(last=False)
-            self.free += 1
         if self.free < 0:
-            self.short = max(self.short, int(-self.free))
+            evict = min(int(-self.free), len(self.lru))
+            pop = self.lru.popitem
+            for _ in range(evict):
+                pop(last=False)
+            self.free += evict
+            if self.free < 0:
+                self.short = max(self.short, int(-self.free))
 
     def admit(self, keys: list, input_tokens: int, block_size: int) -> tuple[int, list]:
         """A request's arrival: (hit blocks, the blocks it holds, in order; None: a block
         that is not cached yet)."""
-        hit, cap = 0, (input_tokens - 1) // block_size
-        while hit < min(len(keys), cap) and (keys[hit] in self.ref or keys[hit] in self.lru):
+        ref, lru = self.ref, self.lru  # locals: this loop runs once per block of the trace
+        hit, most = 0, min(len(keys), (input_tokens - 1) // block_size)
+        while hit < most and (keys[hit] in ref or keys[hit] in lru):
             hit += 1
         for k in keys[:hit]:  # touch: out of the eviction queue while held
-            if k in self.lru:
-                del self.lru[k]
-                self.ref[k] = 1
+            if k in lru:
+                del lru[k]
+                ref[k] = 1
             else:
-                self.ref[k] += 1
+                ref[k] += 1
         for k in keys[hit:]:
-            if k in self.lru:  # a stale copy (past the prompt - 1 cap): the new block takes its name
-                del self.lru[k]
+            if k in lru:  # a stale copy (past the prompt - 1 cap): the new block takes its name
+                del lru[k]
                 self.free += 1
-        blocks = list(keys[:hit])
-        self.allocate(math.ceil(input_tokens / block_size) - hit)
+        blocks = keys[:hit]
+        n = -(-input_tokens // block_size)
+        self.allocate(n - hit)
         for k in keys[hit:]:
-            if k in self.ref:  # held by a running request: a second, unnamed copy
+            if k in ref:  # held by a running request: a second, unnamed copy
                 blocks.append(None)
             else:
-                self.ref[k] = 1
+                ref[k] = 1
                 blocks.append(k)
-        blocks += [None] * (math.ceil(input_tokens / block_size) - len(blocks))
+        blocks += [None] * (n - len(blocks))
         return hit, blocks
 
     def finish(self, blocks: list, computed_tokens: int, block_size: int) -> None:
         """Free a request's blocks, last first. Full blocks stay cached (unnamed ones under
         a name of their own, never hit); the partial last block returns to the free pool."""
+        ref, lru = self.ref, self.lru
         full = computed_tokens // block_size
         for pos in range(len(blocks) - 1, -1, -1):
             k = blocks[pos]
             if k is None:
                 if pos < full:
                     self.serial += 1
-                    self.lru[(None, -1, self.serial)] = None
+                    lru[(None, -1, self.serial)] = None
                 else:
                     self.free += 1
             else:
-                self.ref[k] -= 1
-                if self.ref[k] == 0:
-                    del self.ref[k]
-                    self.lru[k] = None
+                c = ref[k]
+                if c == 1:
+                    del ref[k]
+                    lru[k] = None
+                else:
+                    ref[k] = c - 1
 
 
 def simulate(measured: Sequence[TraceRequest], *, block_tokens: int | None, kv_tokens: int | None,
