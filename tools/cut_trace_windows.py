@@ -1,11 +1,13 @@
 """Cut the trace windows the kit ships (vllm_study.traces.SHIPPED) from the full public
-traces, and write their README and licence files beside them.
+traces, copy the full traces beside them (as published, gzipped), and write their README
+and licence files.
 
     python tools/cut_trace_windows.py [SOURCE_FOLDER]   # default: ../shared/traces
 
 Each window is the original's first N requests, byte for byte (a CSV's header and any
 byte-order mark kept), gzipped deterministically (no name, mtime 0), so re-running
-writes identical files.
+writes identical files. The full traces are copied byte for byte under their original
+names (`ShippedTrace.original`), for windows taken across the whole trace (windows.py).
 """
 from __future__ import annotations
 
@@ -53,6 +55,12 @@ def readme() -> str:
         rows.append(f"| `{s.file}` | `{name}` | {s.source} | {s.licence} (`{s.licence_file}`) "
                     f"| {s.requests} | {t.duration_s:.1f} s ({t.rate:.2f} req/s) | {size / 1024:.0f} KiB |")
     attributions = "\n".join(f"- `{name}`: {s.attribution}" for name, s in SHIPPED.items())
+    full = []
+    for name, s in SHIPPED.items():
+        t = read_trace(TraceSpec(file=str(DATA / s.original), format=s.format))
+        full.append(f"| `{s.original}` | `{name}` | {s.source} | {s.licence} (`{s.licence_file}`) "
+                    f"| {len(t.requests):,} | {t.duration_s:,.1f} s ({t.rate:.2f} req/s) "
+                    f"| {(DATA / s.original).stat().st_size / 1024:.0f} KiB |")
     return f"""# Shipped trace windows
 
 The first requests of public LLM serving traces, byte for byte (gzipped), for
@@ -63,12 +71,24 @@ from the full traces; do not edit by hand.
 |---|---|---|---|---|---|---|
 {chr(10).join(rows)}
 
+## Whole traces
+
+The full published traces, byte for byte as their sources publish them (gzipped), for
+windows taken across the whole trace (`vllm_study.windows`) and the prefix-cache model
+(`vllm_study.prefix_cache_model`); the windows above are their first rows.
+
+| file | windows above | source (repository @ commit, path) | licence | requests | span | size |
+|---|---|---|---|---|---|---|
+{chr(10).join(full)}
+
 Mooncake timestamps are milliseconds and its `hash_ids` stand for 512-token prefix
 blocks; Azure rows carry lengths only (no prefix information).
 
 ## Attribution
 
 {attributions}
+
+The whole traces: the same sources and licences, every request, unchanged.
 """
 
 
@@ -82,6 +102,7 @@ def main(argv=None) -> None:
         data = first_lines(args.source / s.original, HEADER_LINES[s.format] + s.requests)
         write_gzip(s.path, data)
         print(f"{s.path}: {s.requests} requests, {s.path.stat().st_size} bytes")
+        shutil.copyfile(args.source / s.original, DATA / s.original)
     for lic in sorted({s.licence_file for s in SHIPPED.values()}):
         shutil.copyfile(args.source / lic, DATA / lic)
     (DATA / "README.md").write_text(readme())
