@@ -12,7 +12,7 @@ import argparse
 
 import pandas as pd
 
-from vllm_study import report
+from vllm_study.report import report
 
 
 def steps_table(r: report.Run) -> pd.DataFrame:

@@ -14,7 +14,8 @@ import argparse
 
 import pandas as pd
 
-from vllm_study import analysis, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.report import report
 
 COUNTERS = ("pb_deferred", "pb_admitted_by_age", "pb_admitted_idle", "pb_defer_ms_p50", "pb_defer_ms_p99")
 # the report's column names, as this script has always shown them

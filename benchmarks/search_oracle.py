@@ -28,9 +28,11 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import analysis, config_search as cs, metrics  # noqa: E402
-from vllm_study.params import Search  # noqa: E402
-from vllm_study.report import Run  # noqa: E402
+from vllm_study.analysis import intervals as analysis  # noqa: E402
+from vllm_study.search import config_search as cs  # noqa: E402
+from vllm_study.vocab import metrics  # noqa: E402
+from vllm_study.define.params import Search  # noqa: E402
+from vllm_study.report.report import Run  # noqa: E402
 
 
 def oracle(run: Run, objective: str):

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_study import metrics
-from vllm_study.grid import PointPlan, Unit, expand
-from vllm_study.machine import CpuInfo, Machine, Versions
-from vllm_study.params import study_from_dict
-from vllm_study.point import summarize
-from vllm_study.results import GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord
+from vllm_study.vocab import metrics
+from vllm_study.define.grid import PointPlan, Unit, expand
+from vllm_study.launch.machine import CpuInfo, Machine, Versions
+from vllm_study.define.params import study_from_dict
+from vllm_study.measure.point import summarize
+from vllm_study.records.results import (GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord)
 
 CPU = CpuInfo(model="test CPU", machine="x86_64", cores=2, capability="AVX2", avx512=False, avx512_bf16=False,
               amx=False)

@@ -13,9 +13,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from synthetic_run import make_run  # noqa: E402
-from vllm_study import axes, plots, report  # noqa: E402
-from vllm_study.grid import expand, point_id  # noqa: E402
-from vllm_study.params import EngineArgs, study_from_dict  # noqa: E402
+from vllm_study.vocab import axes  # noqa: E402
+from vllm_study.report import plots, report  # noqa: E402
+from vllm_study.define.grid import expand, point_id  # noqa: E402
+from vllm_study.define.params import EngineArgs, study_from_dict  # noqa: E402
 
 # every axis grid.expand can put in a point id: a grid axis is an engine argument the kit
 # knows; the scheduler's ratio is added where it lists several values

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import capacity
-from vllm_study.params import StudyError, study_from_dict
+from vllm_study.capacity import bracket as capacity
+from vllm_study.define.params import StudyError, study_from_dict
 
 
 def _measure(true_capacity: float, log: list[float]):
@@ -130,7 +130,7 @@ H200_RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T153023Z-h
 def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_zero():
     """The committed H200 run: vLLM's default (8192, caching on) missed ITL P99 at speed 0.5
     in both starts, so its capacity is below 0.5 x 3.73 req/s and the gain a lower bound."""
-    from vllm_study import report
+    from vllm_study.report import report
     r = report.Run.load(H200_RUN)
     answer = report.capacity_answer(r)
     assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer

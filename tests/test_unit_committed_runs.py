@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import axes, report
+from vllm_study.vocab import axes
+from vllm_study.report import report
 from vllm_study import notebook_support as ns
-from vllm_study.params import Study
+from vllm_study.define.params import Study
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/manifest.json"))
@@ -38,7 +39,7 @@ SEARCH_RUN = "20261202T122846Z-h200-mooncake-search-6581d2b"
 def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
     """vLLM's defaults and trial 4 missed the SLO at the search's lowest load (1 x the
     trace's 3.08 req/s): their capacity is unmeasured below it, not 0."""
-    from vllm_study import search_report
+    from vllm_study.search import search_report
     r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
     capacity = next(c for c in report.headline_table(r).columns if c.startswith("capacity"))
     assert report.headline_table(r).loc["vllm-defaults", capacity] == "below 3.08"
@@ -54,7 +55,7 @@ def test_the_search_history_draws_a_trial_below_the_bracket_at_the_lowest_load_n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllm_study import search_report
+    from vllm_study.search import search_report
     r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
     assert search_report.history_figure(r, below_at=report.lowest_load_rps(r)) is None
     ax = plt.gcf().axes[0]

@@ -7,9 +7,9 @@ import optuna
 import pandas as pd
 import pytest
 
-from vllm_study import config_search as cs
-from vllm_study.params import StudyError, study_from_dict
-from vllm_study.search_report import best_so_far
+from vllm_study.search import config_search as cs
+from vllm_study.define.params import StudyError, study_from_dict
+from vllm_study.search.search_report import best_so_far
 
 SPACE = {"max_num_batched_tokens": [256, 512, 1024, 2048], "max_num_seqs": [8, 32, 128],
          "gpu_memory_utilization": {"float": [0.80, 0.95], "step": 0.05}}

@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from synthetic_run import make_run
-from vllm_study import compare, decision, export, report
-from vllm_study.results import Resume
+from vllm_study.report import compare, export, report
+from vllm_study.analysis import decision
+from vllm_study.records.results import Resume
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 

@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from vllm_study import analysis, metrics, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.vocab import metrics
+from vllm_study.report import report
 
 
 def _rounds(values: dict[str, list[list[float]]], metric: str) -> pd.DataFrame:

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from synthetic_run import make_run
-from vllm_study import analysis, cli, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study import cli
+from vllm_study.report import report
 
 ON, OFF = "mbt=256__mrr=0.80", "mbt=256__mrr=off"
 ON2, OFF2 = "mbt=512__mrr=0.80", "mbt=512__mrr=off"

@@ -26,8 +26,10 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 from PIL import Image  # noqa: E402
 
 from synthetic_run import make_run  # noqa: E402
-from vllm_study import decision, notebook_support, plots, report  # noqa: E402
-from vllm_study.results import RunFolder  # noqa: E402
+from vllm_study.analysis import decision  # noqa: E402
+from vllm_study import notebook_support  # noqa: E402
+from vllm_study.report import plots, report  # noqa: E402
+from vllm_study.records.results import RunFolder  # noqa: E402
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 REPORT_NB = Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from vllm_study.grid import expand
-from vllm_study.params import StudyError, study_from_dict
+from vllm_study.define.grid import expand
+from vllm_study.define.params import StudyError, study_from_dict
 
 
 def _study(trace: dict, **over) -> dict:

@@ -15,12 +15,13 @@ import pytest
 from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
-from vllm_study import traces, workload
-from vllm_study.models import build_model_dir
-from vllm_study.params import TraceSpec
-from vllm_study.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
-from vllm_study.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
-from vllm_study.workload import word_pieces
+from vllm_study.define import traces
+from vllm_study.workload import workload
+from vllm_study.define.models import build_model_dir
+from vllm_study.define.params import TraceSpec
+from vllm_study.workload.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
+from vllm_study.define.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
+from vllm_study.workload.workload import word_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_TRACES = ROOT.parent / "shared" / "traces"

@@ -1,4 +1,4 @@
-"""Cut the trace windows the kit ships (vllm_study.traces.SHIPPED) from the full public
+"""Cut the trace windows the kit ships (vllm_study.define.traces.SHIPPED) from the full public
 traces, and write their README and licence files beside them.
 
     python tools/cut_trace_windows.py [SOURCE_FOLDER]   # default: ../shared/traces
@@ -16,8 +16,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from vllm_study.params import TraceSpec
-from vllm_study.traces import DATA, SHIPPED, read_trace
+from vllm_study.define.params import TraceSpec
+from vllm_study.define.traces import DATA, SHIPPED, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER_LINES = {"mooncake": 0, "jsonl": 0, "azure": 1, "burstgpt": 1}

@@ -37,7 +37,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from . import metrics
+from ..vocab import metrics
 
 Z_LEVEL = 0.975  # two-sided 95%
 # a point's own variance above this quantile of F against the other points' pooled one:

@@ -8,9 +8,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from . import analysis, metrics
+from ..analysis import intervals as analysis
+from ..vocab import metrics
 from .config_search import JOURNAL, TRIAL_BLOCK, feasible
-from .grid import DEFAULTS_POINT
+from ..define.grid import DEFAULTS_POINT
 
 
 NOT_CONFIRMED = ("Nothing is decided yet: the confirmation starts have not run (the trials' own starts are not "

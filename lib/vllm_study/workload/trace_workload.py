@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import NamedTuple
 
-from .traces import Trace, TraceRequest
+from ..define.traces import Trace, TraceRequest
 from .workload import Request, TemplateError, _Base
 
 WARMUP_MAX_INPUT = 1024  # warmup prompts: the trace's first lengths, capped to keep warmup short

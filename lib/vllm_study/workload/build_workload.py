@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from .trace_workload import TraceWorkload
-from .traces import read_trace
+from ..define.traces import read_trace
 from .workload import (MixedWorkload, MultiTurnWorkload, RandomWorkload, SharedPrefixWorkload, TemplateError,
                        random_text)
 

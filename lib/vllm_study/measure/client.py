@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from . import net, stats
-from .workload import Request
+from ..launch import net
+from . import stats
+from ..workload.workload import Request
 
 # aiohttp's default 64 KiB read buffer collapses throughput on long streams (vLLM
 # issue 39963); 4 MiB keeps the client far from being the bottleneck.

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import net
+from ..launch import net
 from .client import auth_header
-from .machine import NvmlProbe
+from ..launch.machine import NvmlProbe
 
 COUNTERS = {
     "prefix_cache_queries": "vllm:prefix_cache_queries_total",

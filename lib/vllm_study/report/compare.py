@@ -19,9 +19,11 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from . import analysis, metrics, report
-from .analysis import Difference
-from .params import Study
+from ..analysis import intervals as analysis
+from ..vocab import metrics
+from . import report
+from ..analysis.intervals import Difference
+from ..define.params import Study
 
 METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
 # What the requests were (and, for capacity, the search over their load, with its SLO):

@@ -14,12 +14,12 @@ from pathlib import Path
 import yaml
 from tqdm import tqdm
 
-from .grid import Unit
+from ..define.grid import Unit
 from .point import summarize
-from .results import LOG, NOTEBOOK, ROUNDS, START, RunFolder, StartRecord, read_rounds
-from .server import pgid_path, stop_group_from_file
+from ..records.results import LOG, NOTEBOOK, ROUNDS, START, RunFolder, StartRecord, read_rounds
+from ..launch.server import pgid_path, stop_group_from_file
 
-REPO = Path(__file__).resolve().parents[2]  # a source checkout: its notebooks/ folder, below
+REPO = Path(__file__).resolve().parents[3]  # a source checkout: its notebooks/ folder, below
 
 
 def notebook(name: str) -> Path:

@@ -36,8 +36,8 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from .grid import DEFAULTS_POINT, Unit, point_id
-from .params import CONDITION, FloatRange, IntRange, Search, Study, StudyError
+from ..define.grid import DEFAULTS_POINT, Unit, point_id
+from ..define.params import CONDITION, FloatRange, IntRange, Search, Study, StudyError
 
 JOURNAL = "search.journal"
 MAX_SKIPS = 100  # proposals in a row that start nothing: the space has nothing new the sampler would try
@@ -356,7 +356,7 @@ class TrialSource:
         return self
 
     def __next__(self) -> Unit:
-        from .grid import PointPlan
+        from ..define.grid import PointPlan
         p = self.loop.propose()
         if p is None:
             raise StopIteration

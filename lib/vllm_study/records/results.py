@@ -29,10 +29,10 @@ from typing import Any, Literal
 import pandas as pd
 from pydantic import BaseModel, field_validator
 
-from . import metrics
-from .capacity import CapacityRecord
-from .grid import Effective, PointPlan, Unit
-from .machine import GpuInfo, Machine, Versions, describe, versions
+from ..vocab import metrics
+from ..capacity.bracket import CapacityRecord
+from ..define.grid import Effective, PointPlan, Unit
+from ..launch.machine import GpuInfo, Machine, Versions, describe, versions
 
 MANIFEST, STUDY, SUMMARY_CSV, POINTS = "manifest.json", "study.yaml", "summary.csv", "points"
 POINT_PLAN, POINT_SUMMARY = "point.json", "summary.json"

@@ -265,7 +265,7 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _start_ahead_needs_info_lines(self):
-        from .server import engine_init_visible  # the kit's one reading of vLLM's logging variables
+        from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
         why = engine_init_visible(self.env) if self.start_ahead else None
         if why:
             raise ValueError(f"server.start_ahead holds a server at its engine's INFO line, but server.env: {why}; "
@@ -320,7 +320,7 @@ def _check_slo(bounds: dict[str, float]) -> dict[str, float]:
     """An SLO is a bound per latency metric at a statistic: ttft_p99_ms: 500 means the
     point's TTFT P99 must stay at or under 500 ms, and a request meets it when its own
     TTFT does (its own P99 gap, for ITL)."""
-    from .metrics import LATENCIES
+    from ..vocab.metrics import LATENCIES
     allowed = [f"{lat}_{stat}_ms" for lat in LATENCIES for stat in SLO_STATS]
     for key in bounds:
         if key not in allowed:
@@ -363,7 +363,7 @@ class Precision(_Strict):
 
     @model_validator(mode="after")
     def _known(self):
-        from .metrics import REGISTRY
+        from ..vocab.metrics import REGISTRY
         if self.metric not in REGISTRY:
             raise ValueError(f"precision.metric {self.metric!r} is not a metric the kit reports"
                              f"{_did_you_mean(self.metric, REGISTRY)}")
@@ -495,7 +495,7 @@ class Search(_Strict):
             if extra:
                 raise ValueError(f"search.first[{i}]: {sorted(extra)} not in search.space; a first "
                                  "configuration gives values of the space's knobs")
-        from .metrics import REGISTRY
+        from ..vocab.metrics import REGISTRY
         if self.objective is not None:
             if self.objective not in REGISTRY:
                 raise ValueError(f"search.objective {self.objective!r} is not a metric the kit reports"
@@ -508,7 +508,7 @@ class Search(_Strict):
     @property
     def goal(self) -> str:
         """maximize or minimize: search.direction, else the objective's better direction."""
-        from .metrics import get
+        from ..vocab.metrics import get
         return self.direction or ("maximize" if get(self.objective).better == "higher" else "minimize")
 
     @property

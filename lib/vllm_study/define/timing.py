@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 
-from . import capacity, hardware, models
+from ..capacity import bracket as capacity
+from ..launch import hardware
+from . import models
 from .params import Study
 
 CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0

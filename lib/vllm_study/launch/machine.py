@@ -182,7 +182,7 @@ class Versions(BaseModel):
 
 
 def versions() -> Versions:
-    from . import __version__
+    from .. import __version__
     dist = vllm_distribution()
     return Versions(vllm_distribution=dist, vllm=_version(dist) if dist else None, torch=_version("torch"),
                     vllm_study=__version__, python=platform.python_version(), interpreter=sys.executable)

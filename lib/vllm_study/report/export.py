@@ -22,10 +22,14 @@ from pathlib import Path
 
 import yaml
 
-from . import decision, metrics, models, report, server
-from .params import Load, ModelSpec
-from .point import PLACE_ENV
-from .results import RunFolder
+from ..analysis import decision
+from ..vocab import metrics
+from ..define import models
+from . import report
+from ..launch import server
+from ..define.params import Load, ModelSpec
+from ..measure.point import PLACE_ENV
+from ..records.results import RunFolder
 
 # The real checkpoints whose architectures the kit's cards stand for (dummy weights).
 CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",

@@ -19,9 +19,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from . import axes
-from .axes import SCHEDULER_AXIS
-from .machine import cpu_dtype
+from ..vocab import axes
+from ..vocab.axes import SCHEDULER_AXIS
+from ..launch.machine import cpu_dtype
 from .params import EngineArgs, Study, StudyError, Target, _explain
 
 

@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass, field, replace
 
-from .params import sample_length
+from ..define.params import sample_length
 
 _WORD = re.compile(r"[a-z]{3,12}")
 MAX_PIECES = 8192  # enough variety; bounds the round-trip check on large vocabularies

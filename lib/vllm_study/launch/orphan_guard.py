@@ -43,7 +43,7 @@ POLL_S = 0.5
 def launch(scratch: Path) -> subprocess.Popen:
     """A guard for this process (the Ray worker) and its start's scratch folder; started
     before anything it may have to stop."""
-    return subprocess.Popen([sys.executable, "-m", "vllm_study.orphan_guard", str(os.getpid()), str(scratch)],
+    return subprocess.Popen([sys.executable, "-m", "vllm_study.launch.orphan_guard", str(os.getpid()), str(scratch)],
                             stdin=subprocess.PIPE, start_new_session=True)
 
 

@@ -20,18 +20,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-from . import capacity, client, counters, hardware, loads, models, stats
-from .grid import PointPlan
-from .machine import NvmlProbe, vllm_accepts
-from .results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
-                      capacity_figures, compress_log, now_utc, read_log, START)
-from .prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
-from .prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from .slots import SlotLock, compile_cache_env
-from .server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
-                     serve_command, stop_group_from_file)
-from .traces import read_trace
-from .build_workload import make_workload
+from ..capacity import bracket as capacity
+from . import client, counters, stats
+from ..launch import hardware
+from ..workload import loads
+from ..define import models
+from ..define.grid import PointPlan
+from ..launch.machine import NvmlProbe, vllm_accepts
+from ..records.results import (LOG, Launch, PointFolder, PointSummary, RoundRecord, StartRecord, append_round,
+                               capacity_figures, compress_log, now_utc, read_log, START)
+from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
+from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from ..launch.slots import SlotLock, compile_cache_env
+from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, failure_reason, free_port, pgid_path,
+                             serve_command, stop_group_from_file)
+from ..define.traces import read_trace
+from ..workload.build_workload import make_workload
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -183,7 +187,7 @@ class PointStart:
     def _trace_workload(self):
         """The trace's window, less the requests longer than the server allows (counted in
         start.json), as prompts of exact length and prefix structure."""
-        from .trace_workload import TraceWorkload
+        from ..workload.trace_workload import TraceWorkload
         w = self.study.workload
         trace = read_trace(w.trace)
         limit = (self.point.effective.max_model_len if self.point.effective else None) \

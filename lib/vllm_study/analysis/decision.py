@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from . import analysis, metrics
+from . import intervals as analysis
+from ..vocab import metrics
 
 
 def slo_table(intervals: pd.DataFrame, slo: dict[str, float]) -> pd.DataFrame:

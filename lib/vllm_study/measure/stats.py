@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .metrics import GROUP_METRICS, PERCENTILES
-from .results import Estimate, GroupRecord, RoundRecord
+from ..vocab.metrics import GROUP_METRICS, PERCENTILES
+from ..records.results import Estimate, GroupRecord, RoundRecord
 
 GROUP_KEYS = ("class", "turn", "step", "prefix")  # tags the workloads and load models set
 

@@ -17,7 +17,8 @@ import seaborn as sns
 from matplotlib.patches import Rectangle
 from matplotlib.textpath import TextPath
 
-from . import analysis, axes, metrics
+from ..analysis import intervals as analysis
+from ..vocab import axes, metrics
 from .report import Run, long_estimates
 
 PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
