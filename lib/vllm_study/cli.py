@@ -5,6 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
+# Each command imports what it needs inside main(): pandas (records, report) and papermill
+# (sweep) take a second to import, and --help or a mistyped command answer at once.
 from .executors import EXECUTORS
 from .define.params import StudyError
 

@@ -16,6 +16,8 @@ from .vocab import axes, metrics
 from .report import plots, report
 from .point_notebook import display_options
 from .records.results import RunFolder
+from .analysis import decision
+from .report import compare
 
 display_options()
 
@@ -140,7 +142,7 @@ def answer_figure(r: report.Run) -> None:
     axis, the trend lines (a capacity study's capacity among them); an endpoint study has
     none (nothing is shown: its answer is the target comparison)."""
     if r.search:  # its confirmed points are too few for heatmaps: the search's own history instead
-        from .search import search_report
+        from .search import search_report  # optuna (0.6 s to import) only where a run searched
         below_at = report.lowest_load_rps(r)
         why = search_report.history_figure(r, out=r.folder.figures / "search.png", below_at=below_at)
         if why:
@@ -239,7 +241,6 @@ def versus_baseline(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
 def recommendation(r: report.Run) -> pd.DataFrame | None:
     """The report's answer: the point to run under the study's SLO, what it cannot be
     told apart from, what the runner-up trades; and each point against each SLO bound."""
-    from .analysis import decision
     answer = report.capacity_answer(r)
     if answer:  # a capacity study: answered by the load each config sustains within the SLO
         print(answer)
@@ -258,7 +259,6 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
 
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:
-    from .analysis import decision
     tp = r.study.engine_args.tensor_parallel_size or 1
     return decision.pareto_table(r.intervals, tp)
 
@@ -293,7 +293,6 @@ def explore(r: report.Run, metric: str, x: str = "", hue: str = "", other: repor
     iv = r.intervals[r.intervals["metric"] == metric]
     t = iv.set_index("point")[["value", "ci_low", "ci_high", "starts", "rounds"]]
     if other is not None:
-        from .report import compare
         d = compare.compare(r.folder.path, other.folder.path, [metric])
         if not d.empty:
             t = t.join(d.set_index("point")[["B", "change", "low", "high", "verdict"]].add_prefix("other "))

@@ -23,14 +23,17 @@ import yaml
 from tqdm import tqdm
 
 from . import doctor, executors
-from .define.grid import Point, PointPlan, Unit, expand, run_order
+from .define.grid import Point, PointMaker, PointPlan, Unit, expand, run_order
 from .launch.machine import cpu_dtype, describe, resolve_engine, versions
-from .define.params import Study, StudyError, load_study
+from .define.params import FloatRange, IntRange, Study, StudyError, load_study
 from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
 from .measure.point import summarize
 from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
+from .analysis.intervals import point_intervals, relative_width
+from .define.timing import estimate_minutes
+from .report.report import export_html
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: its git state
 
@@ -195,8 +198,7 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
     """A search: the trials Optuna proposes (first any a stopped run left unfinished), one
     start each, within search.minutes; then fresh starts of the best and of vLLM's
     defaults (config_search.py)."""
-    from .search import config_search as cs
-    from .define.grid import PointMaker
+    from .search import config_search as cs  # optuna (0.6 s to import) only where a run searched
     maker = PointMaker(study, engine)
     loop = cs.SearchLoop.in_run(run.path, study, cs.checker(maker))
     source = cs.TrialSource(loop, run, study, maker, engine)
@@ -307,7 +309,6 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     asked and that have fewer than `precision.max_starts` starts; appended to the
     manifest's order (so --resume runs it too). Empty when every point is precise
     enough or at its cap."""
-    from .analysis.intervals import point_intervals, relative_width
     prec = study.precision
     manifest = run.manifest()
     iv = point_intervals(run.rounds_table(), [prec.metric])
@@ -370,13 +371,11 @@ def render_report(run: RunFolder, slo: str = "") -> Path:
     with _kernel_chatter_held():
         pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},
                             cwd=str(run.path), progress_bar=False, kernel_name="python3")
-    from .report.report import export_html
     export_html(run)
     return out
 
 
 def search_space_label(study: Study) -> str:
-    from .define.params import FloatRange, IntRange
     parts = []
     for name, dim in study.search.space.items():
         if isinstance(dim, IntRange):
@@ -407,7 +406,6 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
     points = expand(study, engine)
-    from .define.timing import estimate_minutes
     gpus = describe().gpus
     minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "

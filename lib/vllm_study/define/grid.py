@@ -23,6 +23,8 @@ from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
 from .params import EngineArgs, Study, StudyError, Target, _explain
+from .models import max_positions
+from .traces import TraceError, read_trace
 
 
 class Effective(BaseModel):
@@ -113,7 +115,6 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
 def _trace_fit(study: Study, max_model_len: int | None, warnings: list[str]) -> list[str]:
     """A trace's requests longer than the server allows are dropped and counted; a window
     none of whose requests fits is an error."""
-    from .traces import TraceError, read_trace
     trace = read_trace(study.workload.trace)
     if not max_model_len:
         return []
@@ -208,7 +209,6 @@ class PointMaker:
     study (the model's positions and the CPU KV default are looked up here)."""
 
     def __init__(self, study: Study, engine: str):
-        from .models import max_positions
         self.study, self.engine = study, engine
         self.supported = max_positions(study.model)
         self.kv = cpu_kv_default(study, engine)
@@ -251,7 +251,6 @@ def expand(study: Study, engine: str) -> list[Point]:
         return [Point(id=f"target={t.name}", values={"target": t.name}, engine_args=EngineArgs(),
                       target=t) for t in study.targets]
     if study.workload.kind == "trace":  # a trace that does not parse is refused before anything starts
-        from .traces import TraceError, read_trace
         try:
             read_trace(study.workload.trace)
         except (TraceError, OSError) as e:

@@ -19,6 +19,10 @@ import yaml
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
                       ValidationError, model_validator)
 
+from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
+from .models import CARDS
+from .traces import SHIPPED
+
 
 class StudyError(ValueError):
     """A study definition that cannot run; the message lists every problem found."""
@@ -68,7 +72,6 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _card_known(self):
-        from .models import CARDS
         if self.path is None and self.card not in CARDS:
             raise ValueError(f"unknown card {self.card!r}; known: {', '.join(CARDS)} "
                              "(or set model.path to a model id or folder)")
@@ -173,7 +176,6 @@ class TraceSpec(_Strict):
     def _window(self):
         if self.requests is not None and self.duration_s is not None:
             raise ValueError("trace: give the window as `requests` or as `duration_s`, not both")
-        from .traces import SHIPPED
         if self.format is None:
             if self.file not in SHIPPED:
                 raise ValueError(f"trace.format is needed for {self.file!r} (not a shipped window: "
@@ -265,7 +267,6 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _start_ahead_needs_info_lines(self):
-        from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
         why = engine_init_visible(self.env) if self.start_ahead else None
         if why:
             raise ValueError(f"server.start_ahead holds a server at its engine's INFO line, but server.env: {why}; "
@@ -320,7 +321,7 @@ def _check_slo(bounds: dict[str, float]) -> dict[str, float]:
     """An SLO is a bound per latency metric at a statistic: ttft_p99_ms: 500 means the
     point's TTFT P99 must stay at or under 500 ms, and a request meets it when its own
     TTFT does (its own P99 gap, for ITL)."""
-    from ..vocab.metrics import LATENCIES
+    from ..vocab.metrics import LATENCIES  # metrics imports pandas; the CLI reads a study before it needs it
     allowed = [f"{lat}_{stat}_ms" for lat in LATENCIES for stat in SLO_STATS]
     for key in bounds:
         if key not in allowed:
@@ -363,7 +364,7 @@ class Precision(_Strict):
 
     @model_validator(mode="after")
     def _known(self):
-        from ..vocab.metrics import REGISTRY
+        from ..vocab.metrics import REGISTRY  # metrics imports pandas; the CLI reads a study before it needs it
         if self.metric not in REGISTRY:
             raise ValueError(f"precision.metric {self.metric!r} is not a metric the kit reports"
                              f"{_did_you_mean(self.metric, REGISTRY)}")
@@ -495,7 +496,7 @@ class Search(_Strict):
             if extra:
                 raise ValueError(f"search.first[{i}]: {sorted(extra)} not in search.space; a first "
                                  "configuration gives values of the space's knobs")
-        from ..vocab.metrics import REGISTRY
+        from ..vocab.metrics import REGISTRY  # metrics imports pandas; the CLI reads a study before it needs it
         if self.objective is not None:
             if self.objective not in REGISTRY:
                 raise ValueError(f"search.objective {self.objective!r} is not a metric the kit reports"
@@ -508,7 +509,7 @@ class Search(_Strict):
     @property
     def goal(self) -> str:
         """maximize or minimize: search.direction, else the objective's better direction."""
-        from ..vocab.metrics import get
+        from ..vocab.metrics import get  # metrics imports pandas; the CLI reads a study before it needs it
         return self.direction or ("maximize" if get(self.objective).better == "higher" else "minimize")
 
     @property

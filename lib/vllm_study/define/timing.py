@@ -23,6 +23,7 @@ from ..capacity import bracket as capacity
 from ..launch import hardware
 from . import models
 from .params import Study
+from .traces import read_trace
 
 CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
 # of a GPU start, left on the critical path by a start ahead: its configuration compiled
@@ -58,7 +59,6 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
 
 
 def _trace(study: Study):
-    from .traces import read_trace
     return read_trace(study.workload.trace)
 
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from .. import __version__
+
 
 class GpuInfo(BaseModel):
     index: int
@@ -182,7 +184,6 @@ class Versions(BaseModel):
 
 
 def versions() -> Versions:
-    from .. import __version__
     dist = vllm_distribution()
     return Versions(vllm_distribution=dist, vllm=_version(dist) if dist else None, torch=_version("torch"),
                     vllm_study=__version__, python=platform.python_version(), interpreter=sys.executable)

@@ -36,6 +36,7 @@ from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, 
                              serve_command, stop_group_from_file)
 from ..define.traces import read_trace
 from ..workload.build_workload import make_workload
+from ..workload.trace_workload import TraceWorkload
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -187,7 +188,6 @@ class PointStart:
     def _trace_workload(self):
         """The trace's window, less the requests longer than the server allows (counted in
         start.json), as prompts of exact length and prefix structure."""
-        from ..workload.trace_workload import TraceWorkload
         w = self.study.workload
         trace = read_trace(w.trace)
         limit = (self.point.effective.max_model_len if self.point.effective else None) \

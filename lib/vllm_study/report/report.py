@@ -17,8 +17,10 @@ import pandas as pd
 from ..analysis import intervals as analysis
 from ..vocab import axes, metrics
 from ..vocab.axes import SCHEDULER_AXIS
-from ..define.params import Search, Study, TraceSpec, study_from_dict
+from ..define.params import Search, Study, TraceSpec, _check_slo, study_from_dict
 from ..records.results import Manifest, PointSummary, RunFolder
+from ..analysis import decision
+from ..define.grid import DEFAULTS_POINT
 
 
 @dataclass
@@ -41,7 +43,7 @@ class Run:
         rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
         run = cls(folder, folder.manifest(), folder.summaries(), rounds, pd.DataFrame(), slo or None)
         if run.search:
-            from ..search.config_search import TRIAL_BLOCK
+            from ..search.config_search import TRIAL_BLOCK  # optuna (0.6 s to import) only where a run searched
             confirmed = {u.point for u in run.manifest.order if u.block > TRIAL_BLOCK}
             run.trial_rounds = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
             run.rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
@@ -66,7 +68,6 @@ class Run:
         """The point every other is compared with: the study's `baseline`; for a search,
         vLLM's defaults."""
         if self.search:
-            from ..define.grid import DEFAULTS_POINT
             return DEFAULTS_POINT
         return self.study.baseline
 
@@ -98,7 +99,6 @@ class Run:
 
 def parse_slo(text: str) -> dict[str, float]:
     """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is."""
-    from ..define.params import _check_slo
     if not text.strip():
         return {}
     try:
@@ -853,7 +853,6 @@ def capacity_answer(r: Run) -> str | None:
     """The capacity study's answer in words: the best config's capacity with its interval
     (and as a multiple of the trace's real rate), the baseline's (vLLM's defaults where
     the study names them so), and the difference, called an effect only when resolved."""
-    from ..analysis import decision
     if not is_capacity_study(r):
         return None
     bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
@@ -996,7 +995,7 @@ def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
 def search_trials(r: Run) -> pd.DataFrame | None:
     """A search's trials, one row per server start; in a capacity search, a trial that
     missed the SLO missed it at the lowest load and shows that bound."""
-    from ..search import search_report
+    from ..search import search_report  # optuna (0.6 s to import) only where a run searched
     return search_report.trials_table(r, below=below_lowest_load(r) if is_capacity_study(r) else None)
 
 
@@ -1063,9 +1062,8 @@ def answer_text(r: Run) -> str:
     """The answer as `notebook_support.recommendation` prints it: a capacity study's
     capacity, else the recommendation under the SLO (with the note a study without one
     gets)."""
-    from ..analysis import decision
     if r.search:
-        from ..search import search_report
+        from ..search import search_report  # optuna (0.6 s to import) only where a run searched
         if not r.measured:  # stopped before (or during) its confirmation
             return search_report.summary_line(r) + "\n" + search_report.NOT_CONFIRMED.format(run=r.folder.path)
         decided = capacity_answer(r) or "\n".join(search_report.objective_lines(r))
@@ -1118,7 +1116,6 @@ def _bound_words(slo: dict[str, float]) -> str:
 def answer_context(r: Run) -> str:
     """One sentence or two beside the answer: the SLO it was judged under (and how many
     points meet it), the study's size and where it ran, and the failures, if any."""
-    from ..analysis import decision
     m = r.manifest
     n = len(r.summaries)
     parts = []
@@ -1143,11 +1140,10 @@ def answer_context(r: Run) -> str:
 def best_point(r: Run) -> str | None:
     """The point the answer names: a search's best confirmed configuration by its
     objective, else the recommendation (by capacity, or under the SLO)."""
-    from ..analysis import decision
     if not r.measured:
         return None
     if r.search:
-        from ..search import search_report
+        from ..search import search_report  # optuna (0.6 s to import) only where a run searched
         return search_report.best(r)
     return decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
 

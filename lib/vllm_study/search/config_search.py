@@ -36,7 +36,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from ..define.grid import DEFAULTS_POINT, Unit, point_id
+from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, point_id
 from ..define.params import CONDITION, FloatRange, IntRange, Search, Study, StudyError
 
 JOURNAL = "search.journal"
@@ -356,7 +356,6 @@ class TrialSource:
         return self
 
     def __next__(self) -> Unit:
-        from ..define.grid import PointPlan
         p = self.loop.propose()
         if p is None:
             raise StopIteration
