@@ -13,6 +13,7 @@ import argparse
 import pandas as pd
 
 from vllm_study.report import report
+from vllm_study.report import answer, capacity_section
 
 
 def steps_table(r: report.Run) -> pd.DataFrame:
@@ -35,14 +36,14 @@ def main() -> int:
     ap.add_argument("--price", type=float, help="a GPU-hour's price, for the cost per million output tokens")
     a = ap.parse_args()
     r = report.Run.load(a.run)
-    if not report.is_capacity_study(r):
+    if not capacity_section.is_capacity_study(r):
         raise SystemExit(f"{a.run} is not a capacity study (its study has no `capacity:`)")
     if a.price:
         r.study.gpu_hour_price = a.price  # the report reads the typed study
     pd.set_option("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60)
-    print(report.capacity_answer(r), end="\n\n")
-    print(report.capacity_table(r).to_string(), end="\n\n")
-    fidelity = report.fidelity_table(r)
+    print(capacity_section.capacity_answer(r), end="\n\n")
+    print(capacity_section.capacity_table(r).to_string(), end="\n\n")
+    fidelity = answer.fidelity_table(r)
     if fidelity is not None:
         print(fidelity.to_string(), end="\n\n")
     print(steps_table(r).round(3).to_string(index=False))

@@ -41,7 +41,7 @@ from vllm_study.workload import loads  # noqa: E402
 from vllm_study.define import models  # noqa: E402
 from vllm_study.define.grid import expand  # noqa: E402
 from vllm_study.launch.machine import resolve_engine, vllm_distribution  # noqa: E402
-from vllm_study.define.params import load_study  # noqa: E402
+from vllm_study.define.study_file import load_study  # noqa: E402
 from vllm_study.launch.server import VllmServer, free_port, serve_command  # noqa: E402
 from vllm_study.workload.workload import SharedPrefixWorkload  # noqa: E402
 

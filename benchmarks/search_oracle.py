@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 from vllm_study.analysis import intervals as analysis  # noqa: E402
 from vllm_study.search import config_search as cs  # noqa: E402
 from vllm_study.vocab import metrics  # noqa: E402
-from vllm_study.define.params import Search  # noqa: E402
+from vllm_study.define.search_space import Search  # noqa: E402
 from vllm_study.report.report import Run  # noqa: E402
 
 

@@ -32,7 +32,7 @@ from vllm_study.measure import client, counters, stats
 from vllm_study.define import models
 from vllm_study.define.grid import expand
 from vllm_study.launch.machine import resolve_engine
-from vllm_study.define.params import load_study
+from vllm_study.define.study_file import load_study
 from vllm_study.launch.server import ServerStartError, VllmServer, free_port, serve_command
 from vllm_study.workload.workload import SharedPrefixWorkload
 

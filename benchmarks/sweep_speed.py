@@ -46,7 +46,7 @@ from vllm_study.launch import startup_log
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.define.grid import expand
 from vllm_study.launch.machine import resolve_engine, vllm_distribution
-from vllm_study.define.params import load_study
+from vllm_study.define.study_file import load_study
 from vllm_study.records.results import RunFolder, read_log
 from vllm_study.launch.server import cpu_uni_env, free_port, serve_command
 

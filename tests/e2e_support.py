@@ -13,7 +13,7 @@ import yaml
 from vllm_study.define.grid import PointPlan, expand
 from vllm_study.launch.machine import cpu_dtype
 from vllm_study.define.models import kv_bytes_per_token
-from vllm_study.define.params import study_from_dict
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.point import PointStart
 
 REPO = Path(__file__).resolve().parents[1]

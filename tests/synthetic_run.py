@@ -10,7 +10,7 @@ import numpy as np
 from vllm_study.vocab import metrics
 from vllm_study.define.grid import PointPlan, Unit, expand
 from vllm_study.launch.machine import CpuInfo, Machine, Versions
-from vllm_study.define.params import study_from_dict
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.point import summarize
 from vllm_study.records.results import (GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord)
 

@@ -62,7 +62,7 @@ def page(tmp_path_factory) -> Path:
 def committed_page(tmp_path_factory) -> Path:
     """The committed report notebook, as the kit writes it to a static page (runs commit
     the notebook only)."""
-    from vllm_study.report.report import export_html
+    from vllm_study.report.page import export_html
     from vllm_study.records.results import RunFolder
     folder = tmp_path_factory.mktemp("run")
     shutil.copy(RUN / "report.ipynb", folder / "report.ipynb")

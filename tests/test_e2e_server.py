@@ -16,7 +16,7 @@ from procs import group_gone
 from vllm_study.measure import client, counters
 from vllm_study.define import models
 from vllm_study.define.grid import PointPlan, expand
-from vllm_study.define.params import study_from_dict
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.records.results import REQUESTS, TIME_DECIMALS
 from vllm_study.launch.server import VllmServer, _health, free_port, serve_command
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from vllm_study.capacity import bracket as capacity
-from vllm_study.define.params import StudyError, study_from_dict
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
 
 
 def _measure(true_capacity: float, log: list[float]):
@@ -131,13 +132,14 @@ def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_
     """The committed H200 run: vLLM's default (8192, caching on) missed ITL P99 at speed 0.5
     in both starts, so its capacity is below 0.5 x 3.73 req/s and the gain a lower bound."""
     from vllm_study.report import report
+    from vllm_study.report import capacity_section
     r = report.Run.load(H200_RUN)
-    answer = report.capacity_answer(r)
+    answer = capacity_section.capacity_answer(r)
     assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer
     assert "itl_p99_ms 202 > 150" in answer and "below 1.87 req/s" in answer
     # the best point's interval low (4.81 req/s) less the lowest load's rate
     assert "at least +2.95 req/s more" in answer and "0.00 [" not in answer
-    table = report.capacity_table(r)
+    table = capacity_section.capacity_table(r)
     assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
     assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "below 0.5"
     assert table.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")

@@ -8,7 +8,8 @@ import pandas as pd
 import pytest
 
 from vllm_study.search import config_search as cs
-from vllm_study.define.params import StudyError, study_from_dict
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.search.search_report import best_so_far
 
 SPACE = {"max_num_batched_tokens": [256, 512, 1024, 2048], "max_num_seqs": [8, 32, 128],

@@ -12,7 +12,7 @@ import pytest
 from vllm_study import doctor
 from vllm_study.launch import machine
 from vllm_study.launch.machine import CpuInfo, GpuInfo
-from vllm_study.define.params import study_from_dict
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.workload.workload import word_pieces as _REAL_WORD_PIECES
 
 

@@ -13,7 +13,9 @@ from vllm_study.vocab import axes
 from vllm_study.define import grid, models
 from vllm_study.launch import machine
 from vllm_study.define.grid import Effective, Point, expand, point_id, run_order
-from vllm_study.define.params import EngineArgs, ModelSpec, StudyError, load_study, study_from_dict
+from vllm_study.define.schema import EngineArgs, StudyError
+from vllm_study.define.params import ModelSpec
+from vllm_study.define.study_file import load_study, study_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 

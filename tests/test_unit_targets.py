@@ -17,7 +17,7 @@ import yaml
 from vllm_study import cli, doctor, notebook_support, sweep
 from vllm_study.measure import counters
 from vllm_study.report import report
-from vllm_study.define.params import study_from_dict
+from vllm_study.define.study_file import study_from_dict
 from vllm_study.launch.server import free_port
 
 

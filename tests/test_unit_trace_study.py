@@ -8,7 +8,8 @@ import json
 import pytest
 
 from vllm_study.define.grid import expand
-from vllm_study.define.params import StudyError, study_from_dict
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
 
 
 def _study(trace: dict, **over) -> dict:

@@ -23,7 +23,7 @@ from vllm_study.measure import stats
 from vllm_study.define.grid import PointPlan, Unit, expand
 from vllm_study.launch.machine import CpuInfo, GpuInfo, Machine, Versions
 from vllm_study.vocab.metrics import REGISTRY
-from vllm_study.define.params import load_study
+from vllm_study.define.study_file import load_study
 from vllm_study.measure.point import summarize
 from vllm_study.records.results import (LOG, NOTEBOOK, REQUESTS, ROUNDS, START, GitState, Launch, Manifest, Resume,
                                         RoundRecord, RunFolder, StartRecord, compress_log, write_atomic)

@@ -8,7 +8,7 @@ from pathlib import Path
 # Each command imports what it needs inside main(): pandas (records, report) and papermill
 # (sweep) take a second to import, and --help or a mistyped command answer at once.
 from .executors import EXECUTORS
-from .define.params import StudyError
+from .define.schema import StudyError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "report":
             run = RunFolder(args.run)
-            from .report.report import parse_slo
+            from .report.run import parse_slo
             parse_slo(args.slo)  # a bad SLO is refused before the notebook runs
             run = sw_mod.report_folder(run, args.overwrite)
             sw_mod.render_report(run, args.slo)
@@ -103,6 +103,7 @@ def _conclude(run) -> int:
     """The run folder and its short table; exit 1 when no point measured anything (the
     report then shows only why each point failed)."""
     from .report import report
+    from .report import capacity_section
     r = report.Run.load(run)
     print(f"\nrun folder: {run.path}\nreport: {run.path / 'report.html'}\n")
     if report.study_failed(r):
@@ -111,7 +112,7 @@ def _conclude(run) -> int:
         return 1
     if r.search and not r.measured:
         from .search import search_report
-        print(report.search_trials(r).to_string())
+        print(capacity_section.search_trials(r).to_string())
         print("\n" + search_report.NOT_CONFIRMED.format(run=run.path))
         return 0
     print(report.short_table(run).to_string())
@@ -123,7 +124,7 @@ def _decide(args) -> int:
     try:
         if args.cmd == "export":
             from .report.export import EXIT_SLO_NOT_MET, export_point
-            from .report.report import parse_slo
+            from .report.run import parse_slo
             e = export_point(args.run, args.point, args.out, parse_slo(args.slo))
             print(f"{e.config}\n{e.notes}\n")
             print(e.notes.read_text())

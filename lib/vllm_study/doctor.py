@@ -16,7 +16,7 @@ from .define import models
 from .launch import net
 from .launch.machine import NvmlProbe, cpu_dtype, cpu_info, resolve_engine, vllm_distribution
 from .define.grid import cpu_kv_default
-from .define.params import load_study
+from .define.study_file import load_study
 from .workload.build_workload import check_template
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"

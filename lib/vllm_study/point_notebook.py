@@ -15,7 +15,8 @@ from tqdm import TqdmWarning
 warnings.filterwarnings("ignore", category=TqdmWarning)
 
 from .define.grid import PointPlan, expand  # noqa: E402
-from .define.params import StudyError, load_study  # noqa: E402
+from .define.schema import StudyError  # noqa: E402
+from .define.study_file import load_study  # noqa: E402
 from .measure.point import PointStart  # noqa: E402,F401  (the notebook makes one)
 from .report.report import estimates_frame  # noqa: E402
 from .records.results import PointFolder, PointSummary  # noqa: E402

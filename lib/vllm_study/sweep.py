@@ -25,7 +25,10 @@ from tqdm import tqdm
 from . import doctor, executors
 from .define.grid import Point, PointMaker, PointPlan, Unit, expand, run_order
 from .launch.machine import cpu_dtype, describe, resolve_engine, versions
-from .define.params import FloatRange, IntRange, Study, StudyError, load_study
+from .define.search_space import FloatRange, IntRange
+from .define.params import Study
+from .define.schema import StudyError
+from .define.study_file import load_study
 from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
@@ -33,7 +36,7 @@ from .measure.point import summarize
 from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
 from .analysis.intervals import point_intervals, relative_width
 from .define.timing import estimate_minutes
-from .report.report import export_html
+from .report.page import export_html
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: its git state
 

@@ -22,7 +22,9 @@ from pydantic import BaseModel, ValidationError
 from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
-from .params import EngineArgs, Study, StudyError, Target, _explain
+from .schema import EngineArgs, StudyError
+from .params import Study, Target
+from .study_file import _explain
 from .models import max_positions
 from .traces import TraceError, read_trace
 

@@ -1,5 +1,6 @@
-"""Study definitions: load YAML (layered), validate every key before anything starts,
-expand the grid into points.
+"""Study definitions: the study file's models, every key validated before anything
+starts (the file is read in study_file.py; a search's keys are search_space.py's; the
+strict base and the engine arguments are schema.py's).
 
 Validation is pydantic (extra keys forbidden) plus the vLLM-specific checks below;
 errors name the key, what was wrong and how to fix it. Checks that vLLM would only
@@ -9,58 +10,18 @@ costly (chunk not a multiple of the block size or of 128) are warnings.
 """
 from __future__ import annotations
 
-import difflib
 import math
 import random
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
-import yaml
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Discriminator, Field, Tag,
-                      ValidationError, model_validator)
+from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
 from .models import CARDS
 from .traces import SHIPPED
-
-
-class StudyError(ValueError):
-    """A study definition that cannot run; the message lists every problem found."""
-
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class EngineArgs(_Strict):
-    """vLLM engine arguments the kit knows (snake_case, as `vllm serve --help` spells
-    them with dashes). None means: leave vLLM's default. Anything else goes in
-    server.extra_cli_args."""
-    max_num_batched_tokens: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
-    kv_cache_memory_bytes: int | None = Field(None, ge=1)
-    max_num_seqs: int | None = Field(None, ge=1)
-    block_size: int | None = Field(None, ge=1)
-    enable_prefix_caching: bool | None = None
-    enable_chunked_prefill: bool | None = None
-    max_model_len: int | None = Field(None, ge=16)
-    dtype: str | None = None
-    enforce_eager: bool | None = None
-    tensor_parallel_size: int | None = Field(None, ge=1)
-    seed: int | None = None
-
-    def cli(self) -> list[str]:
-        args = []
-        for name, value in self.model_dump(exclude_none=True).items():
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
-                if name == "enforce_eager":
-                    args += [flag] if value else []
-                else:
-                    args.append(flag if value else "--no-" + flag[2:])
-            else:
-                args += [flag, str(value)]
-        return args
+from .schema import EngineArgs, _Strict, _did_you_mean
+from .search_space import Search
 
 
 class ModelSpec(_Strict):
@@ -396,127 +357,6 @@ class Capacity(_Strict):
         return self
 
 
-# -- a search instead of a grid (config_search.py) --------------------------------------
-def _low_below_high(kind: str, pair: tuple):
-    if pair[0] >= pair[1]:
-        raise ValueError(f"{kind} range {list(pair)} needs low < high")
-    return pair
-
-
-class IntRange(_Strict):
-    """Whole numbers from low to high: {int: [256, 8192], log: true} or {int: [8, 256], step: 8}."""
-    int: tuple[int, int]
-    log: bool = False
-    step: int = Field(1, ge=1)
-
-    @model_validator(mode="after")
-    def _ok(self):
-        lo, hi = _low_below_high("int", self.int)
-        if self.log and (lo < 1 or self.step != 1):
-            raise ValueError("a log-scaled int range needs low >= 1 and no step (Optuna's rule)")
-        return self
-
-
-class FloatRange(_Strict):
-    """Reals from low to high on a grid of `step` (point ids show two decimals, so the
-    default step is 0.01): {float: [0.80, 0.95], step: 0.05}."""
-    float: tuple[float, float]
-    step: float = Field(0.01, gt=0)
-
-    @model_validator(mode="after")
-    def _ok(self):
-        _low_below_high("float", self.float)
-        return self
-
-
-def _dimension_form(value) -> str:
-    """Which form a knob's values take, read off its keys: a mistake in one form is then
-    reported against that form alone, not against every member of the union."""
-    if isinstance(value, (IntRange, FloatRange)):
-        return type(value).__name__
-    if isinstance(value, dict):
-        return "FloatRange" if "float" in value else "IntRange"
-    return "list"
-
-
-# A knob's values: a list (categorical: no order assumed), or an int or float range.
-Dimension = Annotated[Annotated[IntRange, Tag("IntRange")] | Annotated[FloatRange, Tag("FloatRange")]
-                      | Annotated[list[Any], Tag("list")], Discriminator(_dimension_form)]
-CONDITION = r"^\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*(<=|>=|==|!=|<|>)\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*$"
-SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
-
-
-class Search(_Strict):
-    """Search a space of engine arguments instead of measuring a grid: `trials` server
-    starts (or until `minutes`), each one configuration Optuna's `sampler` proposes from
-    what the earlier ones measured, judged by `objective` (capacity_rps in a capacity
-    study; otherwise any metric with a direction). Then the `top_k` best and vLLM's
-    defaults get `confirm_starts` fresh server starts each, in shuffled blocks: the
-    decision rests on those, not on one lucky trial. `when`: conditions a configuration
-    must meet before it starts ("max_num_seqs <= max_num_batched_tokens"); vLLM's own
-    rules are checked too. `first`: configurations to try before the sampler's own."""
-    space: dict[str, Dimension]
-    when: list[str] = []
-    objective: str | None = None
-    direction: Literal["maximize", "minimize"] | None = None
-    trials: int = Field(20, ge=2)
-    minutes: float | None = Field(None, gt=0)
-    sampler: Literal[SAMPLERS] = "tpe"
-    startup_trials: int | None = Field(None, ge=1, description="random trials before the model-based "
-                                       "sampler takes over (default: a third of the trials, 2 to 10)")
-    seed: int = 0
-    first: list[dict[str, Any]] = []
-    top_k: int = Field(3, ge=1)
-    confirm_starts: int = Field(3, ge=1)
-
-    @model_validator(mode="after")
-    def _check(self):
-        import re
-        known = set(EngineArgs.model_fields)
-        if not self.space:
-            raise ValueError("search.space is empty: name at least one engine argument and its values")
-        for name, dim in self.space.items():
-            if name not in known:
-                raise ValueError(f"search.space: {name!r} is not an engine argument the kit knows"
-                                 f"{_did_you_mean(name, known)}; knobs: {', '.join(sorted(known))}")
-            if isinstance(dim, list) and (len(dim) < 2 or len(set(map(repr, dim))) != len(dim)):
-                raise ValueError(f"search.space.{name}: a list needs two or more distinct values (got {dim})")
-        for cond in self.when:
-            m = re.match(CONDITION, cond)
-            if not m:
-                raise ValueError(f"search.when: {cond!r} is not a comparison the kit reads; write "
-                                 "<knob or number> <op> <knob or number>, e.g. max_num_seqs <= max_num_batched_tokens")
-            for side in (m.group(1), m.group(3)):
-                if side[0].isalpha() or side[0] == "_":
-                    if side not in known:
-                        raise ValueError(f"search.when: {side!r} in {cond!r} is not an engine argument"
-                                         f"{_did_you_mean(side, known)}")
-        for i, cfg in enumerate(self.first):
-            extra = set(cfg) - set(self.space)
-            if extra:
-                raise ValueError(f"search.first[{i}]: {sorted(extra)} not in search.space; a first "
-                                 "configuration gives values of the space's knobs")
-        from ..vocab.metrics import REGISTRY  # metrics imports pandas; the CLI reads a study before it needs it
-        if self.objective is not None:
-            if self.objective not in REGISTRY:
-                raise ValueError(f"search.objective {self.objective!r} is not a metric the kit reports"
-                                 f"{_did_you_mean(self.objective, REGISTRY)}")
-            if self.direction is None and REGISTRY[self.objective].better is None:
-                raise ValueError(f"search.objective {self.objective!r} has no better direction; "
-                                 "set search.direction: maximize or minimize")
-        return self
-
-    @property
-    def goal(self) -> str:
-        """maximize or minimize: search.direction, else the objective's better direction."""
-        from ..vocab.metrics import get  # metrics imports pandas; the CLI reads a study before it needs it
-        return self.direction or ("maximize" if get(self.objective).better == "higher" else "minimize")
-
-    @property
-    def n_startup(self) -> int:
-        return self.startup_trials or max(2, min(10, self.trials // 3))
-
-
 class Study(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
@@ -621,112 +461,3 @@ class Study(_Strict):
     def steps_per_start(self) -> int:
         """Measured rounds a start runs at most: the rounds, or the capacity search's steps."""
         return self.capacity.max_steps if self.capacity else self.rounds
-
-
-def _did_you_mean(key: str, options) -> str:
-    close = difflib.get_close_matches(key, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
-    """Later keys win, mappings merge key by key; except that a later `grid` (or
-    `search.space`) replaces the earlier one whole (a study that names a grid means that
-    grid, not a union)."""
-    out = dict(base)
-    for k, v in over.items():
-        whole = (top and k == "grid") or k == "space"  # a grid or a search space is meant whole
-        merge = isinstance(v, dict) and isinstance(out.get(k), dict) and not whole
-        out[k] = _deep_merge(out[k], v, top=False) if merge else v
-    return out
-
-
-MINIMAL_STUDY = "  name: my-study\n  grid:\n    max_num_batched_tokens: [512, 2048]\n"
-
-
-def _read_layers(path: Path, seen: tuple = ()) -> dict:
-    """A file may name a base file with `extends:`, resolved against the including
-    file's folder; the including file's keys override the base's."""
-    path = Path(path)
-    if path in seen:
-        raise StudyError(f"{path}: `extends` loops back to itself")
-    if not path.exists():
-        if seen:
-            raise StudyError(f"params file not found: {path}, named by `extends:` in {seen[-1]} "
-                             f"(`extends` is resolved against that file's folder, {seen[-1].parent})")
-        raise StudyError(f"params file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise StudyError(f"{path}: not valid YAML: {e}") from e
-    if data is None:  # empty or only comments: "name: required key is missing" would not say so
-        raise StudyError(f"{path}: the file is empty (or holds only comments). A study needs at least a "
-                         f"name and a grid:\n{MINIMAL_STUDY}see params/default.yaml for a complete one")
-    if not isinstance(data, dict):
-        raise StudyError(f"{path}: expected a mapping of keys at the top, got {type(data).__name__}")
-    base = data.pop("extends", None)
-    if base is None:
-        return data
-    return _deep_merge(_read_layers(path.parent / base, seen + (path,)), data)
-
-
-def _explain(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(e["loc"][:-1])
-            options = sorted(parent.model_fields) if parent else []
-            allowed = f"; allowed here: {', '.join(options)}" if options else ""
-            lines.append(f"  {loc}: unknown key{_did_you_mean(str(e['loc'][-1]), options)}{allowed}")
-        elif e["type"] == "missing":
-            lines.append(f"  {loc}: required key is missing")
-        elif not e["loc"]:  # a check across keys: its message says it all
-            lines.append(f"  {e['msg'].removeprefix('Value error, ')}")
-        else:
-            lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')} (got {e.get('input')!r})")
-    return f"{source}: {len(lines)} problem(s) in the study definition:\n" + "\n".join(lines)
-
-
-def _model_at(loc) -> type[BaseModel] | None:
-    """The model whose keys are allowed at `loc` (an error's location less its last key).
-    A list index or a mapping's key (targets.0, search.space.max_num_seqs) stays in the
-    model of the list or mapping it indexes; a union member's name (pydantic puts it in
-    the location: search.space.x.FloatRange) picks that member."""
-    model: type[BaseModel] = Study
-    held: list[type[BaseModel]] = []   # the models the last field's annotation holds
-    for part in loc:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
-        if field is not None:
-            held = _models_in(field.annotation)
-            if not held:
-                return None
-            model = held[0]
-        else:
-            model = next((m for m in held if m.__name__ == part), model)
-    return model
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    """The models a field holds: itself, or inside `X | None`, `list[X]`, `dict[str, X]`."""
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
-
-
-def load_study(*paths: str | Path) -> Study:
-    """Read and validate; later files override earlier ones key by key."""
-    if not paths:
-        raise StudyError("no params file given")
-    data: dict = {}
-    for p in paths:
-        data = _deep_merge(data, _read_layers(Path(p)))
-    return study_from_dict(data, source=" + ".join(str(p) for p in paths))
-
-
-def study_from_dict(data: dict, source: str = "params") -> Study:
-    try:
-        return Study.model_validate(data)
-    except ValidationError as e:
-        raise StudyError(_explain(e, source)) from None
-
-

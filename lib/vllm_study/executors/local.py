@@ -4,7 +4,7 @@ GPUs, with its own port, log and torch.compile cache). Both run the point notebo
 from __future__ import annotations
 
 from ..launch.machine import describe
-from ..define.params import StudyError
+from ..define.schema import StudyError
 from ..launch.slots import gpu_slots, slot_lock_path
 from ..measure.unit import run_unit
 from . import Executor

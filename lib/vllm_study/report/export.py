@@ -26,9 +26,10 @@ from ..analysis import decision
 from ..vocab import metrics
 from ..define import models
 from . import report
+from . import answer, capacity_section, run as report_run
 from ..launch import server
 from ..define.params import Load, ModelSpec
-from ..measure.point import PLACE_ENV
+from ..measure.launcher import PLACE_ENV
 from ..records.results import RunFolder
 
 # The real checkpoints whose architectures the kit's cards stand for (dummy weights).
@@ -198,7 +199,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
     rec = decision.recommend(r.rounds, r.intervals, slo)
-    point = point or (report.best_point(r) if r.search else rec.point)
+    point = point or (answer.best_point(r) if r.search else rec.point)
     if point is None:
         raise ValueError(f"no point to export: {rec.reason}")
     cfg = serve_config(r, point)
@@ -228,11 +229,11 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     s = next(x for x in r.summaries if x.point == point)
     method = r.intervals[r.intervals["point"] == point]["method"]
-    lines[-1:-1] = [f"- status: {report.status_label(s)}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
+    lines[-1:-1] = [f"- status: {report_run.status_label(s)}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
                     f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
     if point == rec.point:
         # a capacity study is justified by the load each config sustains within the SLO
-        lines += ["Why this point:", "", report.capacity_answer(r) or rec.text(), ""]
+        lines += ["Why this point:", "", capacity_section.capacity_answer(r) or rec.text(), ""]
     else:
         lines += [f"Chosen by hand; the report recommends {rec.point}.", ""]
     lines += ["| metric | value [95% interval] |", "|---|---|"]

@@ -37,7 +37,9 @@ from optuna.distributions import CategoricalDistribution, FloatDistribution, Int
 from optuna.trial import TrialState
 
 from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, point_id
-from ..define.params import CONDITION, FloatRange, IntRange, Search, Study, StudyError
+from ..define.search_space import CONDITION, FloatRange, IntRange, Search
+from ..define.params import Study
+from ..define.schema import StudyError
 
 JOURNAL = "search.journal"
 MAX_SKIPS = 100  # proposals in a row that start nothing: the space has nothing new the sampler would try

@@ -64,7 +64,7 @@ def trials_frame(r) -> pd.DataFrame:
 def trials_table(r, below: str | None = None) -> pd.DataFrame | None:
     """The trials that started a server, in order (the refused and the skipped are counted
     in the answer and listed in the journal). `below`: what a capacity trial that missed
-    the SLO at the lowest load shows (report.below_lowest_load: its 0 is a bound, not a value)."""
+    the SLO at the lowest load shows (capacity_section.below_lowest_load: its 0 is a bound, not a value)."""
     df = trials_frame(r)
     if df.empty:
         return None
@@ -130,7 +130,7 @@ def summary_line(r) -> str:
 
 def objective_lines(r) -> list[str]:
     """The decision by the search's objective (capacity studies say it through
-    report.capacity_answer): the best with its interval, then each other confirmed point
+    capacity_section.capacity_answer): the best with its interval, then each other confirmed point
     and vLLM's defaults against it."""
     m = metrics.get(r.search.objective)
     top = best(r)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 Scale = Literal["log2", "linear", "category"]
-# The evidence report.binding_notes reads: KV room, prefills longer than the chunk,
+# The evidence binding.binding_notes reads: KV room, prefills longer than the chunk,
 # running requests against the cap, the budget's deferrals; None: no counter says.
 Binds = Literal["kv", "chunk", "seqs", "scheduler"] | None
 SCHEDULER_AXIS = "min_reuse_ratio"  # the Prefix Reuse Budget's ratio: not an engine argument
