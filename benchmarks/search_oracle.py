@@ -57,12 +57,12 @@ def search_once(axes, values, starts, objective: str, trials: int, sampler: str,
     rng = random.Random(f"oracle/{seed}")
     found_at = {}
 
-    def measure(v: dict) -> cs.Outcome:
+    def measure(v: dict) -> cs.TrialOutcome:
         point = by_values.get(tuple(v[a] for a in axes))
         if point is None or point not in starts:  # a grid point with no measured start: a failed trial
-            return cs.Outcome(failed="the grid has no measured start of this point")
+            return cs.TrialOutcome(failed="the grid has no measured start of this point")
         found_at.setdefault(point, len(found_at) + 1)
-        return cs.Outcome(rng.choice(starts[point]))
+        return cs.TrialOutcome(rng.choice(starts[point]))
 
     loop = cs.SearchLoop(spec, f"oracle-{seed}", optuna.storages.InMemoryStorage(), lambda v: [])
     cs.run_offline(loop, measure)

@@ -24,7 +24,7 @@ def _measure(true_capacity: float, log: list[float]):
 @pytest.mark.parametrize("true_capacity", [1.03, 1.7, 2.5, 3.99, 7.2])
 def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity):
     log: list[float] = []
-    rec = capacity.Search("speed", 1.0, 8.0, precision=0.05, max_steps=12).run(_measure(true_capacity, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, precision=0.05, max_steps=12).run(_measure(true_capacity, log))
     lo, hi = rec.bracket
     assert lo <= true_capacity < hi
     assert hi / lo - 1 <= 0.05
@@ -38,7 +38,7 @@ def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity)
 
 def test_max_steps_stops_the_search_with_the_bracket_it_reached():
     log: list[float] = []
-    rec = capacity.Search("rate", 1.0, 64.0, precision=0.01, max_steps=4).run(_measure(5.0, log))
+    rec = capacity.Bracket("rate", 1.0, 64.0, precision=0.01, max_steps=4).run(_measure(5.0, log))
     assert len(log) == 4
     lo, hi = rec.bracket
     assert lo <= 5.0 < hi and hi / lo > 1.01  # not converged: the bracket says how far it got
@@ -47,28 +47,28 @@ def test_max_steps_stops_the_search_with_the_bracket_it_reached():
 
 def test_capacity_below_lo_and_above_hi_are_censored_not_guessed():
     log: list[float] = []
-    below = capacity.Search("speed", 2.0, 8.0, 0.05, 5).run(_measure(1.0, log))
+    below = capacity.Bracket("speed", 2.0, 8.0, 0.05, 5).run(_measure(1.0, log))
     assert below.load is None and below.censored == "below" and below.bracket == (0.0, 2.0)
     assert log[0] == 8.0 and log[-1] == 2.0 and len(log) == 5  # lo is kept for the last step
     assert log[below.at_round] == 2.0  # its latencies are the report's "at capacity"
     log.clear()
-    above = capacity.Search("speed", 2.0, 8.0, 0.05, 8).run(_measure(100.0, log))
+    above = capacity.Bracket("speed", 2.0, 8.0, 0.05, 8).run(_measure(100.0, log))
     assert above.load == 8.0 and above.censored == "above" and above.bracket == (8.0, None)
     assert log == [8.0]  # the slow low loads are never run
 
 
 def test_lo_is_measured_only_when_nothing_above_it_met():
     log: list[float] = []
-    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
     assert 1.0 in log and rec.load is not None and rec.bracket[0] <= 1.2 < rec.bracket[1]
     log.clear()
-    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(5.0, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, 0.3, 8).run(_measure(5.0, log))
     assert 1.0 not in log and rec.bracket[0] <= 5.0 < rec.bracket[1]
 
 
 def test_concurrency_is_searched_in_whole_numbers_until_neighbours():
     log: list[float] = []
-    rec = capacity.Search("concurrency", 1, 64, precision=0.05, max_steps=20).run(_measure(13, log))
+    rec = capacity.Bracket("concurrency", 1, 64, precision=0.05, max_steps=20).run(_measure(13, log))
     assert all(float(x).is_integer() for x in log)
     assert rec.bracket == (13, 14) and rec.load == 13
 
@@ -79,7 +79,7 @@ def test_a_failed_step_is_a_miss_and_the_search_goes_on_below_it():
         if load > 4:
             return capacity.Step(load, False, "12 of 40 requests failed")
         return capacity.Step(load, True, "")
-    rec = capacity.Search("rate", 1.0, 16.0, 0.1, 10).run(measure)
+    rec = capacity.Bracket("rate", 1.0, 16.0, 0.1, 10).run(measure)
     assert rec.load <= 4 < rec.bracket[1]
     assert any("failed" in s["why"] for s in rec.steps)
 

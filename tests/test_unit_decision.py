@@ -13,6 +13,7 @@ from synthetic_run import make_run
 from vllm_study.report import compare, export, report
 from vllm_study.report import binding
 from vllm_study.analysis import decision
+from vllm_study.define import schema
 from vllm_study.records.results import Resume
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
@@ -82,7 +83,7 @@ def test_export_writes_a_serve_config_and_its_evidence(run, tmp_path):
 
 
 def test_parse_flags():
-    assert export.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
+    assert schema.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
 
 
 def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):

@@ -107,7 +107,7 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
 
 # -- the study ----------------------------------------------------------------------
 @dataclass
-class Outcome:
+class SweepOutcome:
     run: RunFolder
     units_left: int
     stop_note: str | None = None
@@ -131,7 +131,7 @@ def _stop_children() -> None:
 
 def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
           max_minutes: float | None = None, retry_failed: bool = False, report: bool = True,
-          executor: str = "local", ray_address: str | None = None, parallel: int | None = None) -> Outcome:
+          executor: str = "local", ray_address: str | None = None, parallel: int | None = None) -> SweepOutcome:
     t0 = time.monotonic()
     if resume:
         run = RunFolder(resume)
@@ -197,7 +197,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
 
 
 def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: float, max_minutes: float | None,
-            runner: executors.Executor) -> Outcome:
+            runner: executors.Executor) -> SweepOutcome:
     """A search: the trials Optuna proposes (first any a stopped run left unfinished), one
     start each, within search.minutes; then fresh starts of the best and of vLLM's
     defaults (config_search.py)."""
@@ -207,7 +207,7 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
     source = cs.TrialSource(loop, run, study, maker, engine)
     spec = study.search
     budget = min((m for m in (max_minutes, spec.minutes) if m), default=None)
-    outcome = Outcome(run, 0)
+    outcome = SweepOutcome(run, 0)
     for pid, number in loop.running_points().items():  # ended, but stopped before its outcome was told
         if unit_finished(run, Unit(point=pid, start=1, block=cs.TRIAL_BLOCK)):
             loop.record(number, cs.outcome_of(run.point(pid).summary(), study))
@@ -235,7 +235,7 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
 
 
 def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float | None,
-               runner: executors.Executor, lengths: executors.UnitLengths | None = None, on_done=None) -> Outcome:
+               runner: executors.Executor, lengths: executors.UnitLengths | None = None, on_done=None) -> SweepOutcome:
     """Run `todo` (a list of units, or a search's TrialSource) on the runner's slots;
     on_done(unit, summary) is told each unit's result as it ends."""
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
@@ -275,8 +275,8 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
         note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "
                 f"(the longest on a free slot so far took {lengths.free / 60:.1f} min, the longest queued "
                 f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
-        return Outcome(run, left, note, lengths)
-    return Outcome(run, 0, lengths=lengths)
+        return SweepOutcome(run, left, note, lengths)
+    return SweepOutcome(run, 0, lengths=lengths)
 
 
 def record_overlaps(run: RunFolder, executor: str) -> None:

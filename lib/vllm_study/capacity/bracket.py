@@ -48,7 +48,7 @@ class CapacityRecord(BaseModel):
 
 
 @dataclass
-class Search:
+class Bracket:
     over: Literal["speed", "rate", "concurrency"]
     lo: float
     hi: float

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
-from .schema import EngineArgs, StudyError
+from .schema import EngineArgs, StudyError, parse_flags
 from .params import Study, Target
 from .study_file import _explain
 from .models import max_positions
@@ -182,7 +182,7 @@ def cpu_kv_default(study: Study, engine: str, available: int | None = None,
     if any(k in study.grid or k in searched or getattr(study.engine_args, k) is not None
            for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
         return None
-    if any(a.split("=", 1)[0].replace("_", "-") in CPU_KV_FLAGS for a in study.server.extra_cli_args):
+    if any(f"--{k}".replace("_", "-") in CPU_KV_FLAGS for k in parse_flags(study.server.extra_cli_args)):
         return None
     if {**os.environ, **study.server.env}.get("VLLM_CPU_KVCACHE_SPACE"):
         return None

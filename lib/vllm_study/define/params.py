@@ -20,7 +20,7 @@ from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
 from .models import CARDS
 from .traces import SHIPPED
-from .schema import EngineArgs, _Strict, _did_you_mean
+from .schema import EngineArgs, _Strict, _did_you_mean, parse_flags
 from .search_space import Search
 
 
@@ -236,12 +236,12 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _no_kit_flags(self):
-        for arg in self.extra_cli_args:
+        for key in parse_flags(self.extra_cli_args):
             # vLLM's parser takes --served_model_name and unique abbreviations too
-            flag = arg.split("=", 1)[0].replace("_", "-")
-            owned = next((k for k in KIT_FLAGS if flag.startswith("--") and len(flag) > 3 and k.startswith(flag)), None)
+            given = f"--{key}"
+            flag = given.replace("_", "-")
+            owned = next((k for k in KIT_FLAGS if len(flag) > 3 and k.startswith(flag)), None)
             if owned:
-                given = arg.split("=", 1)[0]
                 alias = f" (as {owned})" if given != owned else ""
                 raise ValueError(f"server.extra_cli_args: {given} is set by the kit{alias} ({KIT_FLAGS[owned]}); "
                                  "remove it from extra_cli_args")

@@ -49,3 +49,26 @@ class EngineArgs(_Strict):
 def _did_you_mean(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def parse_flags(args: list[str]) -> dict:
+    """['--a', '1', '--b=2', '--c'] -> {'a': '1', 'b': '2', 'c': True}: the kit's one reading
+    of vLLM flags given as a list (server.extra_cli_args), for every lookup and for the
+    exported config. Keys are as written (vLLM takes --a_b for --a-b; a caller that
+    compares names says which form it wants)."""
+    out, i = {}, 0
+    while i < len(args):
+        tok = args[i]
+        if not tok.startswith("--"):
+            i += 1
+            continue
+        key, eq, value = tok[2:].partition("=")
+        if eq:
+            out[key] = value
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out[key] = args[i + 1]
+            i += 1
+        else:
+            out[key] = True
+        i += 1
+    return out

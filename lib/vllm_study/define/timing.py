@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 from ..capacity import bracket as capacity
-from ..launch import hardware
+from ..launch import machine
 from . import models
 from .params import Study
 from .traces import read_trace
@@ -40,8 +40,8 @@ def _step_s(weight_bytes: float, peak_bw: float | None) -> float:
 def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) -> float:
     """One request's TTFT + decode time under the rough model above."""
     cfg = models.local_config(study.model) or {}
-    params = hardware.param_count(cfg)[0] if cfg else 7e9
-    peaks = hardware.peaks(gpu_name) if gpu_name and engine == "gpu" else None
+    params = machine.param_count(cfg)[0] if cfg else 7e9
+    peaks = machine.peaks(gpu_name) if gpu_name and engine == "gpu" else None
     flops = 0.4 * peaks[0] if peaks else 0.2e12
     w = study.workload
     out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
@@ -91,7 +91,7 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     latency = request_latency_s(study, engine, gpu_name)
     if engine == "gpu":
         cfg = models.local_config(study.model) or {}
-        gb = 2 * hardware.param_count(cfg)[0] / 1e9 if cfg else 15
+        gb = 2 * machine.param_count(cfg)[0] / 1e9 if cfg else 15
         start = GPU_START_S + GPU_START_S_PER_GB * gb
     else:
         start = CPU_START_S

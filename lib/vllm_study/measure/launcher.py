@@ -20,6 +20,7 @@ from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from ..launch.slots import compile_cache_env
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
                              serve_command, stop_group_from_file)
+from ..define.schema import parse_flags
 from ..define.traces import read_trace
 from ..workload.build_workload import make_workload
 from ..workload.trace_workload import TraceWorkload
@@ -217,8 +218,8 @@ class Launcher(StartWriter):
     def _measurement_flags(self) -> list[str]:
         """Flags that make the server count what the report needs, where this vLLM takes
         them and the study does not set them itself: a histogram bound at the chunk budget
-        (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (hardware.py)."""
-        given = {a.split("=", 1)[0] for a in self.study.server.extra_cli_args}
+        (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py)."""
+        given = {f"--{k}" for k in parse_flags(self.study.server.extra_cli_args)}
         flags = []
         pb = self.point.prefix_budget
         if pb:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..capacity import bracket as capacity
 from . import client, counters, stats
-from ..launch import hardware
+from ..launch import machine
 from ..workload import loads
 from ..define import models
 from ..records.results import (RoundRecord, append_round,
@@ -43,7 +43,7 @@ class RoundProtocol(StartWriter):
         if self.point.effective and self.point.effective.max_num_batched_tokens:
             values |= counters.long_prefills(before, after, self.point.effective.max_num_batched_tokens)
         gpus = self.record.gpus
-        figures, source = hardware.use(values, duration, gpus[0].name if gpus else None,
+        figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
                                        self.point.engine_args.tensor_parallel_size or 1,
                                        models.local_config(self.study.model))
         if source:
@@ -151,10 +151,10 @@ class RoundProtocol(StartWriter):
         self._mark("measured", save=True)
 
     def search_capacity(self, progress=None) -> None:
-        """capacity.Search over this start's server, one round a step; the record is saved
+        """capacity.Bracket over this start's server, one round a step; the record is saved
         after every step, so a start that dies mid-search keeps what it measured."""
         c = self.study.capacity
-        search = capacity.Search(c.over, c.lo, c.hi, c.precision, c.max_steps)
+        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps)
 
         def measure(load: float) -> capacity.Step:
             if self.failed:
@@ -166,7 +166,7 @@ class RoundProtocol(StartWriter):
             if rec is None:
                 return capacity.Step(load, False, self.record.reason or "round failed")
             return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round)
-        result = search.run(measure)
+        result = bracket.run(measure)
         result.requests_per_s = self._requests_per_s(result)
         self.record.capacity = result
         self._mark("measured", save=True)

@@ -114,7 +114,7 @@ class Launch(BaseModel):
     target: dict[str, Any] | None = None        # endpoint studies: name, base_url, model, api_key_env
     has_metrics: bool = True                    # /metrics answered
     cache_reset: bool = True                    # /reset_prefix_cache answered: rounds start cold
-    hardware_source: str | None = None          # where MFU and bandwidth use came from (hardware.py)
+    hardware_source: str | None = None          # where MFU and bandwidth use came from (launch/machine.py)
     slot_wait_s: float | None = None            # waiting for the slot's previous server to stop
     started_ahead: bool = False                 # spawned before its slot was free, held at its engine's init
     ahead_cpus: list[int] | None = None         # started ahead: the cores it imported on, at nice 19

@@ -29,6 +29,7 @@ from . import report
 from . import answer, capacity_section, run as report_run
 from ..launch import server
 from ..define.params import Load, ModelSpec
+from ..define.schema import parse_flags
 from ..measure.launcher import PLACE_ENV
 from ..records.results import RunFolder
 
@@ -36,32 +37,12 @@ from ..records.results import RunFolder
 CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
                "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct",
                "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct"}
-# What the kit adds to measure (counters.budget_buckets, hardware.py): not serving settings.
+# What the kit adds to measure (counters.budget_buckets, machine.py): not serving settings.
 MEASUREMENT_ONLY = {"custom-histogram-buckets", "enable-mfu-metrics"}
 # The loopback address and free port the kit picked for one start (server.serve_command).
 PER_START_FLAGS = {"host", "port"}
 # what the printed command leaves out of the one that ran (_drop_flags), said in the evidence
 DROPPED = "less its port (pick one with --port) and the flags the config holds"
-
-
-def parse_flags(args: list[str]) -> dict:
-    """['--a', '1', '--b=2', '--c'] -> {'a': '1', 'b': '2', 'c': True}."""
-    out, i = {}, 0
-    while i < len(args):
-        tok = args[i]
-        if not tok.startswith("--"):
-            i += 1
-            continue
-        key, eq, value = tok[2:].partition("=")
-        if eq:
-            out[key] = value
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[key] = args[i + 1]
-            i += 1
-        else:
-            out[key] = True
-        i += 1
-    return out
 
 
 def serve_config(r: report.Run, point: str) -> dict:

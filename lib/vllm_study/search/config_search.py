@@ -127,7 +127,7 @@ def like(crashed: dict, candidate: dict, worse: dict[str, int]) -> bool:
 
 
 @dataclass
-class Outcome:
+class TrialOutcome:
     """What one trial measured: the objective (None: not measured), the SLO constraints,
     or why its start failed."""
     value: float | None = None
@@ -135,22 +135,22 @@ class Outcome:
     failed: str | None = None
 
 
-def outcome_of(summary, study: Study) -> Outcome:
+def outcome_of(summary, study: Study) -> TrialOutcome:
     """A trial's outcome from its point's summary (one start)."""
     spec = study.search
     if summary is None or summary.status in ("failed", "running"):
         why = "; ".join(summary.reasons) if summary and summary.reasons else "the start recorded no outcome"
-        return Outcome(failed=why)
+        return TrialOutcome(failed=why)
     est = summary.estimates.get(spec.objective)
     if est is None:
-        return Outcome(failed=f"{spec.objective} was not measured")
+        return TrialOutcome(failed=f"{spec.objective} was not measured")
     if study.capacity:  # capacity is within the SLO by construction: infeasible where even the lowest load missed
-        return Outcome(est.median, {"slo_at_lowest_load": 1.0 if est.median == 0 else -1.0})
+        return TrialOutcome(est.median, {"slo_at_lowest_load": 1.0 if est.median == 0 else -1.0})
     cons = {}
     for bound, limit in study.slo.items():
         e = summary.estimates.get(bound)
         cons[bound] = e.median / limit - 1 if e else 1.0
-    return Outcome(est.median, cons)
+    return TrialOutcome(est.median, cons)
 
 
 @dataclass
@@ -271,7 +271,7 @@ class SearchLoop:
         return None
 
     # -- telling -------------------------------------------------------------------
-    def record(self, number: int, outcome: Outcome) -> None:
+    def record(self, number: int, outcome: TrialOutcome) -> None:
         with self.lock:
             trial = self.live.pop(number, None) or optuna.trial.Trial(self.study, self._trial_id(number))
             if outcome.failed or outcome.value is None:
@@ -389,7 +389,7 @@ def checker(maker):
 
 
 def run_offline(loop: SearchLoop, measure) -> SearchLoop:
-    """The loop driven by a function instead of server starts: measure(values) -> Outcome
+    """The loop driven by a function instead of server starts: measure(values) -> TrialOutcome
     (the unit tests' synthetic objectives, the oracle benchmark's grid)."""
     while (p := loop.propose()) is not None:
         loop.record(p.number, measure(p.values))

@@ -164,7 +164,7 @@ _add(
     Metric("pb_defer_ms_p50", "defer P50", "ms", ".0f", None, "server", "median hold time of deferred requests"),
     Metric("pb_defer_ms_p99", "defer P99", "ms", ".0f", None, "server", "P99 hold time of deferred requests"),
     Metric("pb_defer_ms_max", "defer max", "ms", ".0f", None, "server", "longest hold time of a deferred request"),
-    # how close to the hardware (hardware.py)
+    # how close to the hardware (launch/machine.py)
     Metric("est_flops", "estimated FLOPs", "FLOP", ".3g", None, "server",
            "delta of vllm:estimated_flops_per_gpu_total (--enable-mfu-metrics)"),
     Metric("est_read_bytes", "estimated bytes read", "bytes", ".3g", None, "server",
