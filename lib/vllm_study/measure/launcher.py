@@ -55,20 +55,20 @@ class Launcher(StartWriter):
         transformers' import, the tokenizer, the word pieces, a round's prompts) are built
         while vLLM starts."""
         model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
-        planned_block = self.point.effective.block_size if self.point.effective else None
+        planned_kv_block = self.point.effective.block_size if self.point.effective else None
         ahead = self._start_ahead_wanted() and not self._take_slot(wait=False)
         if not ahead:
             self._take_slot()
         with ThreadPoolExecutor(1) as pool:
-            built = pool.submit(self._build_workload, model, planned_block)
+            built = pool.submit(self._build_workload, model, planned_kv_block)
             if self.point.target:
                 self._connect(self.point.target)
             else:
                 self._start_server(model, dummy, ahead)
             expected = built.result()
-        block = int(self.record.launch.cache_config.get("block_size") or planned_block or 0)
-        if block and block != planned_block:  # the server chose another block size than planned
-            expected = self._expected_hit_rate(block)
+        kv_block = int(self.record.launch.cache_config.get("block_size") or planned_kv_block or 0)
+        if kv_block and kv_block != planned_kv_block:  # the server chose another block size than planned
+            expected = self._expected_hit_rate(kv_block)
         if not self.failed:
             self.record.expected_prefix_hit_rate = expected
         self._save()
@@ -108,8 +108,9 @@ class Launcher(StartWriter):
         self._mark("held", save=True)
         self._take_slot()
 
-    def _build_workload(self, model: str, block: int | None) -> float | None:
-        """The tokenizer and the workload; returns the expected hit rate at `block`."""
+    def _build_workload(self, model: str, kv_block: int | None) -> float | None:
+        """The tokenizer and the workload; returns the expected hit rate at KV-cache block
+        size `kv_block`."""
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         w = self.study.workload
@@ -117,7 +118,7 @@ class Launcher(StartWriter):
             self.workload = self._trace_workload()
         else:
             self.workload = make_workload(self.tokenizer, w)
-        return self._expected_hit_rate(block) if block else None
+        return self._expected_hit_rate(kv_block) if kv_block else None
 
     def _trace_workload(self):
         """The trace's window, less the requests longer than the server allows (counted in
@@ -134,14 +135,14 @@ class Launcher(StartWriter):
                              "rate": kept.rate, "duration_s": kept.duration_s}
         return wl
 
-    def _expected_hit_rate(self, block: int) -> float | None:
+    def _expected_hit_rate(self, kv_block: int) -> float | None:
         """What a cache that never evicts would hit (the report puts it beside the measured
         rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
         if self.study.workload.kind == "trace":
             return self.workload.expected_hit_rate()
         if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
             return None
-        return self.workload.expected_hit_rate(self.study.workload.requests_per_round, block)
+        return self.workload.expected_hit_rate(self.study.workload.requests_per_round, kv_block)
 
     def _connect(self, t) -> None:
         self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy

@@ -28,8 +28,10 @@ from .rounds import RoundProtocol
 
 class PointStart(Launcher, RoundProtocol):
     """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
-    `slot_lock`: the sweep's lock file for this start's GPUs (slots.SlotLock), taken
-    before the server starts and given back once it has stopped."""
+    `block`: the block of the randomized run order it belongs to (the KV-cache block
+    size is `kv_block` wherever the two meet). `slot_lock`: the sweep's lock file for
+    this start's GPUs (slots.SlotLock), taken before the server starts and given back
+    once it has stopped."""
 
     def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,
                  gpu_indices: list[int] | None = None, slot_lock: str | Path | None = None):
