@@ -1,5 +1,5 @@
 """Does the capacity's 95% interval cover a known capacity? Simulated studies, fitted by
-capacity_fit (margins, a monotone fit per start, a bootstrap over each step's requests,
+capacity.fit (margins, a monotone fit per start, a bootstrap over each step's requests,
 an interval-censored likelihood over starts).
 
 Each study is one config, its server started STARTS times. A start's capacity is the
@@ -42,7 +42,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study.capacity_fit import (StepData, bounds_from_slo, combine, fit_start,  # noqa: E402
+from vllm_study.capacity.fit import (StepData, bounds_from_slo, combine, fit_start,  # noqa: E402
                                      gain)
 
 SLO = {"ttft_p90_ms": 5000.0, "itl_p99_ms": 150.0}

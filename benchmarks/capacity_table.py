@@ -12,7 +12,8 @@ import argparse
 
 import pandas as pd
 
-from vllm_study import report
+from vllm_study.report import report
+from vllm_study.report import answer, capacity_section
 
 
 def steps_table(r: report.Run) -> pd.DataFrame:
@@ -36,8 +37,8 @@ def main() -> int:
     a = ap.parse_args()
     r = report.Run.load(a.run)
     pd.set_option("display.width", 250, "display.max_columns", 30, "display.max_colwidth", 60)
-    if not report.is_capacity_study(r):
-        fidelity = report.fidelity_table(r)
+    if not capacity_section.is_capacity_study(r):
+        fidelity = answer.fidelity_table(r)
         if fidelity is None and r.study.workload.kind != "trace":
             raise SystemExit(f"{a.run} is neither a capacity study (its study has no `capacity:`) nor a trace "
                              "replay: there is nothing for this table")
@@ -45,9 +46,9 @@ def main() -> int:
         return 0
     if a.price:
         r.study.gpu_hour_price = a.price  # the report reads the typed study
-    print(report.capacity_answer(r), end="\n\n")
-    print(report.capacity_table(r).to_string(), end="\n\n")
-    fidelity = report.fidelity_table(r)
+    print(capacity_section.capacity_answer(r), end="\n\n")
+    print(capacity_section.capacity_table(r).to_string(), end="\n\n")
+    fidelity = answer.fidelity_table(r)
     if fidelity is not None:
         print(fidelity.to_string(), end="\n\n")
     print(steps_table(r).round(3).to_string(index=False))

@@ -36,12 +36,14 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import client, counters, loads, models, stats  # noqa: E402
-from vllm_study.grid import expand  # noqa: E402
-from vllm_study.machine import resolve_engine, vllm_distribution  # noqa: E402
-from vllm_study.params import load_study  # noqa: E402
-from vllm_study.server import VllmServer, free_port, serve_command  # noqa: E402
-from vllm_study.workload import SharedPrefixWorkload  # noqa: E402
+from vllm_study.measure import client, counters, stats  # noqa: E402
+from vllm_study.workload import loads  # noqa: E402
+from vllm_study.define import models  # noqa: E402
+from vllm_study.define.grid import expand  # noqa: E402
+from vllm_study.launch.machine import resolve_engine, vllm_distribution  # noqa: E402
+from vllm_study.define.study_file import load_study  # noqa: E402
+from vllm_study.launch.server import VllmServer, free_port, serve_command  # noqa: E402
+from vllm_study.workload.workload import SharedPrefixWorkload  # noqa: E402
 
 _MODULE_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
                  "from vllm.benchmarks.serve import add_cli_args, main; p = P(); add_cli_args(p); "

@@ -20,8 +20,8 @@ from pathlib import Path
 import pandas as pd
 
 from point_overhead import notebook_begin  # benchmarks/ is the script's folder
-from vllm_study import compare
-from vllm_study.results import NOTEBOOK, RunFolder
+from vllm_study.report import compare
+from vllm_study.records.results import NOTEBOOK, RunFolder
 
 
 def busy_seconds(run: RunFolder) -> tuple[float, int]:

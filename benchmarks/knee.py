@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from vllm_study.results import RunFolder
+from vllm_study.records.results import RunFolder
 
 
 def steps(run: RunFolder) -> list[dict]:

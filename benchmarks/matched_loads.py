@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from vllm_study import report
+from vllm_study.report import report
 
 DEFAULT_METRICS = ("ttft_sched_p90_ms", "ttft_p50_ms", "itl_p99_ms", "output_throughput")
 

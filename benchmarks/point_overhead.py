@@ -28,8 +28,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from vllm_study import startup_log
-from vllm_study.results import NOTEBOOK, TIMELINE, RunFolder, on_gpu, read_log
+from vllm_study.launch import startup_log
+from vllm_study.records.results import NOTEBOOK, TIMELINE, RunFolder, on_gpu, read_log
 
 # the point notebook's code cells, by what their source starts with: vLLM serving the
 # kit's requests, the kit's imports, and the launch (vLLM's start-up and the kit's set-up)

@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 from scipy import stats
 
-from vllm_study import analysis, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.report import report
 
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "itl_p99_ms", "tpot_p50_ms", "output_throughput")
 

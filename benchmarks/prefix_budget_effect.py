@@ -1,7 +1,7 @@
 """What the Prefix Reuse Budget did in a run that sweeps `scheduler.min_reuse_ratio`:
 at each chunk size, each budget point against the point without it (min_reuse_ratio
 off), per request class (all, shared-prefix, cold), with 95% intervals from the study's
-start-to-start spread: the report's own comparison (report.axis_effect_frame, shown in
+start-to-start spread: the report's own comparison (report_effects.axis_effect_frame, shown in
 the report's cell beside "Did each knob bind?"), printed in full. Beside it, what the
 budget's own counters say it did (requests deferred per round, how many went in by the
 age bound) and the hit rate a never-evicting cache would have reached.
@@ -14,7 +14,9 @@ import argparse
 
 import pandas as pd
 
-from vllm_study import analysis, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.report import report
+from vllm_study.report import binding, effects as report_effects
 
 COUNTERS = ("pb_deferred", "pb_admitted_by_age", "pb_admitted_idle", "pb_defer_ms_p50", "pb_defer_ms_p99")
 # the report's column names, as this script has always shown them
@@ -27,20 +29,20 @@ def main() -> int:
     ap.add_argument("run")
     a = ap.parse_args()
     r = report.Run.load(a.run)
-    axis = report.scheduler_axis(r)
+    axis = binding.scheduler_axis(r)
     if axis is None:
         raise SystemExit(f"{a.run} does not sweep scheduler.min_reuse_ratio: nothing to compare")
-    # the report's own comparison (report.axis_effect_frame): one implementation for both
-    effects = report.axis_effect_frame(r, axis)
-    first = [c for c in effects.columns if c not in report.EFFECT_COLUMNS]
+    # the report's own comparison (report_effects.axis_effect_frame): one implementation for both
+    effects = report_effects.axis_effect_frame(r, axis)
+    first = [c for c in effects.columns if c not in report_effects.EFFECT_COLUMNS]
     shown = effects[first + ["group", "metric", "value", "reference value", "change", "verdict"]].rename(
         columns=SHOWN)
     classes = sorted(r.rounds.loc[r.rounds["group"] == "class", "group_value"].dropna().unique())
     with pd.option_context("display.width", 250, "display.max_rows", 500, "display.max_colwidth", 60):
         print(shown.to_string(index=False))
-        for note in report.axis_effect_notes(r, axis)[1:]:
+        for note in report_effects.axis_effect_notes(r, axis)[1:]:
             print(note)
-        deferrals = report.deferral_table(r)
+        deferrals = binding.deferral_table(r)
         if deferrals is not None:
             print("\nrequests the budget deferred per round: median over measured rounds (min to max)")
             print(deferrals.to_string())

@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from vllm_study import prefix_cache_model as pcm
-from vllm_study import windows
+from vllm_study.workload import prefix_cache_model as pcm
+from vllm_study.workload import windows
 
 H200_KV_TOKENS = 2_064_624
 

@@ -15,7 +15,9 @@ import argparse
 import numpy as np
 import pandas as pd
 
-from vllm_study import analysis, metrics, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.vocab import metrics
+from vllm_study.report import report
 
 METRICS = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
 

@@ -28,11 +28,13 @@ import optuna
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study import analysis, config_search as cs, metrics  # noqa: E402
-from vllm_study.params import Search  # noqa: E402
+from vllm_study.analysis import intervals as analysis  # noqa: E402
+from vllm_study.search import config_search as cs  # noqa: E402
+from vllm_study.vocab import metrics  # noqa: E402
+from vllm_study.define.search_space import Search  # noqa: E402
 
 MIN_TRIALS = Search.model_fields["trials"].metadata[0].ge  # the fewest trials a search takes
-from vllm_study.report import Run  # noqa: E402
+from vllm_study.report.report import Run  # noqa: E402
 
 
 def oracle(run: Run, objective: str):
@@ -60,12 +62,12 @@ def search_once(axes, values, starts, objective: str, trials: int, sampler: str,
     rng = random.Random(f"oracle/{seed}")
     found_at = {}
 
-    def measure(v: dict) -> cs.Outcome:
+    def measure(v: dict) -> cs.TrialOutcome:
         point = by_values.get(tuple(v[a] for a in axes))
         if point is None or point not in starts:  # a grid point with no measured start: a failed trial
-            return cs.Outcome(failed="the grid has no measured start of this point")
+            return cs.TrialOutcome(failed="the grid has no measured start of this point")
         found_at.setdefault(point, len(found_at) + 1)
-        return cs.Outcome(rng.choice(starts[point]))
+        return cs.TrialOutcome(rng.choice(starts[point]))
 
     loop = cs.SearchLoop(spec, f"oracle-{seed}", optuna.storages.InMemoryStorage(), lambda v: [])
     cs.run_offline(loop, measure)

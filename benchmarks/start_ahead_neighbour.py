@@ -28,12 +28,13 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
-from vllm_study import client, counters, models, stats
-from vllm_study.grid import expand
-from vllm_study.machine import resolve_engine
-from vllm_study.params import load_study
-from vllm_study.server import ServerStartError, VllmServer, free_port, serve_command
-from vllm_study.workload import SharedPrefixWorkload
+from vllm_study.measure import client, counters, stats
+from vllm_study.define import models
+from vllm_study.define.grid import expand
+from vllm_study.launch.machine import resolve_engine
+from vllm_study.define.study_file import load_study
+from vllm_study.launch.server import ServerStartError, VllmServer, free_port, serve_command
+from vllm_study.workload.workload import SharedPrefixWorkload
 
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms", "output_throughput")
 

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 from scipy import stats as sps
 
-from vllm_study.results import RunFolder
+from vllm_study.records.results import RunFolder
 
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "tpot_p50_ms", "output_throughput")
 BESIDE_S = 5.0  # a first round with at least this long beside imports counts as disturbed

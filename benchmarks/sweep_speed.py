@@ -41,13 +41,14 @@ import numpy as np
 import pandas as pd
 
 from client_agreement import bench_command, write_prompts  # benchmarks/: this script's folder
-from vllm_study import models, startup_log
-from vllm_study.build_workload import make_workload
-from vllm_study.grid import expand
-from vllm_study.machine import resolve_engine, vllm_distribution
-from vllm_study.params import load_study
-from vllm_study.results import RunFolder, read_log
-from vllm_study.server import cpu_uni_env, free_port, serve_command
+from vllm_study.define import models
+from vllm_study.launch import startup_log
+from vllm_study.workload.build_workload import make_workload
+from vllm_study.define.grid import expand
+from vllm_study.launch.machine import resolve_engine, vllm_distribution
+from vllm_study.define.study_file import load_study
+from vllm_study.records.results import RunFolder, read_log
+from vllm_study.launch.server import cpu_uni_env, free_port, serve_command
 
 # (label, the kit's round metric, vllm bench's result key)
 METRICS = (("TTFT P50 ms", "ttft_p50_ms", "median_ttft_ms"), ("TPOT P50 ms", "tpot_p50_ms", "median_tpot_ms"),

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import yaml
 
-from vllm_study.grid import PointPlan, expand
-from vllm_study.machine import cpu_dtype
-from vllm_study.models import kv_bytes_per_token
-from vllm_study.params import study_from_dict
-from vllm_study.point import PointStart
+from vllm_study.define.grid import PointPlan, expand
+from vllm_study.launch.machine import cpu_dtype
+from vllm_study.define.models import kv_bytes_per_token
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.measure.point import PointStart
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from vllm_study.models import QWEN2_PATTERN, card_config
+from vllm_study.define.models import QWEN2_PATTERN, card_config
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import numpy as np
 
-from vllm_study import metrics
-from vllm_study.grid import PointPlan, Unit, expand
-from vllm_study.machine import CpuInfo, Machine, Versions
-from vllm_study.params import study_from_dict
-from vllm_study.point import summarize
-from vllm_study.results import GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord
+from vllm_study.vocab import metrics
+from vllm_study.define.grid import PointPlan, Unit, expand
+from vllm_study.launch.machine import CpuInfo, Machine, Versions
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.measure.point import summarize
+from vllm_study.records.results import (GitState, GroupRecord, Launch, Manifest, RoundRecord, RunFolder, StartRecord)
 
 CPU = CpuInfo(model="test CPU", machine="x86_64", cores=2, capability="AVX2", avx512=False, avx512_bf16=False,
               amx=False)
@@ -100,7 +100,7 @@ def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.
     point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p]: each step's round
     records TTFT P90 = bound_ms x load / capacity, and each start its search, as
     point.search_capacity does."""
-    from vllm_study import capacity
+    from vllm_study.capacity import bracket as capacity
     over = {"grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1, "slo": {"ttft_p90_ms": bound_ms},
             "workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
                          "load": {"kind": "poisson", "rate": 2}},
@@ -135,7 +135,7 @@ def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.
                     f.write(rec.model_dump_json() + "\n")
                 return capacity.Step(load, met, why or "", rec.round)
             c = s.capacity
-            result = capacity.Search(c.over, c.lo, c.hi, c.precision, c.max_steps).run(measure)
+            result = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps).run(measure)
             result.requests_per_s = result.load
             StartRecord(point=p.id, start=k, block=k, status="ok", started_utc="x", host="test",
                         launch=Launch(startup_s=30.0), rounds_planned=s.steps_per_start, rounds_ok=len(rounds),

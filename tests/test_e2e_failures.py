@@ -15,9 +15,10 @@ import pytest
 from e2e_support import kv_bytes, measure, plan_of, tiny
 from procs import group_gone
 from test_e2e_server import _target_study
-from vllm_study import counters, models
-from vllm_study.point import PointStart
-from vllm_study.server import VllmServer, free_port, serve_command
+from vllm_study.measure import counters
+from vllm_study.define import models
+from vllm_study.measure.point import PointStart
+from vllm_study.launch.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -76,12 +77,12 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
 def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
     """Another process holds the port the kit picked (a race the kit cannot rule out):
     vLLM cannot bind it and the start records 'port in use'."""
-    from vllm_study import point as point_mod
+    from vllm_study.measure import launcher
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     try:
-        monkeypatch.setattr(point_mod, "free_port", lambda: holder.getsockname()[1])
+        monkeypatch.setattr(launcher, "free_port", lambda: holder.getsockname()[1])
         run = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
         run.launch()
     finally:

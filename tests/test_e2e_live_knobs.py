@@ -17,9 +17,9 @@ import pytest
 
 from e2e_support import UNI
 from procs import group_gone
-from vllm_study import counters, live_knobs
-from vllm_study.models import build_model_dir, kv_bytes_per_token
-from vllm_study.server import VllmServer, free_port, serve_command
+from vllm_study.measure import counters, live_knobs
+from vllm_study.define.models import build_model_dir, kv_bytes_per_token
+from vllm_study.launch.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 

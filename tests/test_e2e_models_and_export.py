@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from e2e_support import REPO, no_proxy_env, sweep, tiny, write
-from vllm_study import models
-from vllm_study.params import ModelSpec
-from vllm_study.results import RunFolder
-from vllm_study.server import VllmServer, free_port
+from vllm_study.define import models
+from vllm_study.define.params import ModelSpec
+from vllm_study.records.results import RunFolder
+from vllm_study.launch.server import VllmServer, free_port
 
 
 @pytest.mark.e2e
@@ -48,7 +48,7 @@ def test_an_exported_config_serves_and_is_measured_as_a_plain_endpoint(tmp_path)
     workload on /v1/completions: /metrics is scraped, the missing cache reset is said
     plainly, and the report renders."""
     from synthetic_run import make_run
-    from vllm_study.export import export
+    from vllm_study.report.export import export
     point = "mbt=256__kv=16MiB"
     synthetic = make_run(tmp_path / "synthetic", {point: {"output_throughput": 100.0, "ttft_p90_ms": 50.0}})
     cfg, _ = export(synthetic.path, point, tmp_path / "export")

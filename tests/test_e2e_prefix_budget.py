@@ -23,10 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from procs import group_gone
-from vllm_study import client, counters
-from vllm_study.models import build_model_dir
+from vllm_study.measure import client, counters
+from vllm_study.define.models import build_model_dir
 from vllm_study.prefix_budget import read_stats, stats_delta
-from vllm_study.server import VllmServer, free_port, serve_command
+from vllm_study.launch.server import VllmServer, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 

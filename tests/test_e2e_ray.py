@@ -18,7 +18,7 @@ import yaml
 
 from e2e_support import tiny, write
 from procs import group_gone
-from vllm_study.results import RunFolder, StartRecord
+from vllm_study.records.results import RunFolder, StartRecord
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -162,8 +162,8 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
 
     from vllm_study import executors
     from vllm_study.executors import ray_cluster
-    from vllm_study.grid import expand
-    from vllm_study.params import study_from_dict
+    from vllm_study.define.grid import expand
+    from vllm_study.define.study_file import study_from_dict
     from vllm_study.sweep import create_run, unit_finished
 
     study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1))

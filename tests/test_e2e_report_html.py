@@ -49,7 +49,7 @@ def browser():
 def page(tmp_path_factory) -> Path:
     """The committed run re-rendered by this kit into a copy, with the parameters its
     committed report was rendered with (an SLO given at report time)."""
-    from vllm_study.results import RunFolder
+    from vllm_study.records.results import RunFolder
     from vllm_study.sweep import render_report
     folder = tmp_path_factory.mktemp("rendered") / RUN.name
     shutil.copytree(RUN, folder)
@@ -62,8 +62,8 @@ def page(tmp_path_factory) -> Path:
 def committed_page(tmp_path_factory) -> Path:
     """The committed report notebook, as the kit writes it to a static page (runs commit
     the notebook only)."""
-    from vllm_study.report import export_html
-    from vllm_study.results import RunFolder
+    from vllm_study.report.page import export_html
+    from vllm_study.records.results import RunFolder
     folder = tmp_path_factory.mktemp("run")
     shutil.copy(RUN / "report.ipynb", folder / "report.ipynb")
     return export_html(RunFolder(folder))

@@ -12,10 +12,11 @@ import optuna
 import pytest
 
 from e2e_support import REPO, kv_bytes, sweep, tiny, write
-from vllm_study import config_search as cs
-from vllm_study.grid import DEFAULTS_POINT
-from vllm_study.report import Run, answer_text
-from vllm_study.results import RunFolder
+from vllm_study.search import config_search as cs
+from vllm_study.define.grid import DEFAULTS_POINT
+from vllm_study.report.report import Run
+from vllm_study.report.answer import answer_text
+from vllm_study.records.results import RunFolder
 
 SMALL, ROOMY = kv_bytes(512), kv_bytes(16384)  # 512 tokens cannot hold a 2,048-token request
 STUDY = tiny(grid=None, rounds=1, search={

@@ -13,11 +13,12 @@ import pytest
 
 from e2e_support import UNI, measure, plan_of, tiny
 from procs import group_gone
-from vllm_study import client, counters, models
-from vllm_study.grid import PointPlan, expand
-from vllm_study.params import study_from_dict
-from vllm_study.results import REQUESTS, TIME_DECIMALS
-from vllm_study.server import VllmServer, _health, free_port, serve_command
+from vllm_study.measure import client, counters
+from vllm_study.define import models
+from vllm_study.define.grid import PointPlan, expand
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.records.results import REQUESTS, TIME_DECIMALS
+from vllm_study.launch.server import VllmServer, _health, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +55,7 @@ def test_server_answers_and_counts_prefix_hits(server):
     srv, model = server
     from transformers import AutoTokenizer
 
-    from vllm_study.workload import SharedPrefixWorkload
+    from vllm_study.workload.workload import SharedPrefixWorkload
     w = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="chat", system_prompt_tokens=512,
                              question_tokens=16, output_tokens=16, seed=1)
     client.check_endpoint(srv.url, "tiny")
@@ -87,7 +88,7 @@ def test_output_steps_miss_steps_that_only_advance_a_prefill(server):
     srv, model = server
     from transformers import AutoTokenizer
 
-    from vllm_study.workload import RandomWorkload
+    from vllm_study.workload.workload import RandomWorkload
     w = RandomWorkload(AutoTokenizer.from_pretrained(model), api="completions", input_tokens=1200,
                        output_tokens=1, seed=7)
     counters.reset_prefix_cache(srv.url)
@@ -290,7 +291,7 @@ def test_a_wrong_path_is_named_in_one_line(server, tmp_path):
 def _round(server, tmp_path, workload: dict):
     from transformers import AutoTokenizer
 
-    from vllm_study.build_workload import make_workload
+    from vllm_study.workload.build_workload import make_workload
     srv, model = server
     plan = plan_of(_target_study(srv.url, workload))
     run, summary = measure(plan, tmp_path / "s1")
@@ -350,7 +351,7 @@ def test_multi_turn_reports_ttft_per_turn(server, tmp_path):
 
 
 def test_poisson_arrivals_are_sent_on_schedule(server, tmp_path):
-    from vllm_study import loads
+    from vllm_study.workload import loads
     row, _, results, _ = _round(server, tmp_path, {
         "requests_per_round": 12, "load": {"kind": "poisson", "rate": 6.0}, "seed": 5})
     planned = loads.arrivals(12, 6.0, 1.0, 5)

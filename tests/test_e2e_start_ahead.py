@@ -17,10 +17,10 @@ import pytest
 
 from e2e_support import UNI, plan_of, sweep, tiny, write
 from procs import group_gone
-from vllm_study import models
-from vllm_study.slots import SlotLock
-from vllm_study.results import RunFolder, read_log
-from vllm_study.server import ENGINE_INIT_LINE, VllmServer, _health, free_port, serve_command, without_colours
+from vllm_study.define import models
+from vllm_study.launch.slots import SlotLock
+from vllm_study.records.results import RunFolder, read_log
+from vllm_study.launch.server import (ENGINE_INIT_LINE, VllmServer, _health, free_port, serve_command, without_colours)
 
 pytestmark = pytest.mark.e2e
 
@@ -112,7 +112,7 @@ def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_
     assert not first.launch.started_ahead  # the slot was free
     assert second.launch.started_ahead and "held" in second.timeline
     # it imported on cores of its own at nice 19, and had every core and its priority back once released
-    from vllm_study.server import background_cpus
+    from vllm_study.launch.server import background_cpus
     assert second.launch.ahead_cpus == background_cpus() and first.launch.ahead_cpus is None
     if os.geteuid() == 0:  # raising a priority back needs CAP_SYS_NICE
         assert second.launch.ahead_priority_restored

@@ -13,8 +13,8 @@ import pytest
 
 from e2e_support import REPO, kv_bytes, sweep, tiny, write
 from procs import group_gone
-from vllm_study.slots import SLOT_LOCKS
-from vllm_study.results import RunFolder, StartRecord
+from vllm_study.launch.slots import SLOT_LOCKS
+from vllm_study.records.results import RunFolder, StartRecord
 
 # the second point's 512-token KV cache cannot hold one 2,048-token request: it must fail
 STUDY = tiny(grid={"max_num_batched_tokens": [256], "kv_cache_memory_bytes": [kv_bytes(16384), kv_bytes(512)]},

@@ -10,8 +10,8 @@ import pytest
 from e2e_support import UNI, kv_bytes, measure, plan_of, sweep, tiny, write
 from procs import group_gone
 
-from vllm_study import capacity
-from vllm_study.results import RunFolder
+from vllm_study.capacity import bracket as capacity
+from vllm_study.records.results import RunFolder
 
 SLO = {"ttft_p90_ms": 500, "itl_p99_ms": 1000}
 

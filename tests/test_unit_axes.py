@@ -13,9 +13,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from synthetic_run import make_run  # noqa: E402
-from vllm_study import axes, plots, report  # noqa: E402
-from vllm_study.grid import expand, point_id  # noqa: E402
-from vllm_study.params import EngineArgs, study_from_dict  # noqa: E402
+from vllm_study.vocab import axes  # noqa: E402
+from vllm_study.report import plots, report  # noqa: E402
+from vllm_study.report import binding
+from vllm_study.define.grid import expand, point_id  # noqa: E402
+from vllm_study.define.schema import EngineArgs  # noqa: E402
+from vllm_study.define.study_file import study_from_dict  # noqa: E402
 
 # every axis grid.expand can put in a point id: a grid axis is an engine argument the kit
 # knows; the scheduler's ratio is added where it lists several values
@@ -110,11 +113,11 @@ def _binding_run(axis: str, running_peak: float) -> SimpleNamespace:
 
 
 def test_binding_notes_follow_the_registry_not_axis_names(monkeypatch):
-    assert report.binding_notes(_binding_run("max_num_seqs", 8)) == [
+    assert binding.binding_notes(_binding_run("max_num_seqs", 8)) == [
         "max_num_seqs bound (running requests, maximum over rounds, reached it) at: a"]
     # an axis no counter speaks for gets no note (no evidence is made up for it)
-    assert report.binding_notes(_binding_run("block_size", 8)) == []
+    assert binding.binding_notes(_binding_run("block_size", 8)) == []
     # an axis the registry says binds like max_num_seqs gets its note, whatever its name
     monkeypatch.setitem(axes.AXES, "concurrency_cap", axes.Axis("concurrency_cap", "cc", "cap", binds="seqs"))
-    assert report.binding_notes(_binding_run("concurrency_cap", 3)) == [
+    assert binding.binding_notes(_binding_run("concurrency_cap", 3)) == [
         "concurrency_cap never bound: running requests stayed below max_num_seqs at every point"]

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import capacity
-from vllm_study.params import StudyError, study_from_dict
+from vllm_study.capacity import bracket as capacity
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
 
 
 def _measure(true_capacity: float, log: list[float]):
@@ -23,7 +24,7 @@ def _measure(true_capacity: float, log: list[float]):
 @pytest.mark.parametrize("true_capacity", [1.03, 1.7, 2.5, 3.99, 7.2])
 def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity):
     log: list[float] = []
-    rec = capacity.Search("speed", 1.0, 8.0, precision=0.05, max_steps=12).run(_measure(true_capacity, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, precision=0.05, max_steps=12).run(_measure(true_capacity, log))
     lo, hi = rec.bracket
     assert lo <= true_capacity < hi
     assert hi / lo - 1 <= 0.05
@@ -37,7 +38,7 @@ def test_bisection_brackets_a_known_capacity_within_its_precision(true_capacity)
 
 def test_max_steps_stops_the_search_with_the_bracket_it_reached():
     log: list[float] = []
-    rec = capacity.Search("rate", 1.0, 64.0, precision=0.01, max_steps=4).run(_measure(5.0, log))
+    rec = capacity.Bracket("rate", 1.0, 64.0, precision=0.01, max_steps=4).run(_measure(5.0, log))
     assert len(log) == 4
     lo, hi = rec.bracket
     assert lo <= 5.0 < hi and hi / lo > 1.01  # not converged: the bracket says how far it got
@@ -46,28 +47,28 @@ def test_max_steps_stops_the_search_with_the_bracket_it_reached():
 
 def test_capacity_below_lo_and_above_hi_are_censored_not_guessed():
     log: list[float] = []
-    below = capacity.Search("speed", 2.0, 8.0, 0.05, 5).run(_measure(1.0, log))
+    below = capacity.Bracket("speed", 2.0, 8.0, 0.05, 5).run(_measure(1.0, log))
     assert below.load is None and below.censored == "below" and below.bracket == (0.0, 2.0)
     assert log[0] == 8.0 and log[-1] == 2.0 and len(log) == 5  # lo is kept for the last step
     assert log[below.at_round] == 2.0  # its latencies are the report's "at capacity"
     log.clear()
-    above = capacity.Search("speed", 2.0, 8.0, 0.05, 8).run(_measure(100.0, log))
+    above = capacity.Bracket("speed", 2.0, 8.0, 0.05, 8).run(_measure(100.0, log))
     assert above.load == 8.0 and above.censored == "above" and above.bracket == (8.0, None)
     assert log == [8.0]  # the slow low loads are never run
 
 
 def test_lo_is_measured_only_when_nothing_above_it_met():
     log: list[float] = []
-    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
     assert 1.0 in log and rec.load is not None and rec.bracket[0] <= 1.2 < rec.bracket[1]
     log.clear()
-    rec = capacity.Search("speed", 1.0, 8.0, 0.3, 8).run(_measure(5.0, log))
+    rec = capacity.Bracket("speed", 1.0, 8.0, 0.3, 8).run(_measure(5.0, log))
     assert 1.0 not in log and rec.bracket[0] <= 5.0 < rec.bracket[1]
 
 
 def test_concurrency_is_searched_in_whole_numbers_until_neighbours():
     log: list[float] = []
-    rec = capacity.Search("concurrency", 1, 64, precision=0.05, max_steps=20).run(_measure(13, log))
+    rec = capacity.Bracket("concurrency", 1, 64, precision=0.05, max_steps=20).run(_measure(13, log))
     assert all(float(x).is_integer() for x in log)
     assert rec.bracket == (13, 14) and rec.load == 13
 
@@ -78,7 +79,7 @@ def test_a_failed_step_is_a_miss_and_the_search_goes_on_below_it():
         if load > 4:
             return capacity.Step(load, False, "12 of 40 requests failed")
         return capacity.Step(load, True, "")
-    rec = capacity.Search("rate", 1.0, 16.0, 0.1, 10).run(measure)
+    rec = capacity.Bracket("rate", 1.0, 16.0, 0.1, 10).run(measure)
     assert rec.load <= 4 < rec.bracket[1]
     assert any("failed" in s["why"] for s in rec.steps)
 
@@ -130,14 +131,15 @@ H200_RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T153023Z-h
 def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_zero():
     """The committed H200 run: vLLM's default (8192, caching on) missed ITL P99 at speed 0.5
     in both starts, so its capacity is below 0.5 x 3.73 req/s and the gain a lower bound."""
-    from vllm_study import report
+    from vllm_study.report import report
+    from vllm_study.report import capacity_section
     r = report.Run.load(H200_RUN)
-    answer = report.capacity_answer(r)
+    answer = capacity_section.capacity_answer(r)
     assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer
     assert "itl_p99_ms 202 > 150" in answer and "below 1.87 req/s" in answer
     # the best point's interval low (4.81 req/s) less the lowest load's rate
     assert "at least +2.95 req/s more" in answer and "0.00 [" not in answer
-    table = report.capacity_table(r)
+    table = capacity_section.capacity_table(r)
     assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
     assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "below 0.5"
     assert table.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
@@ -150,16 +152,18 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     import sys
     from synthetic_run import make_capacity_run
 
-    from vllm_study import cli, export, report
+    from vllm_study import cli
+    from vllm_study.report import export
+    from vllm_study.report import answer, capacity_section, report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 1.0, "mbt=512": 1.5}, lo=2.0, hi=8.0)
     r = report.Run.load(run.path)
-    answer = report.capacity_answer(r)
-    assert answer.startswith("Capacity below 2.00 req/s at every point: the SLO (TTFT P90 <= 400 ms) was missed "
-                             "at every load measured; lower capacity.lo.")
-    md = report.answer_markdown(r)
+    said = capacity_section.capacity_answer(r)
+    assert said.startswith("Capacity below 2.00 req/s at every point: the SLO (TTFT P90 <= 400 ms) was missed "
+                           "at every load measured; lower capacity.lo.")
+    md = answer.answer_markdown(r)
     assert "0.00" not in md and "At its capacity" not in md and "export" not in md
-    assert report.best_point(r) is None
-    table = report.capacity_table(r)
+    assert answer.best_point(r) is None
+    table = capacity_section.capacity_table(r)
     assert set(table["capacity (req/s)"]) == {"below 2.00"} and set(table["capacity (rate)"]) == {"below 2"}
     assert set(table["TTFT P90 from schedule (ms) at capacity"]) == {"-"}
     # benchmarks/capacity_table.py prints the same answer and table
@@ -182,13 +186,14 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
 def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
     from synthetic_run import make_capacity_run
 
-    from vllm_study import export, report
+    from vllm_study.report import export
+    from vllm_study.report import capacity_section, report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 100.0}, lo=2.0, hi=8.0)
     r = report.Run.load(run.path)
-    answer = report.capacity_answer(r)
+    answer = capacity_section.capacity_answer(r)
     assert answer.startswith("mbt=512 sustains at least 8.00 req/s within the SLO")
     assert "raise capacity.hi" in answer and "At its capacity" not in answer and "8.00 [" not in answer
-    table = report.capacity_table(r)
+    table = capacity_section.capacity_table(r)
     assert table.loc["mbt=512", "capacity (req/s)"] == "at least 8.00"
     assert table.loc["mbt=512", "capacity (rate)"] == "at least 8"
     assert table.loc["mbt=256", "capacity (req/s)"].startswith("2.83 [")
@@ -199,7 +204,8 @@ def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
 def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(tmp_path, capsys):
     from synthetic_run import make_capacity_run
 
-    from vllm_study import cli, report
+    from vllm_study import cli
+    from vllm_study.report import report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
     assert cli._conclude(run) == 0
     out = capsys.readouterr().out
@@ -222,7 +228,7 @@ def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_p
     from synthetic_run import make_capacity_run
 
     from vllm_study import notebook_support as ns
-    from vllm_study import report
+    from vllm_study.report import report
     for r in (report.Run.load(H200_RUN), report.Run.load(make_capacity_run(tmp_path / "r", {"mbt=256": 3.0,
                                                                                             "mbt=512": 5.0}).path)):
         figures = r.folder.path / "figures" / "pareto.png"

@@ -1,4 +1,4 @@
-"""capacity_fit: crossings of fitted margins, censored starts as bounds, bootstrap
+"""capacity.fit: crossings of fitted margins, censored starts as bounds, bootstrap
 intervals that widen with the bracket, the censored likelihood over starts, the gain."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from vllm_study.capacity_fit import (Bound, ConfigCapacity, StartCapacity, StepData, _StepSample,
+from vllm_study.capacity.fit import (Bound, ConfigCapacity, StartCapacity, StepData, _StepSample,
                                      bounds_from_slo, combine, crossing, fit_start, gain)
 
 TTFT = bounds_from_slo({"ttft_p90_ms": 1000})

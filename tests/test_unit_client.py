@@ -11,10 +11,10 @@ import threading
 import pytest
 from aiohttp import web
 
-from vllm_study import net
-from vllm_study.client import EndpointError, _classify_http, check_endpoint, run_closed_loop
-from vllm_study.server import free_port
-from vllm_study.workload import Request
+from vllm_study.launch import net
+from vllm_study.measure.client import EndpointError, _classify_http, check_endpoint, run_closed_loop
+from vllm_study.launch.server import free_port
+from vllm_study.workload.workload import Request
 
 BAD_GATEWAY_HTML = ("<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
                     "<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx/1.25.3</center>\r\n"

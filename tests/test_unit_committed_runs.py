@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import axes, report
+from vllm_study.vocab import axes
+from vllm_study.report import report
+from vllm_study.report import binding, capacity_section
 from vllm_study import notebook_support as ns
-from vllm_study.params import Study
+from vllm_study.define.params import Study
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/manifest.json"))
@@ -29,7 +31,7 @@ def test_a_committed_run_loads_with_its_typed_study(folder):
     assert report.describe(r)
     if folder.name == BUDGET_RUN:  # its min_reuse_ratio values make the scheduler an axis: heatmaps chunk x ratio
         assert r.axes == ["max_num_batched_tokens", "min_reuse_ratio"]
-        assert report.scheduler_axis(r) == "min_reuse_ratio"
+        assert binding.scheduler_axis(r) == "min_reuse_ratio"
 
 
 SEARCH_RUN = "20261202T122846Z-h200-mooncake-search-6581d2b"
@@ -38,11 +40,11 @@ SEARCH_RUN = "20261202T122846Z-h200-mooncake-search-6581d2b"
 def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
     """vLLM's defaults and trial 4 missed the SLO at the search's lowest load (1 x the
     trace's 3.08 req/s): their capacity is unmeasured below it, not 0."""
-    from vllm_study import search_report
+    from vllm_study.search import search_report
     r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
     capacity = next(c for c in report.headline_table(r).columns if c.startswith("capacity"))
     assert report.headline_table(r).loc["vllm-defaults", capacity] == "below 3.08"
-    assert report.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "below 3.08"
+    assert capacity_section.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "below 3.08"
     trials = ns.search_trials(r)
     assert trials.loc[4, "capacity_rps"] == "below 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
     assert "fewer than 20" in search_report.importance_caveat(r) and "8 measured trials" in \
@@ -54,12 +56,13 @@ def test_the_search_history_draws_a_trial_below_the_bracket_at_the_lowest_load_n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllm_study import search_report
+    from vllm_study.search import search_report
     r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
-    assert search_report.history_figure(r, below_at=report.lowest_load_rps(r)) is None
+    assert search_report.history_figure(r, below_at=capacity_section.lowest_load_rps(r)) is None
     ax = plt.gcf().axes[0]
     missed = [c for c in ax.collections if c.get_label().startswith("SLO missed at the lowest load")]
     at_trial_4 = next(t.get_position()[0] for t in ax.get_xticklabels() if t.get_text() == "4")
-    assert len(missed) == 1 and [tuple(p) for p in missed[0].get_offsets()] == [(at_trial_4, report.lowest_load_rps(r))]
-    assert abs(report.lowest_load_rps(r) - 3.08) < 0.005
+    lowest = capacity_section.lowest_load_rps(r)
+    assert len(missed) == 1 and [tuple(p) for p in missed[0].get_offsets()] == [(at_trial_4, lowest)]
+    assert abs(capacity_section.lowest_load_rps(r) - 3.08) < 0.005
     plt.close("all")

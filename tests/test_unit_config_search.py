@@ -7,9 +7,10 @@ import optuna
 import pandas as pd
 import pytest
 
-from vllm_study import config_search as cs
-from vllm_study.params import StudyError, study_from_dict
-from vllm_study.search_report import best_so_far
+from vllm_study.search import config_search as cs
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.search.search_report import best_so_far
 
 SPACE = {"max_num_batched_tokens": [256, 512, 1024, 2048], "max_num_seqs": [8, 32, 128],
          "gpu_memory_utilization": {"float": [0.80, 0.95], "step": 0.05}}
@@ -34,8 +35,8 @@ def test_a_crash_is_a_failed_trial_and_nothing_like_it_starts_again():
 
     def measure(v):
         if v["gpu_memory_utilization"] >= 0.85 and v["max_num_batched_tokens"] == 1024 and v["max_num_seqs"] == 32:
-            return cs.Outcome(failed="server exit code 1 | torch.OutOfMemoryError: CUDA out of memory")
-        return cs.Outcome(_goodput(v), {"ttft_p90_ms": -0.5})
+            return cs.TrialOutcome(failed="server exit code 1 | torch.OutOfMemoryError: CUDA out of memory")
+        return cs.TrialOutcome(_goodput(v), {"ttft_p90_ms": -0.5})
     loop = cs.run_offline(_loop(study), measure)
     started = loop.started()
     assert len(started) == 20
@@ -70,7 +71,7 @@ def test_like_follows_the_short_resource():
 
 def test_rejected_configurations_never_start_and_say_why():
     study = _study(trials=8, when=["max_num_seqs < 128"])
-    loop = cs.run_offline(_loop(study), lambda v: cs.Outcome(_goodput(v), {"ttft_p90_ms": -1.0}))
+    loop = cs.run_offline(_loop(study), lambda v: cs.TrialOutcome(_goodput(v), {"ttft_p90_ms": -1.0}))
     assert all(t.params["max_num_seqs"] < 128 for t in loop.started())
     rejected = [t for t in loop.trials() if "rejected" in t.user_attrs]
     assert rejected and all("breaks search.when: max_num_seqs < 128 (max_num_seqs=128" in t.user_attrs["rejected"]
@@ -85,7 +86,7 @@ def test_measured_configurations_are_told_their_value_not_started_again():
 
     def measure(v):
         calls.append(v["max_num_seqs"])
-        return cs.Outcome(float(v["max_num_seqs"]))
+        return cs.TrialOutcome(float(v["max_num_seqs"]))
     loop = cs.run_offline(_loop(study), measure)
     assert sorted(calls) == [8, 32]  # two trials, two different configurations
     repeats = [t for t in loop.trials() if "repeat_of" in t.user_attrs]
@@ -96,7 +97,7 @@ def test_the_slo_is_a_constraint_and_the_top_are_feasible_only():
     study = _study(trials=12)
     # the higher max_num_seqs, the more goodput, but 128 misses the SLO
     def measure(v):
-        return cs.Outcome(_goodput(v), {"ttft_p90_ms": 0.3 if v["max_num_seqs"] == 128 else -0.2})
+        return cs.TrialOutcome(_goodput(v), {"ttft_p90_ms": 0.3 if v["max_num_seqs"] == 128 else -0.2})
     loop = cs.run_offline(_loop(study), measure)
     frozen = {t.number: t for t in loop.trials()}
     top = loop.feasible()
@@ -115,13 +116,13 @@ def test_a_journal_resumes_the_search(tmp_path):
     first = _loop(study, storage=storage())
     for _ in range(3):
         p = first.propose()
-        first.record(p.number, cs.Outcome(_goodput(p.values), {"ttft_p90_ms": -1.0}))
+        first.record(p.number, cs.TrialOutcome(_goodput(p.values), {"ttft_p90_ms": -1.0}))
     pending = first.propose()  # started, then the machine went away
     again = _loop(study, storage=storage())
     assert len(again.started()) == 4
     assert again.running_points() == {cs.point_id(pending.values): pending.number}
-    again.record(pending.number, cs.Outcome(1.0, {"ttft_p90_ms": -1.0}))
-    cs.run_offline(again, lambda v: cs.Outcome(_goodput(v), {"ttft_p90_ms": -1.0}))
+    again.record(pending.number, cs.TrialOutcome(1.0, {"ttft_p90_ms": -1.0}))
+    cs.run_offline(again, lambda v: cs.TrialOutcome(_goodput(v), {"ttft_p90_ms": -1.0}))
     assert len(again.started()) == 6
 
 

@@ -9,16 +9,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from vllm_study.counters import (
-    RoundSampler,
-    budget_buckets,
-    cache_config,
-    long_prefills,
-    parse_metrics,
-    probe_server_api,
-    round_deltas,
-)
-from vllm_study.machine import GpuInfo, NvmlProbe
+from vllm_study.measure.counters import (RoundSampler, budget_buckets, cache_config, long_prefills, parse_metrics,
+                                         probe_server_api, round_deltas)
+from vllm_study.launch.machine import GpuInfo, NvmlProbe
 
 _CACHE_LABELS = ('block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
                  'gpu_memory_utilization="0.9",kv_cache_max_concurrency="46.3",'

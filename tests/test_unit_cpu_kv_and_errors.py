@@ -9,10 +9,11 @@ import pytest
 import yaml
 
 from vllm_study import cli, doctor, sweep
-from vllm_study.grid import CPU_KV_CAP, CPU_KV_STEP, cpu_kv_default, expand
-from vllm_study.params import StudyError, load_study, study_from_dict
-from vllm_study.results import GitState
-from vllm_study.server import QUOTE_CAP, failure_reason
+from vllm_study.define.grid import CPU_KV_CAP, CPU_KV_STEP, cpu_kv_default, expand
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import load_study, study_from_dict
+from vllm_study.records.results import GitState
+from vllm_study.launch.server import QUOTE_CAP, failure_reason
 
 GiB = 2**30
 

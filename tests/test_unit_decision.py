@@ -10,8 +10,11 @@ import pytest
 import yaml
 
 from synthetic_run import make_run
-from vllm_study import compare, decision, export, report
-from vllm_study.results import Resume
+from vllm_study.report import compare, export, report
+from vllm_study.report import binding
+from vllm_study.analysis import decision
+from vllm_study.define import schema
+from vllm_study.records.results import Resume
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 
@@ -80,7 +83,7 @@ def test_export_writes_a_serve_config_and_its_evidence(run, tmp_path):
 
 
 def test_parse_flags():
-    assert export.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
+    assert schema.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
 
 
 def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):
@@ -130,11 +133,11 @@ def test_the_chunk_binds_where_a_prefill_was_split_and_coarse_buckets_are_not_cl
     measured = [SimpleNamespace(point=p, effective=SimpleNamespace(max_num_batched_tokens=m))
                 for p, m in (("c256", 256), ("c8192", 8192), ("coarse", 256), ("coarse0", 256))]
     r = SimpleNamespace(rounds=pd.DataFrame(rows), measured=measured)
-    note = report._chunk_binding(r, "max_num_batched_tokens", report._per_point(r, "long_prefills", "median"))
+    note = binding._chunk_binding(r, "max_num_batched_tokens", binding._per_point(r, "long_prefills", "median"))
     assert note.startswith("max_num_batched_tokens bound at 1 of 4 points (prefills longer than the chunk")
     assert ": c256;" in note  # coarse (5 above 200 tokens) is not called bound, and none below is
     assert "whether the chunk split them is not known at: coarse (above 200)" in note and "coarse0" not in note
     none = SimpleNamespace(rounds=pd.DataFrame([{**x, "long_prefills": 0} for x in rows]), measured=measured)
-    assert report._chunk_binding(none, "max_num_batched_tokens",
-                                 report._per_point(none, "long_prefills", "median")).endswith(
+    assert binding._chunk_binding(none, "max_num_batched_tokens",
+                                 binding._per_point(none, "long_prefills", "median")).endswith(
         "never bound: no prefill was longer than the chunk; this study cannot show its effect")

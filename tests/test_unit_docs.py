@@ -187,7 +187,7 @@ def _cheap_form(argv: list[str]) -> tuple[str, ...] | None:
 
 
 def _needs_cpu_engine(params: list[str], folder: Path) -> bool:
-    from vllm_study.params import load_study
+    from vllm_study.define.study_file import load_study
     study = load_study(*[folder / p if p == FIRST_STUDY else REPO / p for p in params])
     return study.server.engine == "gpu"
 

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import doctor, machine
-from vllm_study.machine import CpuInfo, GpuInfo
-from vllm_study.params import study_from_dict
-from vllm_study.workload import word_pieces as _REAL_WORD_PIECES
+from vllm_study import doctor
+from vllm_study.launch import machine
+from vllm_study.launch.machine import CpuInfo, GpuInfo
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.workload.workload import word_pieces as _REAL_WORD_PIECES
 
 
 def test_proxy_that_captures_loopback_is_flagged_with_the_fix():
@@ -55,7 +56,7 @@ def test_disk_below_need_fails(tmp_path):
 
 
 def test_gpu_and_vllm_on_this_machine():
-    from vllm_study.machine import NvmlProbe, vllm_distribution
+    from vllm_study.launch.machine import NvmlProbe, vllm_distribution
     gpu = doctor.check_gpu()
     if NvmlProbe().available:
         assert gpu.status == doctor.OK and "driver" in gpu.detail
@@ -161,7 +162,7 @@ def test_cpu_finding_names_features_and_dtype(monkeypatch):
 def card_cache(tmp_path_factory) -> Path:
     """The kit's model cache (VLLM_STUDY_CACHE) with the tiny-qwen2 card built: the
     cache the sweep uses when that is set, else a fresh one for this module."""
-    from vllm_study.models import build_model_dir
+    from vllm_study.define.models import build_model_dir
     cache = os.environ.get("VLLM_STUDY_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("cache")
     build_model_dir("tiny-qwen2", root / "models" / "tiny-qwen2")
@@ -173,7 +174,7 @@ def fast_pieces(card_cache):
     """word_pieces decodes the whole vocabulary: once for this module."""
     from transformers import AutoTokenizer
 
-    import vllm_study.workload as workload
+    import vllm_study.workload.workload as workload
     pieces = workload.word_pieces(AutoTokenizer.from_pretrained(str(card_cache / "models" / "tiny-qwen2")))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workload, "word_pieces", lambda tokenizer: list(pieces))
@@ -213,7 +214,7 @@ def test_study_findings_tokenizer_that_cannot_load(tmp_path):
 def test_study_findings_folder_whose_tokenizer_is_empty(tmp_path, monkeypatch):
     """transformers builds an empty Qwen2 tokenizer for a qwen2 config.json without
     tokenizer files: a finding that says so, not a crash (IndexError) in the doctor."""
-    import vllm_study.workload as workload
+    import vllm_study.workload.workload as workload
     monkeypatch.setattr(workload, "word_pieces", _REAL_WORD_PIECES)  # whatever fast_pieces did
     (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
     findings = doctor.study_findings(_study({"path": str(tmp_path)}))

@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from vllm_study.executors import Dispatcher, UnitLengths
-from vllm_study.slots import SlotLock, compile_cache_env, gpu_slots, slot_lock_path
-from vllm_study.grid import Unit
-from vllm_study.server import free_port
+from vllm_study.launch.slots import SlotLock, compile_cache_env, gpu_slots, slot_lock_path
+from vllm_study.define.grid import Unit
+from vllm_study.launch.server import free_port
 
 
 @pytest.mark.parametrize("n, tp, want", [(4, 1, [[0], [1], [2], [3]]), (4, 2, [[0, 1], [2, 3]]),
@@ -256,7 +256,7 @@ def test_unit_lengths_bound_a_kind_by_the_other_until_one_of_its_own_has_ended()
 def test_a_slot_lock_held_by_a_process_that_dies_is_free_again(tmp_path):
     path = tmp_path / ".slot-gpus-0.lock"
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, 'lib');"
-                               "from vllm_study.slots import SlotLock;"
+                               "from vllm_study.launch.slots import SlotLock;"
                                f"SlotLock({str(path)!r}).acquire(); print('held', flush=True); time.sleep(60)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -314,8 +314,8 @@ def test_the_progress_bar_advances_once_per_round_as_rounds_land(tmp_path):
 
     from tqdm import tqdm
 
-    from vllm_study.results import ROUNDS, RoundRecord
-    from vllm_study.unit import _watch_start
+    from vllm_study.records.results import ROUNDS, RoundRecord
+    from vllm_study.measure.unit import _watch_start
 
     def line(i):
         return RoundRecord(point="p", start=1, round=i, status="ok", utc="t", metrics={}).model_dump_json()

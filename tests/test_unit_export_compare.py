@@ -9,10 +9,12 @@ import sys
 import yaml
 
 from synthetic_run import make_run
-from vllm_study import compare, export, models, server
-from vllm_study.machine import vllm_distribution
-from vllm_study.params import ModelSpec
-from vllm_study.point import summarize
+from vllm_study.report import compare, export
+from vllm_study.define import models
+from vllm_study.launch import server
+from vllm_study.launch.machine import vllm_distribution
+from vllm_study.define.params import ModelSpec
+from vllm_study.measure.point import summarize
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 UNI = ["--distributed-executor-backend", "uni"]

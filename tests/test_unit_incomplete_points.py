@@ -4,7 +4,10 @@ it among the points that meet the SLO, and export refuses it (exit 3) without --
 from __future__ import annotations
 
 from synthetic_run import make_run
-from vllm_study import cli, decision, export, report
+from vllm_study import cli
+from vllm_study.analysis import decision
+from vllm_study.report import export
+from vllm_study.report import answer, report
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 SLO = {"slo": {"ttft_p90_ms": 1000}, "server": {"extra_cli_args": ["--distributed-executor-backend", "uni"]}}
@@ -32,7 +35,7 @@ def test_failed_requests_count_against_slo_attainment_and_goodput(tmp_path):
 
 def test_an_incomplete_point_is_not_counted_as_meeting_the_slo(tmp_path):
     r = report.Run.load(_run(tmp_path).path)
-    assert "3 of 4 points meet every bound" in report.answer_context(r)
+    assert "3 of 4 points meet every bound" in answer.answer_context(r)
     t = decision.slo_table(r.intervals, r.slo, [D])
     assert t.at[D, "SLO"] == "not resolved" and t.at[A, "SLO"] == "meets"
 

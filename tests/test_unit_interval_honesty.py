@@ -12,7 +12,9 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from vllm_study import analysis, metrics, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study.vocab import metrics
+from vllm_study.report import binding, effects
 
 
 def _rounds(values: dict[str, list[list[float]]], metric: str) -> pd.DataFrame:
@@ -70,7 +72,7 @@ def test_a_measured_figure_constant_over_one_starts_rounds_is_not_called_exact()
     data = analysis.MetricData.from_rounds(df, m)
     d = analysis.difference(data, "b", "a")
     assert not d.resolved and d.verdict() == "not resolved"
-    assert report._diff_cell(d).endswith("not resolved") and "no spread measured" in report._change_text(d)
+    assert effects._diff_cell(d).endswith("not resolved") and "no spread measured" in effects._change_text(d)
     assert analysis.versus_best(df, m)["tied_with_best"].all()
 
 
@@ -140,13 +142,13 @@ def test_the_binding_table_names_the_aggregate_it_shows():
     m = "kv_usage_peak"
     df = _rounds({"a": [[0.033, 0.037, 0.043]]}, m)
     df["prefix_cache_hit_rate"] = [0.5, 0.6, 0.7]
-    t = report.binding_table(_run(df))
+    t = binding.binding_table(_run(df))
     assert t.at["a", "KV peak (max over rounds)"] == "4.3%"
     assert t.at["a", "hit rate (median)"] == "0.600"
     assert "KV peak" not in t.columns and "hit rate" not in t.columns
     assert _iv(df, m).at["a", "value"] == pytest.approx(0.037)  # the median: a different statistic
-    notes = report.binding_notes(_run(df))
+    notes = binding.binding_notes(_run(df))
     assert notes == ["gpu_memory_utilization never bound: KV peak (maximum over rounds) at most 4.3% at every "
                      "point and no preemption; this study cannot show its effect"]
     df2 = _rounds({"a": [[0.5, 0.95]], "b": [[0.2, 0.3]]}, m)
-    assert "KV peak, maximum over rounds, >= 90%" in report.binding_notes(_run(df2))[0]
+    assert "KV peak, maximum over rounds, >= 90%" in binding.binding_notes(_run(df2))[0]

@@ -12,7 +12,7 @@ import pytest
 
 # vllm_parts is the prefix-budget tests' fixture (a real scheduler's configs), shared here
 from test_unit_prefix_budget import _req, admitted, make_scheduler, vllm_parts  # noqa: F401
-from vllm_study import live_knobs
+from vllm_study.measure import live_knobs
 from vllm_study.prefix_budget import CONTROL_ENV, Limits, Refused, check_message, read_stats
 from vllm_study.prefix_budget.counters_file import STATS_ENV
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_study import loads
+from vllm_study.workload import loads
 
 
 def test_poisson_arrivals_have_the_rate_and_replay():

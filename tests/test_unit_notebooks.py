@@ -10,9 +10,9 @@ from pathlib import Path
 import papermill as pm
 import pytest
 
-from vllm_study.grid import Unit
+from vllm_study.define.grid import Unit
 from vllm_study.sweep import REPORT_PARAMS
-from vllm_study.unit import POINT_PARAMS, notebook, point_params
+from vllm_study.measure.unit import POINT_PARAMS, notebook, point_params
 
 GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "write_notebooks.py"
 

@@ -9,21 +9,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_study import axes, grid, machine, models
-from vllm_study.grid import (
-    Effective,
-    Point,
-    expand,
-    point_id,
-    run_order,
-)
-from vllm_study.params import (
-    EngineArgs,
-    ModelSpec,
-    StudyError,
-    load_study,
-    study_from_dict,
-)
+from vllm_study.vocab import axes
+from vllm_study.define import grid, models
+from vllm_study.launch import machine
+from vllm_study.define.grid import Effective, Point, expand, point_id, run_order
+from vllm_study.define.schema import EngineArgs, StudyError
+from vllm_study.define.params import ModelSpec
+from vllm_study.define.study_file import load_study, study_from_dict
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -685,8 +677,8 @@ def test_the_scheduler_needs_prefix_caching_and_a_launched_server():
 
 
 def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
-    from vllm_study.grid import PointPlan
-    from vllm_study.point import PointStart
+    from vllm_study.define.grid import PointPlan
+    from vllm_study.measure.point import PointStart
     s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8], "max_defer_ms": 250}))
     off, on = expand(s, "cpu")[:2]
     flags_on = PointStart(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a")._measurement_flags()
@@ -712,7 +704,8 @@ def test_the_wall_time_estimate_counts_a_start_ahead_as_a_quarter_or_half_of_a_s
     first leaves a quarter of its start-up on the critical path where its configuration
     compiled before, half where it is new (the second point's first start); without it
     (the default), all of it."""
-    from vllm_study.timing import AHEAD_SHARE, AHEAD_SHARE_NEW, GPU_START_S, GPU_START_S_PER_GB, estimate_minutes
+    from vllm_study.define.timing import (AHEAD_SHARE, AHEAD_SHARE_NEW, GPU_START_S, GPU_START_S_PER_GB,
+                                          estimate_minutes)
     base = {"name": "t", "model": {"card": "qwen2.5-7b"}, "grid": {"max_num_batched_tokens": [64, 128]},
             "replicates": 6, "rounds": 2}
     ahead = estimate_minutes(study_from_dict({**base, "server": {"start_ahead": True}}), "gpu", 2, "NVIDIA H200")

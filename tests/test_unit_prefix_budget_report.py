@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from synthetic_run import make_run
-from vllm_study import analysis, cli, report
+from vllm_study.analysis import intervals as analysis
+from vllm_study import cli
+from vllm_study.report import report
+from vllm_study.report import binding, effects as report_effects
 
 ON, OFF = "mbt=256__mrr=0.80", "mbt=256__mrr=off"
 ON2, OFF2 = "mbt=512__mrr=0.80", "mbt=512__mrr=off"
@@ -62,10 +65,10 @@ def plain(tmp_path_factory):
 
 
 def test_the_shared_class_effect_is_shown_with_its_interval_and_called_an_effect_only_when_resolved(budget):
-    axis = report.scheduler_axis(budget)
+    axis = binding.scheduler_axis(budget)
     assert axis == "min_reuse_ratio"
-    assert report.axis_pairs(budget, axis) == [(ON, OFF), (ON2, OFF2)]
-    t = report.axis_effect_table(budget, axis)
+    assert report_effects.axis_pairs(budget, axis) == [(ON, OFF), (ON2, OFF2)]
+    t = report_effects.axis_effect_table(budget, axis)
     assert list(t.columns[:3]) == ["against", "TTFT P50 change", "TTFT P90 change"]
     assert t.loc[(ON, "class=shared"), "against"] == OFF
     shared = t.loc[(ON, "class=shared"), "TTFT P50 change"]
@@ -75,7 +78,7 @@ def test_the_shared_class_effect_is_shown_with_its_interval_and_called_an_effect
     assert t.loc[(ON, "all"), "TTFT P50 change"].endswith("not resolved")  # the whole round hides it
     assert t.loc[(ON, "class=cold"), "output tokens/s change"] == ""   # a whole-round metric only
     # analysis.py's own difference, on the class's rounds: the numbers the table shows
-    f = report.axis_effect_frame(budget, axis)
+    f = report_effects.axis_effect_frame(budget, axis)
     row = f[(f.point == ON) & (f.group == "class=shared") & (f.metric == "ttft_p50_ms")].iloc[0]
     d = analysis.difference(analysis.MetricData.from_rounds(budget.rounds, "ttft_p50_ms", ("class", "shared")),
                             ON, OFF)
@@ -85,14 +88,14 @@ def test_the_shared_class_effect_is_shown_with_its_interval_and_called_an_effect
     assert set(f.loc[f.resolved, "group"]) == {"class=shared"}
     assert set(f.loc[f.resolved, "point"]) == {ON}
     # in words: only the resolved differences are called effects
-    notes = report.axis_effect_notes(budget, axis)
+    notes = report_effects.axis_effect_notes(budget, axis)
     effects = [n for n in notes if n.startswith("effect at")]
     assert effects and all(f"{ON} against {OFF}, class=shared: TTFT P" in n for n in effects)
     assert any(f"TTFT P50 {row.change} (better)" in n for n in effects)
 
 
 def test_the_deferrals_per_point_are_the_median_per_round_with_the_range(budget):
-    t = report.deferral_table(budget)
+    t = binding.deferral_table(budget)
     assert list(t.index) == [ON, ON2]  # the budget's points only: off is vLLM's own scheduler
     assert t.loc[ON, "deferred per round"] == "3 (3 to 4)" and t.loc[ON, "rounds"] == 9
     assert t.loc[ON, "let in by the age bound per round"] == "0 (0 to 1)"
@@ -103,22 +106,22 @@ def test_the_deferrals_per_point_are_the_median_per_round_with_the_range(budget)
 
 
 def test_where_the_budget_deferred_nothing_the_binding_names_the_scheduler_axis_never_bound(budget, idle_budget):
-    notes = report.binding_notes(idle_budget)
+    notes = binding.binding_notes(idle_budget)
     assert any(n.startswith("min_reuse_ratio never bound: the budget deferred no request in any round")
                and ON in n and ON2 in n for n in notes)
     # where it bound at some points: the effects cell says where, and where it never did
-    line = report.scheduler_binding(budget)
+    line = binding.scheduler_binding(budget)
     assert line.startswith(f"min_reuse_ratio bound at 1 of 2 budget point(s) (requests deferred in a round): {ON}")
     assert f"never bound (no request deferred in any round; no effect to show there) at: {ON2}" in line
-    assert line in report.axis_effect_notes(budget, "min_reuse_ratio")
-    assert not any("min_reuse_ratio" in n for n in report.binding_notes(budget))
+    assert line in report_effects.axis_effect_notes(budget, "min_reuse_ratio")
+    assert not any("min_reuse_ratio" in n for n in binding.binding_notes(budget))
 
 
 def test_a_study_without_a_scheduler_axis_keeps_its_binding_and_gets_one_line(plain, capsys):
     from vllm_study import notebook_support as ns
     r = report.Run.load(plain.path)
-    assert report.scheduler_axis(r) is None and report.deferral_table(r) is None
-    assert report.binding_notes(r) == [
+    assert binding.scheduler_axis(r) is None and binding.deferral_table(r) is None
+    assert binding.binding_notes(r) == [
         "max_num_batched_tokens: the server did not report prefill lengths, so the study cannot say whether it bound",
         "kv_cache_memory_bytes: no KV usage was sampled, so the study cannot say whether it bound"]
     capsys.readouterr()
@@ -131,7 +134,7 @@ def test_the_report_cell_shows_effects_binding_and_deferrals(budget, capsys):
     t = ns.axis_effects(budget)
     out = capsys.readouterr().out
     assert t.loc[(ON, "class=shared"), "TTFT P50 change"].endswith("better")
-    assert report.scheduler_binding(budget) in out and "3 (3 to 4)" in out
+    assert binding.scheduler_binding(budget) in out and "3 (3 to 4)" in out
     assert f"effect at {ON} against {OFF}, class=shared" in out
     # any axis, against the baseline's value or its first: here chunk 512 against 256
     by_chunk = ns.axis_effects(budget, "max_num_batched_tokens")
@@ -150,7 +153,7 @@ def test_the_benchmark_prints_the_reports_own_comparison(budget, capsys, monkeyp
     monkeypatch.setattr(sys, "argv", ["prefix_budget_effect.py", str(budget.folder.path)])
     assert _benchmark().main() == 0
     out = capsys.readouterr().out
-    f = report.axis_effect_frame(budget, "min_reuse_ratio")
+    f = report_effects.axis_effect_frame(budget, "min_reuse_ratio")
     for row in f.itertuples():
         assert row.change in out
     assert "class=shared" in out and "3 (3 to 4)" in out

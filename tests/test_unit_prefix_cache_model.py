@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from vllm_study import prefix_cache_model as pcm
-from vllm_study.params import TraceSpec
-from vllm_study.traces import Trace, TraceRequest, read_trace
+from vllm_study.workload import prefix_cache_model as pcm
+from vllm_study.define.params import TraceSpec
+from vllm_study.define.traces import Trace, TraceRequest, read_trace
 
 
 def req(t, n, ids, out=1):

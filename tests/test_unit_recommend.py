@@ -3,7 +3,8 @@ figure the arrival rate fixes (synthetic runs through the kit's own records)."""
 from __future__ import annotations
 
 from synthetic_run import make_run
-from vllm_study import decision, report
+from vllm_study.analysis import decision
+from vllm_study.report import report
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 

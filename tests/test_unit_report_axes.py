@@ -8,7 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
-from vllm_study import plots, report  # noqa: E402
+from vllm_study.report import plots, report  # noqa: E402
 
 RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T101456Z-h200-prefix-budget-chunk256-512-81074f8"
 

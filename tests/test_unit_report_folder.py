@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from vllm_study.results import RunFolder
+from vllm_study.records.results import RunFolder
 from vllm_study.sweep import report_folder
 
 

@@ -26,8 +26,11 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook, new_outp
 from PIL import Image  # noqa: E402
 
 from synthetic_run import make_run  # noqa: E402
-from vllm_study import decision, notebook_support, plots, report  # noqa: E402
-from vllm_study.results import RunFolder  # noqa: E402
+from vllm_study.analysis import decision  # noqa: E402
+from vllm_study import notebook_support  # noqa: E402
+from vllm_study.report import plots, report  # noqa: E402
+from vllm_study.report import answer, page as report_page
+from vllm_study.records.results import RunFolder  # noqa: E402
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 REPORT_NB = Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb"
@@ -95,8 +98,8 @@ def test_the_answer_is_the_printed_recommendation_as_prose(tmp_path):
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         notebook_support.recommendation(r)
-    assert printed.getvalue().startswith(report.answer_text(r))
-    md = report.answer_markdown(r)
+    assert printed.getvalue().startswith(answer.answer_text(r))
+    md = answer.answer_markdown(r)
     assert md.startswith(f"Run **`{B}`**: output tokens/s")  # the point to run, in bold, first
     assert "\\[" in md  # the interval's brackets are text, not a link
     assert "Every point completed every planned round." in md
@@ -110,7 +113,7 @@ def test_the_answer_is_the_printed_recommendation_as_prose(tmp_path):
 def test_the_answer_names_failures_and_the_slo_given_at_report_time(tmp_path):
     run = make_run(tmp_path, _vals({A: 100.0, B: 200.0, C: 110.0, D: 400.0}), died={D: (1, 1)})
     r = notebook_support.load_run(run, "ttft_p90_ms=500", quiet=True)
-    md = report.answer_markdown(r)
+    md = answer.answer_markdown(r)
     assert "1 of 4 points did not complete every planned round" in md
     assert "SLO (given at report time): TTFT P90 ≤ 500 ms; 3 of 4 points meet every bound" in md  # not D
     assert f"`{D}`" in md  # left out, and named
@@ -177,7 +180,7 @@ def _notebook() -> nbformat.NotebookNode:
 
 
 def test_the_page_leaves_out_what_does_not_apply_and_collapses_the_details():
-    nb = report.page_notebook(_notebook())
+    nb = report_page.page_notebook(_notebook())
     sources = [c.source for c in nb.cells]
     assert not any("Endpoints" in s or "Failures" in s for s in sources)  # printed nothing: left out
     assert "ns.failures(r, quiet=True)" not in sources
@@ -197,14 +200,14 @@ def test_nested_details_close_inner_first():
     nb = new_notebook(cells=[new_markdown_cell("## Outer", metadata=details), new_markdown_cell("text"),
                              new_markdown_cell("### Inner", metadata=details),
                              new_code_cell("x", outputs=[_stream("shown\n")])])
-    cells = report.page_notebook(nb).cells
+    cells = report_page.page_notebook(nb).cells
     assert cells[-1].metadata["report_page"]["after"] == "</details></details>"
     assert cells[0].metadata["report_page"]["before"].startswith('<details class="report-section"><summary><h2>Outer')
 
 
 def test_figures_are_reencoded_smaller_with_the_same_pixels_size():
     original = _png()
-    small = report.small_png(original)
+    small = report_page.small_png(original)
     assert len(small) < len(original) / 2
     a, b = (Image.open(io.BytesIO(base64.b64decode(x))) for x in (original, small))
     assert a.size == b.size and b.mode == "P"
@@ -212,7 +215,7 @@ def test_figures_are_reencoded_smaller_with_the_same_pixels_size():
 
 def test_the_exported_page_is_small_wraps_and_scrolls(tmp_path):
     nbformat.write(_notebook(), tmp_path / "report.ipynb")
-    page = report.export_html(RunFolder(tmp_path)).read_text()
+    page = report_page.export_html(RunFolder(tmp_path)).read_text()
     soup = BeautifulSoup(page, "html.parser")
     assert len(page) < 60_000  # the page's own stylesheet, not JupyterLab's 250 kB
     css = "".join(s.get_text() for s in soup.find_all("style"))

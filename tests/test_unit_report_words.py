@@ -7,8 +7,9 @@ import json
 from pathlib import Path
 
 from synthetic_run import make_capacity_run, make_run
-from vllm_study import executors, report, sweep
-from vllm_study.results import ROUNDS, read_rounds
+from vllm_study import executors, sweep
+from vllm_study.report import answer, report
+from vllm_study.records.results import ROUNDS, read_rounds
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 VALUES = {p: {"output_throughput": v, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0}
@@ -17,10 +18,10 @@ VALUES = {p: {"output_throughput": v, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0}
 
 def test_the_freeze_command_names_the_run_where_it_was_written(tmp_path):
     elsewhere = make_run(tmp_path / "runs", VALUES)  # sweep --results runs
-    md = report.answer_markdown(report.Run.load(elsewhere.path))
+    md = answer.answer_markdown(report.Run.load(elsewhere.path))
     assert f"`python -m vllm_study export {elsewhere.path.resolve()} --best`" in md
     default = make_run(tmp_path / "results", VALUES)
-    md = report.answer_markdown(report.Run.load(default.path))
+    md = answer.answer_markdown(report.Run.load(default.path))
     assert f"`python -m vllm_study export results/{default.path.name} --best`" in md
 
 

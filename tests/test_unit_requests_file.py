@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from vllm_study.results import REQUESTS, RoundRecord, append_round
+from vllm_study.records.results import REQUESTS, RoundRecord, append_round
 
 
 def test_times_are_kept_to_the_microsecond_and_the_rest_unchanged(tmp_path):

@@ -16,17 +16,9 @@ import psutil
 import pytest
 
 from procs import group_gone
-from vllm_study import server as server_mod
-from vllm_study.server import (
-    ENGINE_INIT_LINE,
-    LogWatch,
-    ServerStartError,
-    VllmServer,
-    engine_init_visible,
-    failure_reason,
-    free_port,
-    serve_command,
-)
+from vllm_study.launch import server as server_mod
+from vllm_study.launch.server import (ENGINE_INIT_LINE, LogWatch, ServerStartError, VllmServer, engine_init_visible,
+                                      failure_reason, free_port, serve_command)
 
 # ---------------------------------------------------------------- failure_reason
 # Message texts are vLLM's own (vllm 0.32: v1/core/kv_cache_utils.py
@@ -222,7 +214,7 @@ def test_serve_command_official_vllm_uses_serve_subcommand(monkeypatch):
 
 
 def test_vllm_distribution_lives_in_machine():
-    from vllm_study import machine
+    from vllm_study.launch import machine
     assert server_mod.vllm_distribution is machine.vllm_distribution
 
 
@@ -510,7 +502,7 @@ def test_a_server_started_ahead_imports_on_its_own_cores_at_the_lowest_priority_
     import subprocess
     import time
 
-    from vllm_study.server import AHEAD_NICE, background_cpus, group_pids, place_group
+    from vllm_study.launch.server import AHEAD_NICE, background_cpus, group_pids, place_group
     assert background_cpus({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15}) == [14, 15]
     assert background_cpus({0, 1}) == [1] and background_cpus({3}) == [3]
     proc = subprocess.Popen(["sh", "-c", "sleep 30 & wait"], start_new_session=True)

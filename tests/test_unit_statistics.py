@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from vllm_study import analysis
-from vllm_study.stats import estimate
+from vllm_study.analysis import intervals as analysis
+from vllm_study.measure.stats import estimate
 
 
 def _rounds(values: dict[str, np.ndarray], metric: str = "ttft_p90_ms") -> pd.DataFrame:
@@ -156,7 +156,7 @@ def test_rerun_check_accepts_a_rerun_from_the_same_servers_and_flags_a_shifted_o
     rerun_check = _benchmark("rerun_check")
     rng = np.random.default_rng(7)
     truth = {f"p{i}": 1000.0 * (1 + i / 4) for i in range(12)}
-    from vllm_study.report import _lookup
+    from vllm_study.report.run import _lookup
     published = analysis.point_intervals(_rounds(_grid(rng, truth, 2, 2, 0.10, 0.03)))
     study = SimpleNamespace(interval=lambda point, metric: _lookup(published, point, metric))
     same = _grid(rng, {"p0": truth["p0"], "p5": truth["p5"]}, 1, 2, 0.10, 0.03)

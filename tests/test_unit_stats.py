@@ -1,4 +1,4 @@
-"""Per-round statistics (as lib/vllm_study/metrics.py defines them), per-group records, and per-point
+"""Per-round statistics (as lib/vllm_study/vocab/metrics.py defines them), per-group records, and per-point
 estimates across rounds and server starts (median and range; intervals are checked in
 test_unit_statistics.py)."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from vllm_study.client import RequestResult
-from vllm_study.results import Estimate, GroupRecord, RoundRecord
-from vllm_study.stats import errors, estimate, group_records, point_estimates, round_metrics
+from vllm_study.measure.client import RequestResult
+from vllm_study.records.results import Estimate, GroupRecord, RoundRecord
+from vllm_study.measure.stats import errors, estimate, group_records, point_estimates, round_metrics
 
 
 def _ok(index, ttft, e2e, out, itl, prompt=100):

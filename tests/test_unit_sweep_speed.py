@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from vllm_study import startup_log
-from vllm_study.params import Study
+from vllm_study.launch import startup_log
+from vllm_study.define.params import Study
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 

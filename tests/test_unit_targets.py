@@ -14,9 +14,11 @@ import time
 import pytest
 import yaml
 
-from vllm_study import cli, counters, doctor, notebook_support, report, sweep
-from vllm_study.params import study_from_dict
-from vllm_study.server import free_port
+from vllm_study import cli, doctor, notebook_support, sweep
+from vllm_study.measure import counters
+from vllm_study.report import report
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.launch.server import free_port
 
 
 class _Quiet(http.server.SimpleHTTPRequestHandler):

@@ -8,10 +8,10 @@ import pytest
 from transformers import AutoTokenizer
 
 import offline_tokenizers as ot
-from vllm_study.models import build_model_dir
-from vllm_study.params import Workload
-from vllm_study.build_workload import check_template, make_workload
-from vllm_study.workload import SharedPrefixWorkload, word_pieces
+from vllm_study.define.models import build_model_dir
+from vllm_study.define.params import Workload
+from vllm_study.workload.build_workload import check_template, make_workload
+from vllm_study.workload.workload import SharedPrefixWorkload, word_pieces
 
 
 @pytest.fixture(scope="module")

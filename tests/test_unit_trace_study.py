@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from vllm_study.grid import expand
-from vllm_study.params import StudyError, load_study, study_from_dict
+from vllm_study.define.grid import expand
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import load_study, study_from_dict
 
 
 def _study(trace: dict, **over) -> dict:

@@ -15,12 +15,13 @@ import pytest
 from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
-from vllm_study import traces, workload
-from vllm_study.models import build_model_dir
-from vllm_study.params import TraceSpec
-from vllm_study.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
-from vllm_study.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
-from vllm_study.workload import word_pieces
+from vllm_study.define import traces
+from vllm_study.workload import workload
+from vllm_study.define.models import build_model_dir
+from vllm_study.define.params import TraceSpec
+from vllm_study.workload.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
+from vllm_study.define.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
+from vllm_study.workload.workload import word_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 FULL_TRACES = ROOT.parent / "shared" / "traces"
@@ -468,8 +469,8 @@ def test_short_requests_azure_and_jsonl_prompts(tok, tmp_path):
 def test_prompts_under_the_template_floor_are_counted_and_warned(tok, tmp_path):
     """The chat template's lead-in and tail around one content token are the shortest prompt
     the kit can send: shorter trace prompts are sent at that floor, said before the study runs."""
-    from vllm_study.build_workload import check_template
-    from vllm_study.params import Workload
+    from vllm_study.workload.build_workload import check_template
+    from vllm_study.define.params import Workload
     rows = [{"t_s": t, "input_tokens": n, "output_tokens": 2} for t, n in ((0, 3), (1, 17), (2, 300))]
     f = _write(tmp_path / "t.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
     w = TraceWorkload(tok, api="chat", seed=0, trace=read_trace(_spec(f, format="jsonl")))

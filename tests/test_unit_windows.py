@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_study import prefix_cache_model as pcm
-from vllm_study import windows
-from vllm_study.params import TraceSpec
-from vllm_study.traces import DATA, SHIPPED, Trace, TraceError, TraceRequest, read_trace
+from vllm_study.workload import prefix_cache_model as pcm
+from vllm_study.workload import windows
+from vllm_study.define.params import TraceSpec
+from vllm_study.define.traces import DATA, SHIPPED, Trace, TraceError, TraceRequest, read_trace
 
 FULL_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 

@@ -12,16 +12,11 @@ import pytest
 from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
-from vllm_study import models
-from vllm_study.models import build_model_dir
-from vllm_study.params import ModelSpec
-from vllm_study.build_workload import check_template
-from vllm_study.workload import (
-    MAX_PIECES,
-    SharedPrefixWorkload,
-    TemplateError,
-    word_pieces,
-)
+from vllm_study.define import models
+from vllm_study.define.models import build_model_dir
+from vllm_study.define.params import ModelSpec
+from vllm_study.workload.build_workload import check_template
+from vllm_study.workload.workload import MAX_PIECES, SharedPrefixWorkload, TemplateError, word_pieces
 
 SYS, QUESTION, OUT = 1600, 32, 64
 
@@ -50,7 +45,7 @@ def pieces(tok):
 def _pieces_once(pieces):
     """word_pieces decodes the whole vocabulary (~1 s); every workload here gets the list
     computed once above (test_word_pieces_are_single_tokens checks that list)."""
-    import vllm_study.workload as workload
+    import vllm_study.workload.workload as workload
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workload, "word_pieces", lambda tokenizer: list(pieces))
         yield
@@ -214,12 +209,12 @@ def test_deterministic_for_same_seed(tok):
 # ---------------------------------------------------------------- the other workloads
 
 def _spec(**kw):
-    from vllm_study.params import Workload
+    from vllm_study.define.params import Workload
     return Workload.model_validate(kw)
 
 
 def test_mixed_workload_long_documents_beside_short_chats(tok):
-    from vllm_study.build_workload import make_workload
+    from vllm_study.workload.build_workload import make_workload
     w = make_workload(tok, _spec(kind="mixed", long_fraction=0.1, system_prompt_tokens=200,
                                  long_prompt_tokens={"uniform": [6000, 8000]}, output_tokens=16))
     reqs = w.requests(200)
@@ -237,7 +232,7 @@ def test_mixed_workload_long_documents_beside_short_chats(tok):
 
 
 def test_random_workload_lengths_follow_their_distributions(tok):
-    from vllm_study.build_workload import make_workload
+    from vllm_study.workload.build_workload import make_workload
     w = make_workload(tok, _spec(kind="random", api="completions",
                                  input_tokens={"lognormal": {"mean": 300, "sd": 100}},
                                  output_tokens={"uniform": [8, 24]}))
@@ -251,7 +246,7 @@ def test_random_workload_lengths_follow_their_distributions(tok):
 
 
 def test_prefixes_set_the_expected_hit_rate(tok):
-    from vllm_study.build_workload import make_workload
+    from vllm_study.workload.build_workload import make_workload
     one = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32))
     four = make_workload(tok, _spec(system_prompt_tokens=1600, question_tokens=32, prefixes=4))
     assert len({r.messages[0]["content"] for r in four.requests(8)}) == 4
@@ -263,7 +258,7 @@ def test_prefixes_set_the_expected_hit_rate(tok):
 
 
 def test_multi_turn_resends_the_history(tok):
-    from vllm_study.build_workload import make_workload
+    from vllm_study.workload.build_workload import make_workload
     w = make_workload(tok, _spec(kind="multi_turn", turns=3, requests_per_round=6, system_prompt_tokens=100,
                                  question_tokens=20, output_tokens=8))
     t1 = w.turn(0, 0, [])
@@ -324,7 +319,7 @@ def test_word_pieces_by_round_trip_on_another_tokenizer():
 
 
 def test_word_pieces_sample_large_vocabularies_evenly(monkeypatch):
-    import vllm_study.workload as workload
+    import vllm_study.workload.workload as workload
     monkeypatch.setattr(workload, "MAX_PIECES", 120)
     pieces = word_pieces(_greedy(300))
     # 120 of the 301 candidates are checked: " the" (decoded from "the"; there is no
@@ -389,7 +384,7 @@ def test_check_template_that_puts_the_question_before_the_system_prompt(tok, mon
 
 
 def test_check_template_reports_too_few_word_pieces(monkeypatch):
-    import vllm_study.workload as workload
+    import vllm_study.workload.workload as workload
     monkeypatch.setattr(workload, "word_pieces", word_pieces)  # the real one, on this tokenizer
     (problem,), warnings = check_template(_greedy(20), _spec(api="completions"))
     assert "only 20 single-token ' word' pieces" in problem and warnings == []
@@ -444,8 +439,8 @@ def test_eviction_workload_tags_shared_and_cold_and_expects_hits_only_from_share
     """kind eviction: chats sharing a system prompt (class shared) among long distinct
     prompts (class cold); a never-evicting cache would hit the shared prefix of every
     shared request after the first, and nothing of a cold one."""
-    from vllm_study.params import Workload
-    from vllm_study.build_workload import make_workload
+    from vllm_study.define.params import Workload
+    from vllm_study.workload.build_workload import make_workload
     w = make_workload(tok, Workload(kind="eviction", system_prompt_tokens=512, question_tokens=8, output_tokens=4,
                                     long_fraction=0.5, long_prompt_tokens={"uniform": [600, 800]}))
     reqs = w.requests(20)

@@ -1,4 +1,4 @@
-"""Cut the trace windows the kit ships (vllm_study.traces.SHIPPED) from the full public
+"""Cut the trace windows the kit ships (vllm_study.define.traces.SHIPPED) from the full public
 traces, copy the full traces beside them (as published, gzipped), and write their README
 and licence files.
 
@@ -18,8 +18,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from vllm_study.params import TraceSpec
-from vllm_study.traces import DATA, SHIPPED, read_trace
+from vllm_study.define.params import TraceSpec
+from vllm_study.define.traces import DATA, SHIPPED, read_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER_LINES = {"mooncake": 0, "jsonl": 0, "azure": 1, "burstgpt": 1}
@@ -74,8 +74,8 @@ from the full traces; do not edit by hand.
 ## Whole traces
 
 The full published traces, byte for byte as their sources publish them (gzipped), for
-windows taken across the whole trace (`vllm_study.windows`) and the prefix-cache model
-(`vllm_study.prefix_cache_model`); the windows above are their first rows.
+windows taken across the whole trace (`vllm_study.workload.windows`) and the prefix-cache model
+(`vllm_study.workload.prefix_cache_model`); the windows above are their first rows.
 
 | file | windows above | source (repository @ commit, path) | licence | requests | span | size |
 |---|---|---|---|---|---|---|

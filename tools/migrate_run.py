@@ -19,14 +19,14 @@ import shutil
 import sys
 from pathlib import Path
 
-from vllm_study import stats
-from vllm_study.grid import PointPlan, Unit, expand
-from vllm_study.machine import CpuInfo, GpuInfo, Machine, Versions
-from vllm_study.metrics import REGISTRY
-from vllm_study.params import load_study
-from vllm_study.point import summarize
-from vllm_study.results import (LOG, NOTEBOOK, REQUESTS, ROUNDS, START, GitState, Launch, Manifest,
-                                Resume, RoundRecord, RunFolder, StartRecord, compress_log, write_atomic)
+from vllm_study.measure import stats
+from vllm_study.define.grid import PointPlan, Unit, expand
+from vllm_study.launch.machine import CpuInfo, GpuInfo, Machine, Versions
+from vllm_study.vocab.metrics import REGISTRY
+from vllm_study.define.study_file import load_study
+from vllm_study.measure.point import summarize
+from vllm_study.records.results import (LOG, NOTEBOOK, REQUESTS, ROUNDS, START, GitState, Launch, Manifest, Resume,
+                                        RoundRecord, RunFolder, StartRecord, compress_log, write_atomic)
 
 SERVER_KEYS = [k for k, m in REGISTRY.items() if m.source in ("server", "nvml")]
 

@@ -20,8 +20,8 @@ import tarfile
 import time
 from pathlib import Path
 
-from vllm_study.params import load_study
-from vllm_study.results import RunFolder
+from vllm_study.define.study_file import load_study
+from vllm_study.records.results import RunFolder
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -90,7 +90,7 @@ pn.summary_table(summary)
 '''),
 ]
 
-# The report's page (report.html) is this notebook as report.export_html lays it out: the
+# The report's page (report.html) is this notebook as page.export_html lays it out: the
 # answer and its figures first; then the evidence, each section under a heading tagged
 # DETAILS, which the page shows collapsed; a section whose cells print nothing does not
 # apply to the study (e.g. the endpoints in a grid study) and is left off the page.

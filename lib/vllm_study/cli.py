@@ -5,8 +5,10 @@ import argparse
 import sys
 from pathlib import Path
 
+# Each command imports what it needs inside main(): pandas (records, report) and papermill
+# (sweep) take a second to import, and --help or a mistyped command answer at once.
 from .executors import EXECUTORS
-from .params import StudyError
+from .define.schema import StudyError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         return _decide(args)
 
     from . import sweep as sw_mod  # papermill import is slow; keep --help fast
-    from .results import RunFolder
+    from .records.results import RunFolder
     try:
         if args.cmd == "report":
             run = RunFolder(args.run)
-            from .report import parse_slo
+            from .report.run import parse_slo
             parse_slo(args.slo)  # a bad SLO is refused before the notebook runs
             run = sw_mod.report_folder(run, args.overwrite)
             sw_mod.render_report(run, args.slo)
@@ -100,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 def _conclude(run) -> int:
     """The run folder and its short table; exit 1 when no point measured anything (the
     report then shows only why each point failed)."""
-    from . import report
+    from .report import report
+    from .report import capacity_section
     r = report.Run.load(run)
     print(f"\nrun folder: {run.path}\nreport: {run.path / 'report.html'}\n")
     if report.study_failed(r):
@@ -108,8 +111,8 @@ def _conclude(run) -> int:
         print(report.failures(r).to_string())
         return 1
     if r.search and not r.measured:
-        from . import search_report
-        print(report.search_trials(r).to_string())
+        from .search import search_report
+        print(capacity_section.search_trials(r).to_string())
         print("\n" + search_report.NOT_CONFIRMED.format(run=run.path))
         return 0
     print(report.short_table(run).to_string())
@@ -120,8 +123,8 @@ def _decide(args) -> int:
     import pandas as pd
     try:
         if args.cmd == "export":
-            from .export import EXIT_SLO_NOT_MET, export_point
-            from .report import parse_slo
+            from .report.export import EXIT_SLO_NOT_MET, export_point
+            from .report.run import parse_slo
             e = export_point(args.run, args.point, args.out, parse_slo(args.slo))
             print(f"{e.config}\n{e.notes}\n")
             print(e.notes.read_text())
@@ -134,7 +137,7 @@ def _decide(args) -> int:
                          f"; exit {EXIT_SLO_NOT_MET} (--force exports it with exit 0)."), file=sys.stderr)
                 return 0 if args.force else EXIT_SLO_NOT_MET
             return 0
-        from .compare import compare_runs
+        from .report.compare import compare_runs
         with pd.option_context("display.width", 250, "display.max_columns", 20, "display.max_colwidth", 60):
             head, side_by_side, line = compare_runs(args.run_a, args.run_b, args.out)
             print(head + "\n")

@@ -12,8 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import models, net
-from .machine import NvmlProbe, cpu_dtype, cpu_info, vllm_distribution
+from .define import models
+from .launch import net
+from .launch.machine import NvmlProbe, cpu_dtype, cpu_info, resolve_engine, vllm_distribution
+from .define.grid import cpu_kv_default
+from .define.study_file import load_study
+from .workload.build_workload import check_template
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 LOOPBACK = ("127.0.0.1", "localhost")
@@ -109,7 +113,6 @@ def _model_findings(study) -> list[Finding]:
     except Exception as e:
         return [Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
                         "check model.card / model.path in the study")]
-    from .build_workload import check_template
     kind = f"dummy weights of card {study.model.card}" if study.model.path is None else \
         ("dummy weights" if dummy else "its own weights")
     found = [Finding(OK, "model", f"{model} ({kind}); its tokenizer encodes 'Hello world!' as "
@@ -169,7 +172,7 @@ def check_target(t) -> list[Finding]:
     """One endpoint target (params.Target) as the point notebook will find it: reachable, an
     OpenAI server listing the target's model (else FAIL: every start would fail), and
     whether it offers /metrics and /reset_prefix_cache (else WARN: the numbers lack them)."""
-    from .client import auth_header  # here: client imports pandas, which plain `doctor` does not need
+    from .measure.client import auth_header  # here: client imports pandas, which plain `doctor` does not need
     check = f"target {t.name}"
     key = os.environ.get(t.api_key_env) if t.api_key_env else None
     if t.api_key_env and not key:
@@ -222,8 +225,6 @@ def target_findings(study) -> list[Finding]:
 def cpu_kv_findings(study) -> list[Finding]:
     """A CPU study that leaves the KV cache unsized: the size the kit will set, the same
     that --dry-run and the sweep use (grid.cpu_kv_default), and the key that sets it."""
-    from .grid import cpu_kv_default
-    from .machine import resolve_engine
     kv = cpu_kv_default(study, resolve_engine(study.server.engine))
     if kv is None:
         return []
@@ -245,7 +246,6 @@ def diagnose(params: list[str], port: int, results: Path) -> list[Finding]:
     findings = [gpu, check_cpu(), check_vllm(gpu.status == OK), check_port(port), check_proxies(),
                 check_disk(results)]
     if params:
-        from .params import load_study
         study = load_study(*params)
         findings += study_findings(study) + cpu_kv_findings(study)  # the sweep: grid.expand says it
     return findings

@@ -12,9 +12,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from . import axes, metrics, plots, report
+from .vocab import axes, metrics
+from .report import plots, report
+from .report import answer as report_answer, binding as report_binding, capacity_section, effects, run as report_run
 from .point_notebook import display_options
-from .results import RunFolder
+from .records.results import RunFolder
+from .analysis import decision
+from .report import compare
 
 display_options()
 
@@ -33,7 +37,7 @@ def load_run(run: RunFolder, slo: str = "", quiet: bool = False) -> report.Run:
     """The run's records; `slo` ('ttft_p90_ms=2500,itl_p90_ms=100') replaces the study's SLO
     for this report (goodput stays what the study measured under its own SLO). `quiet`:
     say nothing of it here (the report's answer names the SLO it was judged under)."""
-    r = report.Run.load(run, report.parse_slo(slo))
+    r = report.Run.load(run, report_run.parse_slo(slo))
     if slo and not quiet:
         print(f"SLO for this report: {r.slo} (given at report time)")
     return r
@@ -131,7 +135,7 @@ def answer(r: report.Run) -> None:
     """The report's answer in plain words, for the top of the page: the text that
     `recommendation` prints, as prose (the recommended point in bold), with the SLO it was
     judged under, the study's size and its failures; the tables are `recommendation`'s."""
-    _markdown(report.answer_markdown(r), report.answer_text(r))
+    _markdown(report_answer.answer_markdown(r), report_answer.answer_text(r))
 
 
 def answer_figure(r: report.Run) -> None:
@@ -139,11 +143,11 @@ def answer_figure(r: report.Run) -> None:
     axis, the trend lines (a capacity study's capacity among them); an endpoint study has
     none (nothing is shown: its answer is the target comparison)."""
     if r.search:  # its confirmed points are too few for heatmaps: the search's own history instead
-        from . import search_report
-        below_at = report.lowest_load_rps(r)
+        from .search import search_report  # optuna (0.6 s to import) only where a run searched
+        below_at = capacity_section.lowest_load_rps(r)
         why = search_report.history_figure(r, out=r.folder.figures / "search.png", below_at=below_at)
         if why:
-            _markdown(report.md_escape(why), why)
+            _markdown(report_answer.md_escape(why), why)
             return
         plt.show()
         missed = ("a triangle: it missed the SLO at the lowest load, so its capacity is below it"
@@ -160,7 +164,7 @@ def answer_figure(r: report.Run) -> None:
            plots.trend_vs_axis(r, out=r.folder.figures / "trends.png"))
     if why:  # nothing measured: say so (the failure table its sentence points to is below, on this page)
         why = why.replace("the failure table above", "the failure table below")
-        _markdown(report.md_escape(why), why)
+        _markdown(report_answer.md_escape(why), why)
         return
     plt.show()
     x = f"`{r.axes[0]}`"
@@ -181,7 +185,7 @@ def search_trials(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
         if not quiet:
             print("not a search")
         return None
-    return report.search_trials(r)
+    return capacity_section.search_trials(r)
 
 
 def noise_floor(r: report.Run) -> pd.DataFrame:
@@ -189,9 +193,9 @@ def noise_floor(r: report.Run) -> pd.DataFrame:
 
 
 def binding(r: report.Run) -> pd.DataFrame:
-    for note in report.binding_notes(r):
+    for note in report_binding.binding_notes(r):
         print(note)
-    return report.binding_table(r)
+    return report_binding.binding_table(r)
 
 
 def axis_effects(r: report.Run, axis: str = "", quiet: bool = False) -> pd.DataFrame | None:
@@ -201,26 +205,26 @@ def axis_effects(r: report.Run, axis: str = "", quiet: bool = False) -> pd.DataF
     for the budget, where it bound and its deferrals per point (median per round, range).
     A study without the scheduler axis prints one line (or name another axis); `quiet`:
     nothing."""
-    axis = axis or report.scheduler_axis(r) or ""
+    axis = axis or report_binding.scheduler_axis(r) or ""
     if not axis and quiet:
         return None
     if not axis:
         print("no scheduler axis in this study (scheduler.min_reuse_ratio lists one value or none): "
               "no per-class effect of the budget to show")
         return None
-    for note in report.axis_effect_notes(r, axis):
+    for note in effects.axis_effect_notes(r, axis):
         print(note)
-    deferrals = report.deferral_table(r) if axis == axes.SCHEDULER_AXIS else None
+    deferrals = report_binding.deferral_table(r) if axis == axes.SCHEDULER_AXIS else None
     if deferrals is not None:
         from IPython.display import display
         print("\nrequests the budget deferred per round at each of its points: median over measured rounds "
               "(min to max)")
         display(deferrals)
-    return report.axis_effect_table(r, axis)
+    return effects.axis_effect_table(r, axis)
 
 
 def versus_best(r: report.Run) -> pd.DataFrame | None:
-    return report.comparison_table(r)
+    return effects.comparison_table(r)
 
 
 def versus_baseline(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
@@ -232,21 +236,20 @@ def versus_baseline(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
         print("no baseline point in this study (set `baseline:` to a point id to compare every point with it)")
         return None
     print(f"baseline: {baseline}")
-    return report.comparison_table(r, against=baseline)
+    return effects.comparison_table(r, against=baseline)
 
 
 def recommendation(r: report.Run) -> pd.DataFrame | None:
     """The report's answer: the point to run under the study's SLO, what it cannot be
     told apart from, what the runner-up trades; and each point against each SLO bound."""
-    from . import decision
-    answer = report.capacity_answer(r)
+    answer = capacity_section.capacity_answer(r)
     if answer:  # a capacity study: answered by the load each config sustains within the SLO
         print(answer)
         from IPython.display import display
-        fidelity = report.fidelity_table(r)
+        fidelity = report_answer.fidelity_table(r)
         if fidelity is not None:
             display(fidelity)
-        return report.capacity_table(r)
+        return capacity_section.capacity_table(r)
     slo = r.slo
     print(decision.recommend(r.rounds, r.intervals, slo).text())
     if not slo:
@@ -259,11 +262,10 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
 def fidelity(r: report.Run) -> pd.DataFrame | None:
     """A trace run's replay against its trace (report.fidelity_table); nothing for other
     workloads, nor for a capacity study, whose answer (`recommendation`) shows it."""
-    return None if report.is_capacity_study(r) else report.fidelity_table(r)
+    return None if capacity_section.is_capacity_study(r) else report_answer.fidelity_table(r)
 
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:
-    from . import decision
     tp = r.study.engine_args.tensor_parallel_size or 1
     return decision.pareto_table(r.intervals, tp)
 
@@ -314,7 +316,6 @@ def explore(r: report.Run, metric: str, x: str = "", hue: str = "", other: repor
     iv = r.intervals[r.intervals["metric"] == metric]
     t = iv.set_index("point")[["value", "ci_low", "ci_high", "starts", "rounds"]]
     if other is not None:
-        from . import compare
         d = compare.compare(r.folder.path, other.folder.path, [metric])
         if not d.empty:
             t = t.join(d.set_index("point")[["B", "change", "low", "high", "verdict"]].add_prefix("other "))

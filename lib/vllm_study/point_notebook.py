@@ -14,11 +14,12 @@ from tqdm import TqdmWarning
 # ipywidgets is missing; the text progress bar is what the kit wants anyway.
 warnings.filterwarnings("ignore", category=TqdmWarning)
 
-from .grid import PointPlan, expand  # noqa: E402
-from .params import StudyError, load_study  # noqa: E402
-from .point import PointStart  # noqa: E402,F401  (the notebook makes one)
-from .report import estimates_frame  # noqa: E402
-from .results import PointFolder, PointSummary  # noqa: E402
+from .define.grid import PointPlan, expand  # noqa: E402
+from .define.schema import StudyError  # noqa: E402
+from .define.study_file import load_study  # noqa: E402
+from .measure.point import PointStart  # noqa: E402,F401  (the notebook makes one)
+from .report.report import estimates_frame  # noqa: E402
+from .records.results import PointFolder, PointSummary  # noqa: E402
 
 
 def display_options() -> None:

@@ -23,14 +23,20 @@ import yaml
 from tqdm import tqdm
 
 from . import doctor, executors
-from .grid import Point, PointPlan, Unit, expand, run_order
-from .machine import cpu_dtype, describe, resolve_engine, versions
-from .params import Study, StudyError, load_study
-from .results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds, resume_hint,
-                      write_atomic)
-from .slots import SLOT_LOCKS
-from .point import summarize
-from .unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
+from .define.grid import Point, PointMaker, PointPlan, Unit, expand, run_order
+from .launch.machine import cpu_dtype, describe, resolve_engine, versions
+from .define.search_space import FloatRange, IntRange
+from .define.params import Study
+from .define.schema import StudyError
+from .define.study_file import load_study
+from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
+                              resume_hint, write_atomic)
+from .launch.slots import SLOT_LOCKS
+from .measure.point import summarize
+from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
+from .analysis.intervals import point_intervals, relative_width
+from .define.timing import estimate_minutes
+from .report.page import export_html
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: its git state
 
@@ -101,7 +107,7 @@ def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> boo
 
 # -- the study ----------------------------------------------------------------------
 @dataclass
-class Outcome:
+class SweepOutcome:
     run: RunFolder
     units_left: int
     stop_note: str | None = None
@@ -125,7 +131,7 @@ def _stop_children() -> None:
 
 def sweep(params_files: list[str], results: Path, engine: str | None = None, resume: Path | None = None,
           max_minutes: float | None = None, retry_failed: bool = False, report: bool = True,
-          executor: str = "local", ray_address: str | None = None, parallel: int | None = None) -> Outcome:
+          executor: str = "local", ray_address: str | None = None, parallel: int | None = None) -> SweepOutcome:
     t0 = time.monotonic()
     if resume:
         run = RunFolder(resume)
@@ -191,18 +197,17 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
 
 
 def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: float, max_minutes: float | None,
-            runner: executors.Executor) -> Outcome:
+            runner: executors.Executor) -> SweepOutcome:
     """A search: the trials Optuna proposes (first any a stopped run left unfinished), one
     start each, within search.minutes; then fresh starts of the best and of vLLM's
     defaults (config_search.py)."""
-    from . import config_search as cs
-    from .grid import PointMaker
+    from .search import config_search as cs  # optuna (0.6 s to import) only where a run searched
     maker = PointMaker(study, engine)
     loop = cs.SearchLoop.in_run(run.path, study, cs.checker(maker))
     source = cs.TrialSource(loop, run, study, maker, engine)
     spec = study.search
     budget = min((m for m in (max_minutes, spec.minutes) if m), default=None)
-    outcome = Outcome(run, 0)
+    outcome = SweepOutcome(run, 0)
     for pid, number in loop.running_points().items():  # ended, but stopped before its outcome was told
         if unit_finished(run, Unit(point=pid, start=1, block=cs.TRIAL_BLOCK)):
             loop.record(number, cs.outcome_of(run.point(pid).summary(), study))
@@ -230,7 +235,7 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
 
 
 def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float | None,
-               runner: executors.Executor, lengths: executors.UnitLengths | None = None, on_done=None) -> Outcome:
+               runner: executors.Executor, lengths: executors.UnitLengths | None = None, on_done=None) -> SweepOutcome:
     """Run `todo` (a list of units, or a search's TrialSource) on the runner's slots;
     on_done(unit, summary) is told each unit's result as it ends."""
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
@@ -271,8 +276,8 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
         note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "
                 f"(the longest on a free slot so far took {lengths.free / 60:.1f} min, the longest queued "
                 f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
-        return Outcome(run, left, note, lengths)
-    return Outcome(run, 0, lengths=lengths)
+        return SweepOutcome(run, left, note, lengths)
+    return SweepOutcome(run, 0, lengths=lengths)
 
 
 def record_overlaps(run: RunFolder, executor: str) -> None:
@@ -308,7 +313,6 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     asked and that have fewer than `precision.max_starts` starts; appended to the
     manifest's order (so --resume runs it too). Empty when every point is precise
     enough or at its cap."""
-    from .analysis import point_intervals, relative_width
     prec = study.precision
     manifest = run.manifest()
     iv = point_intervals(run.rounds_table(), [prec.metric])
@@ -372,13 +376,11 @@ def render_report(run: RunFolder, slo: str = "") -> Path:
     with _kernel_chatter_held():
         pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},
                             cwd=str(run.path), progress_bar=False, kernel_name="python3")
-    from .report import export_html
     export_html(run)
     return out
 
 
 def search_space_label(study: Study) -> str:
-    from .params import FloatRange, IntRange
     parts = []
     for name, dim in study.search.space.items():
         if isinstance(dim, IntRange):
@@ -412,7 +414,7 @@ FRAME_BOUND = 256
 
 
 def _shortest_prompt(study: Study) -> int:
-    from .traces import read_trace
+    from .define.traces import read_trace
     return min((r.input_tokens for r in read_trace(study.workload.trace).requests if r.prompt is None),
                default=FRAME_BOUND)
 
@@ -421,11 +423,10 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
     points = expand(study, engine)
-    from .timing import estimate_minutes
     gpus = describe().gpus
     minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
-          f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/timing.py)")
+          f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     for p in points:

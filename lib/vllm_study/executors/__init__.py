@@ -24,8 +24,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..grid import Unit
-from ..params import StudyError
+from ..define.grid import Unit
+from ..define.schema import StudyError
 
 # name -> "module:class" in this package; imported when chosen (Ray only where it is asked for)
 EXECUTORS = {"local": "local:LocalExecutor", "gpus": "local:GpusExecutor", "ray": "ray_cluster:RayExecutor"}

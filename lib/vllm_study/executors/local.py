@@ -3,10 +3,10 @@ many at once as this host's GPUs allow, each on a disjoint set of tensor_paralle
 GPUs, with its own port, log and torch.compile cache). Both run the point notebook here."""
 from __future__ import annotations
 
-from ..machine import describe
-from ..params import StudyError
-from ..slots import gpu_slots, slot_lock_path
-from ..unit import run_unit
+from ..launch.machine import describe
+from ..define.schema import StudyError
+from ..launch.slots import gpu_slots, slot_lock_path
+from ..measure.unit import run_unit
 from . import Executor
 
 

@@ -12,11 +12,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..grid import Unit
-from ..point import summarize
-from ..results import RunFolder, now_utc, resume_hint
-from ..unit import run_unit
+from ..define.grid import Unit
+from ..measure.point import summarize
+from ..records.results import RunFolder, now_utc, resume_hint
+from ..measure.unit import run_unit
 from . import Executor
+from ..launch import orphan_guard
+from ..launch.server import without_colours
+from ..records.results import START, StartRecord
 
 
 class RayExecutor(Executor):
@@ -68,7 +71,6 @@ def ray_start(plan_json: str, unit: dict, point_id: str) -> bytes:
     folder if the worker dies. The scratch folder goes once the start folder is packed."""
     import ray
 
-    from .. import orphan_guard
     scratch = Path(tempfile.mkdtemp(prefix="vllm-study-"))
     guard = orphan_guard.launch(scratch)
     done = False
@@ -93,7 +95,6 @@ def lost_start_reason(error: BaseException) -> str:
     """Why a Ray start came back without its start folder, in one line."""
     import ray.exceptions as rx
 
-    from ..server import without_colours
     died = (rx.WorkerCrashedError, rx.NodeDiedError, rx.OutOfMemoryError, rx.LocalRayletDiedError)
     text = " ".join(ln.strip() for ln in without_colours(str(error)).splitlines() if ln.strip())
     if isinstance(error, died):
@@ -105,7 +106,6 @@ def record_lost_start(run: RunFolder, unit: Unit, rounds_planned: int, started_u
     """A failed start in the run folder for a Ray start that never came back (its worker
     died, its node went away): its rounds are gone with the worker's scratch folder; the
     report shows the reason and `--resume --retry-failed` runs it again."""
-    from ..results import START, StartRecord
     dest = _fresh_start_dir(run, unit)
     StartRecord(point=unit.point, start=unit.start, block=unit.block, status="failed", reason=reason,
                 started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",

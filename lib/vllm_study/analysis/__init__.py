@@ -1,0 +1,1 @@
+"""Over a whole run: intervals, comparisons, the noise floor, and the decision."""

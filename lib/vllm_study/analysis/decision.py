@@ -1,0 +1,194 @@
+"""From a study to a decision: which points meet the SLO (with what certainty), which
+one to run, what the runner-up trades, and the Pareto fronts of throughput against
+per-user speed and against TTFT.
+
+Every verdict is taken on intervals (analysis.py), so a point is said to meet a bound
+only when its whole 95% interval does, and two points are told apart only when the
+interval of their difference excludes zero.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+
+from . import intervals as analysis
+from ..vocab import metrics
+
+
+def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=()) -> pd.DataFrame:
+    """Per point and SLO bound: the value [interval] and 'meets' (the interval lies
+    within the bound), 'misses' (it lies outside) or 'not resolved'; plus the overall
+    verdict (meets every bound / misses one / not resolved). A point in `incomplete`
+    (not every planned round ran) never meets it: the rounds it lacks were not measured."""
+    rows = {}
+    for metric, bound in slo.items():
+        m = metrics.get(metric)
+        sub = intervals[intervals["metric"] == metric]
+        for row in sub.itertuples():
+            lo, hi = (row.ci_low, row.ci_high) if np.isfinite(row.ci_low) else (row.value, row.value)
+            ok_lo, ok_hi = (hi <= bound, lo <= bound) if m.better != "higher" else (lo >= bound, hi >= bound)
+            verdict = "meets" if ok_lo else ("misses" if not ok_hi else "not resolved")
+            rows.setdefault(row.point, {})[f"{m.label} <= {bound:g}" if m.better != "higher"
+                                           else f"{m.label} >= {bound:g}"] = verdict
+    t = pd.DataFrame.from_dict(rows, orient="index")
+    if t.empty:
+        return t
+    t["SLO"] = ["misses" if (r == "misses").any() else "meets" if (r == "meets").all() and p not in incomplete
+                else "not resolved" for p, r in t.iterrows()]
+    return t.rename_axis("point")
+
+
+@dataclass
+class Recommendation:
+    point: str | None
+    metric: str                  # what "best" was judged on: goodput under the SLO, else throughput
+    value: float | None
+    low: float | None
+    high: float | None
+    tied: list[str]              # points the study cannot tell apart from it
+    runner_up: str | None
+    trade: str                   # what the runner-up gives and takes, in words
+    reason: str                  # why this point (or why none)
+    left_out: list[str] = field(default_factory=list)  # "point (status)": not every planned round completed
+
+    def text(self) -> str:
+        out = self._text()
+        if self.left_out:
+            out += ("\nLeft out, as not every planned start and round of theirs completed (see the failures "
+                    "table): " + ", ".join(self.left_out) + ".")
+        return out
+
+    def _text(self) -> str:
+        if self.point is None:
+            return self.reason
+        m = metrics.get(self.metric)
+        lines = [f"Run {self.point}: {m.label} {m.format(self.value)} [{m.format(self.low)}, {m.format(self.high)}] "
+                 f"{m.unit} ({self.reason})."]
+        if self.tied:
+            lines.append("Not told apart from it by this study: " + ", ".join(self.tied) + ".")
+        if self.runner_up:
+            lines.append(f"Runner-up {self.runner_up}: {self.trade}.")
+        return "\n".join(lines)
+
+
+def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, float]) -> Recommendation:
+    """The point with the highest goodput among those that meet (or may meet) the SLO;
+    without an SLO, the highest output throughput; in a capacity study, the highest
+    capacity. Only points whose every planned start and round completed are candidates
+    (a point whose server died mid-run has figures from fewer rounds, or none at its
+    load). Under open-loop load, output throughput is not a ranking: the arrival rate
+    fixes it until a point saturates. Ties are the points whose difference from the best
+    is not resolved."""
+    measured = set(intervals["metric"]) if not intervals.empty else set()
+    by_capacity = "capacity_rps" in measured
+    judge = "capacity_rps" if by_capacity else "goodput" if slo and "goodput" in measured else "output_throughput"
+    data = analysis.MetricData.from_rounds(rounds, judge)
+    left_out = _incomplete(rounds)
+    none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
+                                         [f"{p} ({st})" for p, st in left_out.items()])
+    if data is None:
+        return none("nothing was measured")
+    candidates = [p for p in data.starts if p not in left_out]
+    if not candidates:
+        return none("no point completed every planned start and round: finish the run with "
+                    "`python -m vllm_study sweep --resume <run>` (add --retry-failed to run failed starts again)")
+    if judge == "output_throughput" and _open_loop(rounds):
+        return none("no recommendation by output tokens/s: under open-loop load (requests arrive at a set rate) "
+                    "the arrival rate fixes it until a point saturates. Rank by goodput with an `slo:`, or "
+                    "search each point's capacity within the SLO with `capacity:`")
+    what = {"capacity_rps": "capacity", "goodput": "goodput"}.get(judge, "output throughput")
+    reason = f"the highest {what}; no SLO is set"
+    if by_capacity:  # every step was judged against the SLO already: capacity is the load that met it
+        reason = "the highest capacity within the SLO"
+    elif slo:
+        verdicts = slo_table(intervals, slo, left_out)
+        meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
+        maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
+        if judge != "goodput":
+            what += " (goodput was not measured under this SLO)"
+        if meets:
+            candidates, reason = meets, f"the highest {what} among the points whose intervals meet every SLO bound"
+        elif maybe:
+            candidates, reason = maybe, (f"the highest {what} among the points that may meet the SLO: none meets "
+                                         "it with certainty")
+        else:
+            return Recommendation(None, judge, None, None, None, [], None, "",
+                                  "no point meets the SLO: relax a bound, lower the load, or widen the grid")
+    centers = {p: data.center(p) for p in candidates}
+    best = max(centers, key=centers.get)
+    noise = data.noise()
+    se, df, _ = data.se(best, noise)
+    half = analysis._t(df) * se
+    tied, others = [], []
+    for p in candidates:
+        if p == best:
+            continue
+        d = analysis.difference(data, p, best, noise)
+        (others if d.resolved else tied).append((centers[p], p))
+    rest = sorted(tied + others, reverse=True)
+    runner = rest[0][1] if rest else None
+    return Recommendation(best, judge, float(data.back(centers[best])),
+                          float(data.back(centers[best] - half)) if np.isfinite(half) else None,
+                          float(data.back(centers[best] + half)) if np.isfinite(half) else None,
+                          [p for _, p in sorted(tied, reverse=True)], runner,
+                          trade(rounds, runner, best) if runner else "", reason,
+                          [f"{p} ({st})" for p, st in left_out.items()])
+
+
+def _incomplete(rounds: pd.DataFrame) -> dict[str, str]:
+    """Points whose summary status is not ok (partial, failed, running), with it."""
+    if rounds.empty or "point_status" not in rounds.columns:
+        return {}
+    status = rounds.groupby("point", sort=False)["point_status"].first()
+    return {p: str(st) for p, st in status.items() if st != "ok"}
+
+
+def _open_loop(rounds: pd.DataFrame) -> bool:
+    """Rounds sent on a schedule (Poisson, a ladder, a trace) carry the rate they offered."""
+    return "offered_rate" in rounds.columns and bool(rounds["offered_rate"].notna().any())
+
+
+TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms")
+
+
+def trade(rounds: pd.DataFrame, a: str, b: str) -> str:
+    """What point a gives and takes against point b: resolved differences only."""
+    parts = []
+    for name in TRADE_METRICS:
+        data = analysis.MetricData.from_rounds(rounds, name)
+        if data is None or a not in data.starts or b not in data.starts:
+            continue
+        d = analysis.difference(data, a, b)
+        if d.resolved:
+            change = f"{d.estimate:+.0%}" if d.relative else f"{d.estimate:+.3g}"
+            parts.append(f"{metrics.get(name).label} {change} ({d.verdict()})")
+    return "; ".join(parts) if parts else "no difference this study resolves"
+
+
+def pareto(points: pd.DataFrame, x: str, y: str, x_better: str = "higher", y_better: str = "higher") -> pd.Series:
+    """True for the points no other point dominates. A point is dominated when another
+    is at least as good on both axes and strictly better on one; points with identical
+    values are ties and all stay on the front (vllm bench sweep keeps dominated ties)."""
+    sx = points[x] * (1 if x_better == "higher" else -1)
+    sy = points[y] * (1 if y_better == "higher" else -1)
+    on = []
+    for i in points.index:
+        dominated = ((sx >= sx[i]) & (sy >= sy[i]) & ((sx > sx[i]) | (sy > sy[i]))).any()
+        on.append(not dominated)
+    return pd.Series(on, index=points.index)
+
+
+def pareto_table(intervals: pd.DataFrame, n_gpus: int = 1) -> pd.DataFrame:
+    """Per point: output tokens/s per GPU, per-user speed (1000 / TPOT P50: tokens/s a
+    single request sees), TTFT P90, and whether it is on each front."""
+    wide = intervals.pivot_table(index="point", columns="metric", values="value")
+    need = {"output_throughput", "tpot_p50_ms", "ttft_p90_ms"}
+    if wide.empty or not need <= set(wide.columns):
+        return pd.DataFrame()
+    t = pd.DataFrame({"output tok/s per GPU": wide["output_throughput"] / n_gpus,
+                      "per-user tok/s": 1000.0 / wide["tpot_p50_ms"], "TTFT P90 (ms)": wide["ttft_p90_ms"]})
+    t["front: speed"] = pareto(t, "per-user tok/s", "output tok/s per GPU")
+    t["front: TTFT"] = pareto(t, "TTFT P90 (ms)", "output tok/s per GPU", x_better="lower")
+    return t

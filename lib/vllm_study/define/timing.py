@@ -1,0 +1,108 @@
+"""A study's wall time, estimated before it runs (shown by --dry-run), from the model's
+size, the workload and the load. It is a rough model, meant to tell 20 minutes from 3
+hours, not to plan to the minute:
+
+- a server start: 75 s on the CPU engine; on a GPU 90 s plus 1 s per GB of weights
+  (dummy-weight init, torch.compile with a cold cache, CUDA graph capture); started
+  ahead (server.start_ahead), every start but the first leaves a quarter of that on
+  the critical path once the compile cache holds its configuration, half while it
+  does not (a grid point's first start, every trial of a search). 7B on one H200:
+  13-16 s and 33-62 s, against 48-128 s in all;
+- a decode step: the weights read once from memory at 60% of the GPU's datasheet
+  bandwidth (or at 10 GB/s on a CPU), plus 3 ms; a request's prefill at 40% of the
+  GPU's peak FLOP/s (prefix-cached tokens skipped);
+- a round: open loop, its arrival span plus one request's latency; closed loop, one
+  request's latency per wave of `concurrency` requests;
+- per start, 15 s of the kit's own work (notebook kernel, tokenizer, workload).
+"""
+from __future__ import annotations
+
+import math
+
+from ..capacity import bracket as capacity
+from ..launch import machine
+from . import models
+from .params import Study
+from .traces import read_trace
+
+CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
+# of a GPU start, left on the critical path by a start ahead: its configuration compiled
+# before, or new to the compile cache
+AHEAD_SHARE, AHEAD_SHARE_NEW = 0.25, 0.5
+KIT_S_PER_START, REPORT_S = 15.0, 40.0
+
+
+def _step_s(weight_bytes: float, peak_bw: float | None) -> float:
+    bw = 0.6 * peak_bw if peak_bw else 10e9
+    return weight_bytes / bw + 0.003
+
+
+def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) -> float:
+    """One request's TTFT + decode time under the rough model above."""
+    cfg = models.local_config(study.model) or {}
+    params = machine.param_count(cfg)[0] if cfg else 7e9
+    peaks = machine.peaks(gpu_name) if gpu_name and engine == "gpu" else None
+    flops = 0.4 * peaks[0] if peaks else 0.2e12
+    w = study.workload
+    out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
+    uncached = w.question_tokens if isinstance(w.question_tokens, int) else 64
+    if w.kind == "trace":  # every prompt uncached: a bound for a rough model
+        trace = _trace(study)
+        uncached = sum(r.input_tokens for r in trace.requests) / max(len(trace.requests), 1)
+        out = sum(r.output_tokens for r in trace.requests) / max(len(trace.requests), 1)
+    elif w.kind in ("mixed", "eviction"):
+        long = w.long_prompt_tokens if isinstance(w.long_prompt_tokens, int) else w.long_prompt_tokens.longest()
+        uncached += w.long_fraction * long
+    elif w.kind == "random":
+        uncached = w.input_tokens if isinstance(w.input_tokens, int) else w.input_tokens.longest() / 2
+    return 2 * params * uncached / flops + out * _step_s(2 * params, peaks[1] if peaks else None)
+
+
+def _trace(study: Study):
+    return read_trace(study.workload.trace)
+
+
+def round_s(study: Study, latency_s: float) -> float:
+    """One round at the study's load; a capacity search's steps at the geometric middle
+    of its bracket."""
+    w, load = study.workload, study.workload.load
+    n = w.requests_per_round
+    c = study.capacity
+    mid = (c.lo * c.hi) ** 0.5 if c else None
+    if w.kind == "trace":
+        trace = _trace(study)
+        speed = capacity.trace_speed(c.over if c else None, mid, trace.rate, w.trace.speed)
+        return trace.duration_s / speed + latency_s
+    if c and c.over == "rate":
+        return n / mid + latency_s
+    if c and c.over == "concurrency":
+        return math.ceil(n / mid) * latency_s
+    if load.kind == "poisson":
+        return n / load.rate + latency_s
+    if load.kind == "ladder":
+        per = n / len(load.rates)
+        return sum(per / r for r in load.rates) + latency_s
+    if w.kind == "multi_turn":
+        return math.ceil(n / w.turns / w.concurrency) * w.turns * (latency_s + w.think_time_s)
+    return math.ceil(n / w.concurrency) * latency_s
+
+
+def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | None = None) -> float:
+    latency = request_latency_s(study, engine, gpu_name)
+    if engine == "gpu":
+        cfg = models.local_config(study.model) or {}
+        gb = 2 * machine.param_count(cfg)[0] / 1e9 if cfg else 15
+        start = GPU_START_S + GPU_START_S_PER_GB * gb
+    else:
+        start = CPU_START_S
+    if study.targets:
+        start = 0.0
+    measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
+        math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
+    starts, new = n_points * study.replicates, n_points  # new: configurations the compile cache has not seen
+    if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
+        starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
+        new = study.search.trials + 1
+    ahead = study.server.start_ahead and not study.targets
+    on_path = (new - 1) * (AHEAD_SHARE_NEW if ahead else 1) + (starts - new) * (AHEAD_SHARE if ahead else 1)
+    return (start + starts * measure + on_path * start + REPORT_S) / 60

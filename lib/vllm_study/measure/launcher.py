@@ -1,0 +1,237 @@
+"""A start's launch: its GPU slot (taken, or waited for while started ahead), the vLLM
+server with the kit's measurement flags (or a connection to an endpoint target), and
+the tokenizer and workload, built while vLLM starts."""
+from __future__ import annotations
+
+import ast
+import atexit
+import json
+import os
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import client, counters
+from ..define import models
+from ..launch.machine import vllm_accepts
+from ..records.results import LOG, now_utc, read_log
+from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
+from ..launch.slots import compile_cache_env
+from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
+                             serve_command, stop_group_from_file)
+from ..define.schema import parse_flags
+from ..define.traces import read_trace
+from ..workload.build_workload import make_workload
+from ..workload.trace_workload import TraceWorkload
+from .start_record import StartWriter, _step
+
+
+def _non_default_args(log_text: str) -> dict | None:
+    """vLLM logs the engine args it was given as a Python dict literal at startup."""
+    m = re.search(r"non-default args: (\{.*\})", log_text)
+    try:
+        return ast.literal_eval(m.group(1)) if m else None
+    except (ValueError, SyntaxError):
+        return None
+
+
+# What _start_server sets for this start's place, not for the engine: its slot's GPUs and
+# compile cache, the plugin's counter file, a start ahead's ready timeout. Recorded in
+# launch.kit_env with the rest; an exported config leaves them out (export.py).
+PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, "VLLM_ENGINE_READY_TIMEOUT_S"})
+
+
+class Launcher(StartWriter):
+    """The launch steps of a PointStart: sets the server (or target) and `self.url`,
+    `self.model_name`, `self.api_key`, `self.proxy`, `self.tokenizer`, `self.workload`."""
+
+    @_step
+    def launch(self) -> None:
+        """Start this point's vLLM, or, for an endpoint target, check that it answers.
+        Under the sweep it first takes its slot (the previous server there has stopped),
+        or, started ahead (server.start_ahead), spawns at once and is held at its engine's
+        init until it has the slot. The tokenizer and the workload (10-15 s of CPU:
+        transformers' import, the tokenizer, the word pieces, a round's prompts) are built
+        while vLLM starts."""
+        model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
+        planned_kv_block = self.point.effective.block_size if self.point.effective else None
+        ahead = self._start_ahead_wanted() and not self._take_slot(wait=False)
+        if not ahead:
+            self._take_slot()
+        with ThreadPoolExecutor(1) as pool:
+            built = pool.submit(self._build_workload, model, planned_kv_block)
+            if self.point.target:
+                self._connect(self.point.target)
+            else:
+                self._start_server(model, dummy, ahead)
+            expected = built.result()
+        kv_block = int(self.record.launch.cache_config.get("block_size") or planned_kv_block or 0)
+        if kv_block and kv_block != planned_kv_block:  # the server chose another block size than planned
+            expected = self._expected_hit_rate(kv_block)
+        if not self.failed:
+            self.record.expected_prefix_hit_rate = expected
+        self._save()
+
+    def _take_slot(self, wait: bool = True) -> bool:
+        """Wait for the slot's previous start to stop its server (wait=False: take the
+        slot only if it is free now, and say whether it was); a server whose start died
+        holding the slot (its pgid still in the lock file) is stopped first."""
+        lock = self.slot_lock
+        if lock is None or lock.held:
+            return True
+        t0 = time.monotonic()
+        if not lock.acquire(wait):
+            return False
+        self.record.launch.slot_wait_s = time.monotonic() - t0
+        previous = lock.path.read_text().strip()  # the previous holder's server pgid file
+        if previous and stop_group_from_file(Path(previous)):
+            self.record.warnings.append(f"stopped a server that the slot's previous start left running ({previous})")
+        lock.path.write_text(str(pgid_path(self.dir / LOG).resolve()))
+        self.record.started_utc = now_utc()  # the slot's time starts here, not at the wait
+        self._mark("slot", save=True)  # the sweep reads it: the slot's next start may now prepare
+        return True
+
+    def _start_ahead_wanted(self) -> bool:
+        """server.start_ahead, where there is a slot to wait for and vLLM will log the
+        line the hold is timed by."""
+        s = self.study.server
+        if not s.start_ahead or self.slot_lock is None or self.point.target:
+            return False
+        why = engine_init_visible({**os.environ, **s.env})
+        if why:
+            self.record.warnings.append(f"not started ahead of its slot: {why}")
+        return why is None
+
+    def _hold_for_slot(self) -> None:
+        """The server started ahead is frozen at its engine's init: wait for the slot."""
+        self._mark("held", save=True)
+        self._take_slot()
+
+    def _build_workload(self, model: str, kv_block: int | None) -> float | None:
+        """The tokenizer and the workload; returns the expected hit rate at KV-cache block
+        size `kv_block`."""
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        w = self.study.workload
+        if w.kind == "trace":
+            self.workload = self._trace_workload()
+        else:
+            self.workload = make_workload(self.tokenizer, w)
+        return self._expected_hit_rate(kv_block) if kv_block else None
+
+    def _trace_workload(self):
+        """The trace's window, less the requests longer than the server allows (counted in
+        start.json), as prompts of exact length and prefix structure."""
+        w = self.study.workload
+        trace = read_trace(w.trace)
+        limit = (self.point.effective.max_model_len if self.point.effective else None) \
+            or models.max_positions(self.study.model)
+        kept, dropped = trace.fit(limit) if limit else (trace, 0)
+        wl = TraceWorkload(self.tokenizer, api=w.api, seed=w.seed, trace=kept)
+        self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
+                             "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
+                             "max_model_len": limit, "skipped": kept.skipped, "inexact": wl.inexact,
+                             "prompt_floor": wl.prompt_floor,
+                             "rate": kept.rate, "duration_s": kept.duration_s}
+        return wl
+
+    def _expected_hit_rate(self, kv_block: int) -> float | None:
+        """What a cache that never evicts would hit (the report puts it beside the measured
+        rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
+        if self.study.workload.kind == "trace":
+            return self.workload.expected_hit_rate()
+        if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
+            return None
+        return self.workload.expected_hit_rate(self.study.workload.requests_per_round, kv_block)
+
+    def _connect(self, t) -> None:
+        self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy
+        # Only the variable's name is recorded; the key stays in memory.
+        self.record.launch.target = {"name": t.name, "base_url": t.base_url, "model": t.model,
+                                     "api_key_env": t.api_key_env, "proxy": t.proxy}
+        if t.api_key_env:
+            self.api_key = os.environ.get(t.api_key_env)
+            if not self.api_key:
+                self._fail(f"environment variable {t.api_key_env} (the API key of target "
+                           f"{t.name}) is not set; export it before the run")
+                return
+        try:
+            client.check_endpoint(self.url, self.model_name, self.api_key, proxy=self.proxy)
+        except client.EndpointError as e:
+            self._fail(f"target {t.name}: {e}")
+            return
+        api = counters.probe_server_api(self.url, self.api_key, self.proxy)
+        self._mark("ready")
+        self.record.launch.has_metrics = api.snapshot is not None
+        self.record.launch.cache_reset = api.cache_reset
+        if api.snapshot is not None:
+            self.record.launch.cache_config = counters.cache_config(api.snapshot)
+        self.record.warnings += api.notes
+
+    def _start_server(self, model: str, dummy: bool, ahead: bool = False) -> None:
+        s = self.study
+        port = free_port()
+        cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
+                            load_dummy=dummy, extra=s.server.extra_cli_args + self._measurement_flags())
+        env = dict(s.server.env)
+        if self.gpu_indices is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
+            env.update(compile_cache_env(self.gpu_indices))
+        if self.point.prefix_budget:
+            # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
+            env[PB_STATS_ENV] = str(self.pb_stats_path)
+        if s.server.start_ahead:
+            # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
+            # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
+            # starts only would make each config's first held start compile again
+            env.update(VllmServer.ahead_env({**os.environ, **env}))
+        self.record.launch.command = cmd
+        self.record.launch.started_ahead = ahead
+        self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
+        self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **self.server.uni_env}
+        atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
+        try:
+            self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
+            self.server.start(hold=self._hold_for_slot if ahead else None)
+            self._mark("ready")
+            reason = None
+        except ServerStartError as e:
+            reason = e.reason
+        self.record.launch.ahead_cpus = self.server.ahead_cpus
+        self.record.launch.ahead_priority_restored = self.server.priority_restored
+        if self.server.priority_restored is False:
+            self.record.warnings.append("started ahead at nice 19, and its priority could not be raised back once "
+                                        "released (that needs CAP_SYS_NICE): it measured at nice 19")
+        if self.server.hold_missed:
+            self.record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
+            self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
+                                        "its GPU start-up ran beside the slot's previous server")
+        self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))
+        if reason:
+            self._fail(f"server did not start: {reason}")
+            return
+        self.record.launch.server_pgid = self.server.proc.pid
+        self.record.launch.startup_s = self.server.startup_s
+        self.url, self.model_name = self.server.url, s.model.served_name
+        self.record.launch.cache_config = counters.cache_config(counters.scrape(self.server.url))
+        client.check_endpoint(self.server.url, s.model.served_name)
+
+    def _measurement_flags(self) -> list[str]:
+        """Flags that make the server count what the report needs, where this vLLM takes
+        them and the study does not set them itself: a histogram bound at the chunk budget
+        (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py)."""
+        given = {f"--{k}" for k in parse_flags(self.study.server.extra_cli_args)}
+        flags = []
+        pb = self.point.prefix_budget
+        if pb:
+            flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
+                      json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
+                                                    "max_defer_ms": pb.max_defer_ms}})]
+        mbt = self.point.effective.max_num_batched_tokens
+        if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
+            flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt))]
+        if (self.plan.engine == "gpu" and "--enable-mfu-metrics" not in given
+                and vllm_accepts("--enable-mfu-metrics")):
+            flags.append("--enable-mfu-metrics")
+        return flags

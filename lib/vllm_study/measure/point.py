@@ -1,0 +1,121 @@
+"""One server start of one grid point: launch vLLM (or connect to an endpoint), warm
+up, run the rounds, record everything; then the point's summary over all its starts.
+
+The steps are methods so the point notebook can show each as a cell. A failure
+(server that never starts, server that dies mid-round) marks the start failed with a
+reason and turns the remaining steps into no-ops: the notebook still finishes and
+the sweep goes on. Finished rounds are on disk the moment they end.
+
+PointStart is three parts over one start record: the writer (start_record.py), the
+launch (launcher.py) and the round protocol (rounds.py); here are its making, its
+finish, and the point's summary over its starts.
+"""
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+from . import stats
+from ..define.grid import PointPlan
+from ..launch.machine import NvmlProbe
+from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, StartRecord, capacity_figures,
+                               compress_log, now_utc)
+from ..launch.slots import SlotLock
+from ..launch.server import VllmServer
+from .launcher import Launcher
+from .rounds import RoundProtocol
+
+
+class PointStart(Launcher, RoundProtocol):
+    """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
+    `block`: the block of the randomized run order it belongs to (the KV-cache block
+    size is `kv_block` wherever the two meet). `slot_lock`: the sweep's lock file for
+    this start's GPUs (slots.SlotLock), taken before the server starts and given back
+    once it has stopped."""
+
+    def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,
+                 gpu_indices: list[int] | None = None, slot_lock: str | Path | None = None):
+        self.plan, self.study, self.point = plan, plan.study, plan.point
+        self.dir = Path(start_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.iterdir():  # a re-run of a start starts clean (its notebook aside)
+            if stale.is_file() and stale.suffix != ".ipynb":
+                stale.unlink()
+        self.gpu_indices = gpu_indices
+        self.server: VllmServer | None = None
+        self.url = self.model_name = self.api_key = self.proxy = None  # set by launch()
+        self.rounds: list[RoundRecord] = []
+        self.slot_lock = SlotLock(slot_lock) if slot_lock else None
+        self.nvml = NvmlProbe(gpu_indices)  # not machine.describe(): its CPU probe imports torch (seconds)
+        self.record = StartRecord(point=self.point.id, start=start, block=block, started_utc=now_utc(),
+                                  launch=Launch(), host=platform.node(), gpus=self.nvml.describe(),
+                                  no_gpu_reason=None if self.nvml.available else self.nvml.why,
+                                  rounds_planned=self.study.steps_per_start, warnings=list(self.point.warnings))
+        self._save()
+
+    def finish(self) -> PointSummary:
+        """Stop the server, close this start's record, and summarize the point over
+        every start it has so far. The slot is handed on as soon as the server is gone."""
+        if self.server:
+            self._mark("stop")
+            self.server.stop()
+            self._mark("stopped")
+        if self.slot_lock:
+            self.slot_lock.release()
+        if self.server:
+            compress_log(self.dir)
+        if not self.failed:
+            if self.study.capacity:
+                self.record.status = "ok" if self.record.capacity else "failed"
+                if not self.record.capacity:
+                    self.record.reason = "the capacity search did not run"
+            elif self.record.rounds_ok < self.study.rounds:
+                self._fail(f"only {self.record.rounds_ok} of {self.study.rounds} rounds completed a request")
+            else:
+                self.record.status = "ok"
+        self.record.finished_utc = now_utc()
+        self._save()
+        return summarize(PointFolder(self.dir.parent), self.plan)
+
+
+def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
+    """The point over all its starts: status, reasons, and every metric's estimate.
+    ok = every planned round of every planned start; partial = some; failed = none,
+    with a start that failed; running = nothing measured yet."""
+    study, point = plan.study, plan.point
+    n_starts = plan.planned_starts
+    starts = folder.starts()
+    rounds = folder.rounds()
+    ok_rounds = [r for r in rounds if r.status == "ok"]
+    planned = n_starts * study.rounds
+    failed_starts = [s for s in starts if s.status == "failed"]
+    if study.capacity:  # one search a start: its figures are the round at its capacity
+        searched = {s.start: s.capacity for s in starts if s.status == "ok" and s.capacity}
+        rounds = [r for r in rounds if r.start in searched and r.round == searched[r.start].at_round]
+        ok_rounds, planned = rounds, n_starts
+    if len(ok_rounds) >= planned and not failed_starts:
+        status = "ok"
+    elif ok_rounds:
+        status = "partial"
+    else:
+        status = "failed" if failed_starts else "running"
+    reasons = [f"start {s.start}: {s.reason}" for s in failed_starts]
+    done = sum(1 for s in starts if s.status != "running")
+    if status == "partial" and done < n_starts:
+        reasons.append(f"{n_starts - done} of {n_starts} server starts not run yet")
+    first_up = next((s for s in starts if s.launch.startup_s is not None or s.launch.target), None)
+    estimates = stats.point_estimates(rounds)
+    startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
+    if startups:  # a figure per start, not per round
+        estimates["startup_s"] = stats.estimate([[v] for v in startups])
+    if study.capacity and searched:
+        for name in ("capacity_rps", "capacity_load"):
+            estimates[name] = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
+    summary = PointSummary(
+        point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=n_starts,
+        starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,
+        engine_args=point.engine_args.model_dump(exclude_none=True), effective=point.effective,
+        launch=first_up.launch if first_up else None, warnings=sorted({w for s in starts for w in s.warnings}),
+        estimates=estimates, groups=stats.group_estimates(rounds))
+    summary.save(folder.summary_path)
+    return summary

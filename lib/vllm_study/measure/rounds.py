@@ -1,0 +1,202 @@
+"""The round protocol of a start: reset the prefix cache (each round starts cold) ->
+snapshot the server's counters -> send the round's requests -> snapshot again -> the
+round's figures, and, for a capacity step, judged against the SLO. Warm-up runs before
+the first round; a capacity study runs its bracket one round a step. What a round
+should do to the server first (prime a cache, set a live knob) goes in `run_round`,
+before its first snapshot."""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from ..capacity import bracket as capacity
+from . import client, counters, stats
+from ..launch import machine
+from ..workload import loads
+from ..define import models
+from ..records.results import (RoundRecord, append_round,
+                               now_utc, read_log)
+from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from ..launch.server import failure_reason
+from .start_record import StartWriter, _step
+
+
+class RoundProtocol(StartWriter):
+    """The measuring steps of a PointStart, on the server its Launcher started."""
+
+    @property
+    def pb_stats_path(self) -> Path:
+        return self.dir / "prefix_budget.json"
+
+    def _pb_snapshot(self) -> dict | None:
+        if not self.point.prefix_budget:
+            return None
+        try:
+            return read_pb_stats(self.pb_stats_path)
+        except (OSError, ValueError):  # not written yet: the engine has not scheduled
+            return None
+
+    def _round_server_figures(self, before: dict, after: dict, duration: float) -> dict:
+        """/metrics deltas, whether the chunk budget bound, and hardware use."""
+        values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
+        if self.point.effective and self.point.effective.max_num_batched_tokens:
+            values |= counters.long_prefills(before, after, self.point.effective.max_num_batched_tokens)
+        gpus = self.record.gpus
+        figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
+                                       self.point.engine_args.tensor_parallel_size or 1,
+                                       models.local_config(self.study.model))
+        if source:
+            self.record.launch.hardware_source = source
+        return values | figures
+
+    def _run_closed(self, requests) -> list[dict]:
+        w = self.study.workload
+        return [r.to_dict() for r in client.run_sync(client.run_closed_loop(
+            self.url, self.model_name, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s,
+            api_key=self.api_key, proxy=self.proxy))]
+
+    def _prepare_round(self, load_value: float | None = None):
+        """The round's requests and the coroutine that sends them, built before the
+        round's clock starts (tokenizing prompts is not the server's time). load_value:
+        a capacity step's load, in capacity.over's unit, in place of the study's."""
+        w = self.study.workload
+        n, load = w.requests_per_round, w.load
+        over = self.study.capacity.over if load_value is not None else None
+        common = dict(timeout_s=w.request_timeout_s, api_key=self.api_key, proxy=self.proxy)
+        if w.kind == "multi_turn":  # turns are built as answers arrive
+            return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
+                                            w.concurrency, w.think_time_s, **common)
+        if w.kind == "trace":
+            speed = capacity.trace_speed(over, load_value, self.workload.trace.rate, w.trace.speed)
+            return client.run_open_loop(self.url, self.model_name, w.api, self.workload.requests(),
+                                        self.workload.schedule(speed), **common)
+        requests = self.workload.requests(n)
+        if load.kind == "closed":
+            c = int(load_value) if over == "concurrency" else w.concurrency
+            return client.run_closed_loop(self.url, self.model_name, w.api, requests, c, **common)
+        if load.kind == "poisson":
+            rate = load_value if over == "rate" else load.rate
+            times = loads.arrivals(n, rate, load.burstiness, w.seed)
+        else:
+            times, step = loads.ladder(n, load.rates, load.burstiness, w.seed)
+            requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
+        return client.run_open_loop(self.url, self.model_name, w.api, requests, times,
+                                    max_concurrency=load.max_concurrency, **common)
+
+    @_step
+    def warmup(self) -> None:
+        """Requests from a separate stream, excluded from every statistic."""
+        n = self.study.workload.warmup_requests
+        self._mark("warmup")
+        if n:
+            res = self._run_closed(self.workload.requests(n, "warmup"))
+            self.record.warmup_errors = sum(1 for r in res if r["error"])
+            self._save()
+
+    @_step
+    def run_round(self, index: int, load: float | None = None) -> RoundRecord | None:
+        """One measured round; `load`: a capacity step's load (judged against the SLO)."""
+        launch = self.record.launch
+        if launch.cache_reset:
+            counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
+        before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
+        pb_before = self._pb_snapshot()
+        sending = self._prepare_round(load)
+        sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
+                                        api_key=self.api_key, proxy=self.proxy)
+        with sampler:
+            t0 = time.perf_counter()
+            results = [r.to_dict() for r in client.run_sync(sending)]
+            duration = _send_to_finish(results) or time.perf_counter() - t0
+        values = stats.round_metrics(results, duration, self.study.slo)
+        values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
+        if self.study.workload.kind == "trace":
+            values |= self.workload.fidelity(results)
+        died = self.server is not None and not self.server.alive()
+        if not died:
+            if before is not None:
+                after = counters.scrape(self.url, self.api_key, self.proxy)
+                values |= self._round_server_figures(before, after, duration)
+            values |= sampler.result()
+            values |= _budget_figures(pb_before, self._pb_snapshot())
+        ok = not died and values["completed"] > 0
+        rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
+                          status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
+                          metrics=values, groups=stats.group_records(results), load=load)
+        if load is not None:
+            rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo,
+                                                      None if ok else "the server died" if died else "round failed")
+        self.rounds.append(rec)
+        append_round(self.dir, rec, results)
+        if died:
+            # rounds are numbered from 0 in the records, from 1 in words
+            self._fail(f"server died during round {index + 1} of {self.record.rounds_planned}: "
+                       f"{failure_reason(read_log(self.dir), self.server.proc.returncode)}")
+        elif ok:
+            self.record.rounds_ok += 1
+            self._save()
+        return rec
+
+    def run_rounds(self, progress=None) -> None:
+        if self.study.capacity:
+            self.search_capacity(progress)
+            return
+        for i in range(self.study.rounds):
+            if self.failed:
+                break
+            self.run_round(i)
+            if progress:
+                progress(i)
+        self._mark("measured", save=True)
+
+    def search_capacity(self, progress=None) -> None:
+        """capacity.Bracket over this start's server, one round a step; the record is saved
+        after every step, so a start that dies mid-search keeps what it measured."""
+        c = self.study.capacity
+        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps)
+
+        def measure(load: float) -> capacity.Step:
+            if self.failed:
+                return capacity.Step(load, False, f"start failed: {self.record.reason}")
+            i = len(self.rounds)
+            rec = self.run_round(i, load)
+            if progress:
+                progress(i)
+            if rec is None:
+                return capacity.Step(load, False, self.record.reason or "round failed")
+            return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round)
+        result = bracket.run(measure)
+        result.requests_per_s = self._requests_per_s(result)
+        self.record.capacity = result
+        self._mark("measured", save=True)
+
+    def _requests_per_s(self, result: capacity.CapacityRecord) -> float | None:
+        """The capacity in requests/s: the offered rate of an open-loop search, the measured
+        throughput at the capacity of a closed-loop one."""
+        if result.load is None:
+            return None
+        if result.over == "speed":
+            return result.load * self.workload.trace.rate
+        if result.over == "rate":
+            return result.load
+        at = next((r for r in self.rounds if r.round == result.at_round), None)
+        return at.metrics.get("request_throughput") if at else None
+
+
+def _send_to_finish(results: list[dict]) -> float | None:
+    """The round's clock (metrics.py: duration_s): first send to last finish, read from the requests'
+    own timestamps, so starting the sender's event loop is not counted."""
+    ends = [r["end_time"] for r in results if r.get("end_time") is not None]
+    return max(ends) - min(r["send_time"] for r in results) if ends else None
+
+def _budget_figures(before: dict | None, after: dict | None) -> dict:
+    """The Prefix Reuse Budget's counters over one round (prefix_budget.stats_delta)."""
+    if after is None:
+        return {}
+    if before is None:  # the engine wrote its first counters during the round
+        before = {**after, "counters": {k: 0 for k in after["counters"]}, **{k: [] for k in PB_SERIES}}
+    d = stats_delta(before, after)
+    return {"pb_deferred": d["deferred"], "pb_admitted_by_age": d["admitted_by_age"],
+            "pb_admitted_idle": d["admitted_idle"], "pb_defer_ms_p50": d["defer_ms_p50"],
+            "pb_defer_ms_p99": d["defer_ms_p99"], "pb_defer_ms_max": d["defer_ms_max"]}

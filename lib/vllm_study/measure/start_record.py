@@ -1,0 +1,45 @@
+"""A server start's record (start.json) and its writer: every step of a start saves
+what it learned at once, so a start that dies keeps it. A step that raises marks the
+start failed with the error instead of stopping the notebook (`_step`)."""
+from __future__ import annotations
+
+import functools
+import time
+
+from ..records.results import START
+
+
+def _step(method):
+    """A step that raises records the start as failed (with the error) instead of
+    stopping the notebook: failures are data, and later steps become no-ops."""
+    @functools.wraps(method)
+    def wrapper(self, *a, **kw):
+        if self.failed:
+            return None
+        try:
+            return method(self, *a, **kw)
+        except Exception as e:
+            self._fail(f"{method.__name__}: {type(e).__name__}: {e}")
+            return None
+    return wrapper
+
+
+class StartWriter:
+    """Keeps `self.record` (a StartRecord) in `self.dir`/start.json: the launcher, the
+    round protocol and the point notebook write through it."""
+
+    @property
+    def failed(self) -> bool:
+        return self.record.status == "failed"
+
+    def _fail(self, reason: str) -> None:
+        self.record.status, self.record.reason = "failed", reason
+        self._save()
+
+    def _save(self) -> None:
+        self.record.save(self.dir / START)
+
+    def _mark(self, step: str, save: bool = False) -> None:
+        self.record.timeline[step] = time.time()  # results.TIMELINE
+        if save:
+            self._save()

@@ -1,0 +1,1 @@
+"""The typed records a run folder holds, and the folder itself."""

@@ -1,0 +1,171 @@
+"""The answer at the top of the page: how faithful the replay was, the recommendation in
+words and in Markdown."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pandas as pd
+
+from ..define.traces import floor_warning
+from ..vocab import metrics
+from .capacity_section import _trace_info, below_everywhere, capacity_answer, is_capacity_study
+from .run import Run, _per_start
+
+
+FIDELITY = ("prompt_tokens_vs_trace", "expected_prefix_hit_rate", "prefix_cache_hit_rate", "send_lateness_p50_ms",
+            "send_lateness_p99_ms", "offered_rate")
+
+
+def fidelity_table(r: Run) -> pd.DataFrame | None:
+    """Does the replay reproduce the trace? Over every measured round of each point (each
+    capacity step included): prompt tokens against the trace's, the hit rate a never-evicting
+    cache would reach on the window against vLLM's, and how late the client sent."""
+    trace = _trace_info(r)
+    if trace is None:
+        return None
+    df = r.rounds[(r.rounds["group"] == "all") & (r.rounds["round_status"] == "ok")]
+    rows = []
+    for point, g in df.groupby("point", sort=False):
+        row = {"point": point, "rounds": len(g)}
+        for k in FIDELITY:
+            if k in g.columns and g[k].notna().any():
+                m = metrics.get(k)
+                row[m.title] = f"{m.format(g[k].median())} ({m.format(g[k].min())} to {m.format(g[k].max())})"
+        rows.append(row)
+    note = (f"trace {trace['source']}: {trace['requests']} requests kept, {trace['dropped_over_max_model_len']} "
+            f"longer than max_model_len={trace['max_model_len']} left out; real rate {trace['rate']:.2f} req/s")
+    print(note + "".join(f"\n{n} rows {why} left out" for why, n in (trace.get("skipped") or {}).items()
+                         if not why.startswith("longer than max_model_len")))  # (that one is said above)
+    if trace.get("inexact"):  # older runs counted these prompts without recording the floor
+        print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
+              if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
+              "chat template allows and were sent longer than the trace says")
+    return pd.DataFrame(rows).set_index("point") if rows else None
+
+
+# -- the answer in words, for the top of the page --------------------------------
+NO_SLO_NOTE = ("(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
+               "the points that meet it)")
+
+
+def answer_text(r: Run) -> str:
+    """The answer as `notebook_support.recommendation` prints it: a capacity study's
+    capacity, else the recommendation under the SLO (with the note a study without one
+    gets)."""
+    from ..analysis import decision
+    if r.search:
+        from ..search import search_report
+        if not r.measured:  # stopped before (or during) its confirmation
+            return search_report.summary_line(r) + "\n" + search_report.NOT_CONFIRMED.format(run=r.folder.path)
+        decided = capacity_answer(r) or "\n".join(search_report.objective_lines(r))
+        return search_report.summary_line(r) + "\n" + decided
+    answer = capacity_answer(r)
+    if answer:
+        return answer
+    text = decision.recommend(r.rounds, r.intervals, r.slo).text()
+    return text if r.slo else f"{text}\n\n{NO_SLO_NOTE}"
+
+
+def md_escape(text: str) -> str:
+    """Plain text as Markdown that shows it as written (backslash before the punctuation
+    Markdown would read as emphasis, links, code, HTML or headings)."""
+    return re.sub(r"([\\`*_\[\]<>#|~])", r"\\\1", text)
+
+
+def _md_prose(text: str, points: list[str], strong: str | None = None) -> str:
+    """One line of the answer as Markdown: `code` spans kept, point ids set as code (and
+    `strong` in bold too: the recommended point, where the line names it first), the
+    rest escaped."""
+    ids = sorted(points, key=len, reverse=True)
+    name = re.compile(r"(?<![\w.=])(" + "|".join(map(re.escape, ids)) + r")(?![\w=]|\.\d)") if ids else None
+    out = []
+    for i, part in enumerate(re.split(r"(`[^`]*`)", text)):
+        if i % 2:  # already a code span
+            out.append(part)
+            continue
+        pos = 0
+        for hit in (name.finditer(part) if name else ()):
+            out.append(md_escape(part[pos:hit.start()]))
+            code = f"`{hit.group(1)}`"
+            if hit.group(1) == strong:
+                code, strong = f"**{code}**", None
+            out.append(code)
+            pos = hit.end()
+        out.append(md_escape(part[pos:]))
+    return "".join(out)
+
+
+def _bound_words(slo: dict[str, float]) -> str:
+    words = []
+    for k, v in slo.items():
+        m = metrics.get(k)
+        unit = f" {m.unit}" if m.unit and m.unit != "share" else ""
+        words.append(f"{m.label} {'≥' if m.better == 'higher' else '≤'} {v:g}{unit}")
+    return ", ".join(words)
+
+
+def answer_context(r: Run) -> str:
+    """One sentence or two beside the answer: the SLO it was judged under (and how many
+    points meet it), the study's size and where it ran, and the failures, if any."""
+    from ..analysis import decision
+    m = r.manifest
+    n = len(r.summaries)
+    parts = []
+    if r.slo and not is_capacity_study(r):
+        short = [s.point for s in r.summaries if s.status != "ok"]  # never surely within it
+        verdicts = decision.slo_table(r.intervals, r.slo, short) if not r.intervals.empty else pd.DataFrame()
+        meets = int((verdicts["SLO"] == "meets").sum()) if "SLO" in verdicts else 0
+        given = " (given at report time)" if r.slo_override else ""
+        parts.append(f"SLO{given}: {_bound_words(r.slo)}; {meets} of {n} points meet every bound with their whole "
+                     "95% interval.")
+    gpus = sorted({g.name for g in m.machine.gpus})
+    where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
+    starts = r.search.confirm_starts if r.search else r.study.replicates  # a search: its confirmation starts
+    parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {starts} server start{'s' * (starts != 1)} "
+                 f"{'each ' * (n != 1)}of {_per_start(r.study)}, on {where} with {m.versions.vllm_distribution} "
+                 f"{m.versions.vllm}.")
+    short = [s for s in r.summaries if s.status != "ok"]
+    parts.append(f"{len(short)} of {n} points did not complete every planned round: see Failures below."
+                 if short else "Every point completed every planned round.")
+    return " ".join(parts)
+
+
+def best_point(r: Run) -> str | None:
+    """The point the answer names: a search's best confirmed configuration by its
+    objective, else the recommendation (by capacity, or under the SLO)."""
+    from ..analysis import decision
+    if not r.measured:
+        return None
+    if r.search:
+        from ..search import search_report
+        return search_report.best(r)
+    best = decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    if best and below_everywhere(r, best):
+        return None  # no point met the SLO at any load: nothing to run
+    return best
+
+
+def run_arg(path: Path) -> str:
+    """A run folder as a command takes it: results/<run> where it sits in a folder named
+    results (the kit's default, and every committed run), else its absolute path (a sweep
+    with --results elsewhere)."""
+    p = path.resolve()
+    return f"results/{p.name}" if p.parent.name == "results" else str(p)
+
+
+def answer_markdown(r: Run) -> str:
+    """The answer as prose for the top of the report: `answer_text`, a paragraph per line
+    (the recommended point in bold), then its context and how to freeze it."""
+    points = [s.point for s in r.summaries]
+    best = best_point(r)
+    paras = []
+    lines = [ln for ln in answer_text(r).splitlines() if ln.strip()]
+    first = 1 if r.search else 0  # a search's first line says what it did; the answer follows
+    for i, line in enumerate(lines):
+        paras.append(_md_prose(line, points, strong=best if i == first else None))
+    paras.append(_md_prose(answer_context(r), points))
+    if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
+        paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
+                     f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
+    return "\n\n".join(paras)

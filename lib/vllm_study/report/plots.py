@@ -1,0 +1,281 @@
+"""Seaborn figures for a run: heatmaps over the grid (medians annotated; failed points
+grey, points missing rounds marked), metric-vs-axis lines with their 95% intervals, and
+each round per point. Colours, labels and number formats come from the metric registry.
+
+Each drawing function returns None when it drew, or a sentence saying why it could not
+(a one-axis study has no heatmap; a study where every point failed has nothing to draw).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from matplotlib.patches import Rectangle
+from matplotlib.textpath import TextPath
+
+from ..analysis import intervals as analysis
+from ..vocab import axes, metrics
+from .report import Run, long_estimates
+
+PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
+                "measured; grey = failed")
+
+
+def _nothing(r: Run) -> str | None:
+    if not r.measured:
+        return ("no point has a measured round, so there is nothing to draw: "
+                "the failure table above says why each point failed")
+    return None
+
+
+def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str, ax,
+            tied: set | None = None) -> None:
+    """One cell per (x, y) point: the value, '*' where rounds are missing, grey + 'failed'
+    where none were measured, a box around the points tied with the best."""
+    m = metrics.get(metric)
+    sub = est[est["metric"] == metric]
+    table = sub.pivot_table(index=y, columns=x, values="value", aggfunc="first")
+    table = table.reindex(index=status.index, columns=status.columns).astype(float)
+    # pcolormesh, not sns.heatmap: seaborn draws the whole figure on every call (to check
+    # tick-label overlap), which made a 13-panel grid take ~20 s; this one takes ~3 s.
+    values = table.to_numpy()
+    mesh = ax.pcolormesh(np.ma.masked_invalid(values), cmap=m.cmap, edgecolors="white", linewidth=0.5)
+    ax.figure.colorbar(mesh, ax=ax, label=m.title).outline.set_linewidth(0)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    ax.set_xticks(np.arange(len(table.columns)) + 0.5, [axes.get(x).fmt(v) for v in table.columns])
+    ax.set_yticks(np.arange(len(table.index)) + 0.5, [axes.get(y).fmt(v) for v in table.index])
+    ax.tick_params(length=0)
+    ax.set_facecolor("#d9d9d9")
+    for (i, j), v in np.ndenumerate(values):
+        st = status.iat[i, j]
+        if np.isnan(v):
+            text, colour = ("failed" if st == "failed" else "n/a"), "#b00020"
+        else:
+            text, colour = m.format(v) + ("*" if st != "ok" else ""), "white" if _dark(table, v, m) else "black"
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
+        if tied and (table.index[i], table.columns[j]) in tied:
+            ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
+    ax.set_xlabel(axes.get(x).label)
+    ax.set_ylabel(axes.get(y).label)
+    ax.set_title(m.title)
+
+
+def _dark(table: pd.DataFrame, v: float, m: metrics.Metric) -> bool:
+    """Is the cell's colour dark (text in white)? viridis is dark at its low end."""
+    lo, hi = np.nanmin(table.to_numpy()), np.nanmax(table.to_numpy())
+    frac = 0.5 if hi == lo else (v - lo) / (hi - lo)
+    return (frac < 0.5) if m.cmap == "viridis" else (frac > 0.5)
+
+
+def _status_table(r: Run, x: str, y: str) -> pd.DataFrame:
+    rows = [{**s.values, "status": s.status} for s in r.summaries]
+    return pd.DataFrame(rows).pivot_table(index=y, columns=x, values="status", aggfunc="first")
+
+
+def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: int = 3) -> str | None:
+    if len(r.axes) < 2:
+        return "no second grid axis: no heatmap" + ("; see the trend lines below" if r.axes else "")
+    if why := _nothing(r):
+        return why
+    x, y = r.axes[0], r.axes[1]
+    est = long_estimates(r)
+    present = [n for n in names if n in set(est["metric"])]
+    status = _status_table(r, x, y)
+    rows = -(-len(present) // cols)
+    fig, axs = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
+    for ax, n in zip(axs.flat, present):
+        vb = analysis.versus_best(r.rounds, n)
+        tied = None
+        if not vb.empty:
+            cells = est[(est["metric"] == n) & est["point"].isin(vb.index[vb["tied_with_best"]])]
+            tied = set(zip(cells[y], cells[x]))
+        heatmap(est, status, n, x, y, ax, tied)
+    for ax in list(axs.flat)[len(present):]:
+        ax.axis("off")
+    fig.text(0.01, 0.002, PARTIAL_NOTE, fontsize=8)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    if out:
+        fig.savefig(out, dpi=110)
+    return None
+
+
+def _x_axis(ax, x: str, values) -> None:
+    """The x axis as the registry scales and labels it: log2 for sizes (ticks at the
+    values, 128 not 2^7), a tick per value for categories (off/on), matplotlib's own for
+    linear ones; tick labels as point ids write the values."""
+    a = axes.get(x)
+    ax.set_xlabel(a.label)
+    if a.scale == "linear":
+        return
+    ticks = pd.Series(list(values)).dropna().drop_duplicates().sort_values().tolist()
+    if a.scale == "log2":
+        ax.set_xscale("log", base=2)
+        ax.minorticks_off()
+        ticks = [int(t) for t in ticks]  # sizes: a column with a gap (NaN) holds them as floats
+    ax.set_xticks(ticks, [a.fmt(t) for t in ticks])
+
+
+def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str | None:
+    """Each metric against the first axis (log2 for sizes, as axes.py says), one line per
+    value of the second, with the 95% interval as a band."""
+    if not r.axes:
+        return "an endpoint study has no grid axis: see the target comparison above"
+    if why := _nothing(r):
+        return why
+    x = r.axes[0]
+    hue = r.axes[1] if len(r.axes) > 1 else None
+    est = long_estimates(r)
+    names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
+    if not names:
+        return "none of the trend metrics was measured"
+    fig, axs = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
+    for ax, n in zip(axs.flat, names):
+        m = metrics.get(n)
+        sub = est[est["metric"] == n].sort_values(x)
+        for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
+            label = f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else None
+            line, = ax.plot(part[x], part["value"], marker="o", label=label)
+            ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
+            odd = part[part["status"] != "ok"]
+            ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
+        _x_axis(ax, x, sub[x])
+        ax.set_title(m.title)
+        ax.set_ylabel(m.title)
+        if hue:
+            ax.legend(fontsize=8)
+    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    if out:
+        fig.savefig(out, dpi=110)
+    return None
+
+
+def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) -> str | None:
+    """The metric in each round of each server start, per point: the spread is the noise
+    the medians sit on."""
+    df = r.rounds
+    if df.empty or metric not in df.columns:
+        return _nothing(r) or f"no round has {metric}"
+    df = df[(df["group"] == "all") & (df["round_status"] == "ok")].copy()
+    if df.empty:
+        return _nothing(r) or "no round completed"
+    df["start.round"] = df["start"].astype(int).astype(str) + "." + df["round"].astype(int).astype(str)
+    m = metrics.get(metric)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    sns.lineplot(data=df, x="start.round", y=metric, hue="point", marker="o", ax=ax)
+    ax.set_title(f"{m.title} per round (server start . round)")
+    ax.set_ylabel(m.title)
+    ax.legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=110)
+    return None
+
+
+def _spread(wanted: list[float], gap: float, lo: float = 0.0, hi: float = 1.0) -> list[float]:
+    """Positions as near the wanted ones (sorted ascending) as can be with every two at
+    least `gap` apart, all within [lo + gap/2, hi - gap/2]: a forward pass pushes each up
+    off the one below it, a backward pass pulls the top ones back under hi. (The caller
+    makes room: len(wanted) * gap <= hi - lo.)"""
+    out: list[float] = []
+    for w in wanted:
+        out.append(max(w, lo + gap / 2, out[-1] + gap if out else lo))
+    for i in range(len(out) - 1, -1, -1):
+        out[i] = min(out[i], hi - gap / 2, out[i + 1] - gap if i + 1 < len(out) else hi)
+    return out
+
+
+PARETO_LABEL_PT = 7.5   # the front's labels: font size, and their line pitch below
+PARETO_LINE = 1.5       # times the font size: one label's height with a little air
+
+
+def pareto_plot(table: pd.DataFrame, out: Path | None = None) -> str | None:
+    """Throughput per GPU against per-user speed, and against TTFT P90; the front of each
+    (points no other point beats on both) drawn as a line, ties kept.
+
+    Only the front's points are named, each in a column beside its panel with a leader
+    line to the point: labels at the points overlapped wherever points sat close (tied
+    points sit on top of each other), while a column spaced a line apart cannot overlap,
+    nor cover a point. The dominated points are grey and unnamed: they are no one's
+    choice, and the Pareto table lists every point's values."""
+    if table.empty:
+        return "no point has throughput, TPOT and TTFT measured: no Pareto front"
+    y = "output tok/s per GPU"
+    panels = ((("per-user tok/s", "front: speed"), "throughput vs per-user speed (both: higher is better)"),
+              (("TTFT P90 (ms)", "front: TTFT"), "throughput vs TTFT P90 (lower TTFT is better)"))
+    most = max(int(table[front].sum()) for (_, front), _ in panels)
+    pitch = PARETO_LABEL_PT * PARETO_LINE / 72                       # inches per label
+    named = table.index[table["front: speed"] | table["front: TTFT"]]
+    # the longest name (TextPath: its width in points at this size), and the leader's gap
+    label_w = max(TextPath((0, 0), str(n), size=PARETO_LABEL_PT).get_extents().width for n in named) / 72 + 0.3
+    left, right, gap, top, bottom = 0.75, 0.1, 0.75, 0.35, 0.55
+    # 11 x 4.2 inches as before (the committed reports' nbval check reads "<Figure size
+    # 1100x420 ...>"), wider only for long names, taller only for more labels than fit
+    ax_w = max(2.8, (11 - left - gap - right) / 2 - label_w)
+    ax_h = max(4.2 - bottom - top, most * pitch / 0.95)              # room for every label in one column
+    width = left + 2 * (ax_w + label_w) + gap + right
+    height = bottom + ax_h + top
+    fig = plt.figure(figsize=(width, height))
+    for i, ((x, front), title) in enumerate(panels):
+        x0 = left + i * (ax_w + label_w + gap)
+        ax = fig.add_axes((x0 / width, bottom / height, ax_w / width, ax_h / height))
+        on = table[table[front]].sort_values(x)
+        ax.scatter(table[x], table[y], color="#9e9e9e", zorder=2, label="dominated")
+        ax.plot(on[x], on[y], marker="o", color="#d62728", zorder=3, label="front")
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.set_title(title, fontsize=10)
+        ax.legend(fontsize=8)
+        ylo, yhi = ax.get_ylim()
+        by_y = on.sort_values([y, x])
+        wanted = [(v - ylo) / (yhi - ylo) for v in by_y[y]]
+        gap_frac = pitch / ax_h
+        for (name, row), at in zip(by_y.iterrows(), _spread(wanted, gap_frac)):
+            ax.annotate(str(name), (row[x], row[y]), xytext=(1.03, at), textcoords="axes fraction",
+                        fontsize=PARETO_LABEL_PT, va="center", ha="left", annotation_clip=False,
+                        arrowprops={"arrowstyle": "-", "color": "#d62728", "lw": 0.6, "alpha": 0.7,
+                                    "shrinkA": 0, "shrinkB": 3})
+    if out:
+        fig.savefig(out, dpi=100)
+    return None
+
+
+def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None, other: Run | None = None,
+               out: Path | None = None) -> str | None:
+    """One metric against one grid axis: each point's value with its 95% interval, every
+    round as a dot behind it (starts in different shades), a line per value of `hue`;
+    with `other`, that run's values dashed beside."""
+    if not r.axes:
+        return "an endpoint study has no grid axis: see the target comparison"
+    x = x or r.axes[0]
+    hue = hue if hue is not None else next((a for a in r.axes if a != x), None)
+    m = metrics.get(metric)
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for run, style, tag in ((r, "-", ""), (other, "--", " (other run)")):
+        if run is None:
+            continue
+        est = long_estimates(run)
+        est = est[est["metric"] == metric] if not est.empty else est
+        if est.empty:
+            continue
+        rounds = run.rounds[(run.rounds["group"] == "all") & (run.rounds["round_status"] == "ok")]
+        for key, part in (est.groupby(hue) if hue else [(None, est)]):
+            part = part.sort_values(x)
+            label = (f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else metric) + tag
+            line, = ax.plot(part[x], part["value"], style, marker="o", label=label)
+            ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.15)
+            dots = rounds[rounds["point"].isin(part["point"])]
+            ax.scatter(dots[x], dots[metric], s=12, color=line.get_color(), alpha=0.5)
+    _x_axis(ax, x, [v for run in (r, other) if run for v in long_estimates(run)[x]])
+    ax.set_ylabel(m.title)
+    ax.set_title(f"{m.title}: value, 95% interval and every round")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=100)
+    return None

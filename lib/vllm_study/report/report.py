@@ -1,0 +1,195 @@
+"""The report's tables over a run (the notebook and the sweep's last words both use
+these): the headline per point, estimates, failures, request groups, the noise floor.
+
+The report's other subjects are its siblings: the run as loaded (run.py, whose `Run` is
+used here as `report.Run` too), the static page (page.py), whether each knob bound
+(binding.py), an axis's effects and comparisons (effects.py), capacity
+(capacity_section.py) and the answer in words (answer.py)."""
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+
+from ..analysis import intervals as analysis
+from ..vocab import metrics
+from ..define.params import TraceSpec
+from ..records.results import PointSummary, RunFolder
+from .capacity_section import capacity_cell, capacity_table, is_capacity_study
+from .run import Run, _lookup, _per_start, status_label
+
+
+def describe(r: Run) -> str:
+    m, v, s = r.manifest, r.manifest.versions, r.study
+    w = s.workload
+    gpus = ", ".join(f"{g.name} {g.memory_total_bytes / 2**30:.0f} GiB driver {g.driver}" for g in m.machine.gpus)
+    lines = [
+        f"study {m.study} created {m.created_utc}  git {str(m.git.sha)[:12]}"
+        + (" (uncommitted changes)" if m.git.dirty else ""),
+        f"engine {m.engine}: {v.vllm_distribution} {v.vllm}, torch {v.torch}, python {v.python}, kit {v.vllm_study}",
+        f"CPU: {m.machine.cpu.model} ({m.machine.cpu.cores} cores"
+        + (f", {m.machine.cpu.capability})" if m.machine.cpu.capability else ")")
+        + (f"; dtype {m.cpu_dtype['dtype']}: {m.cpu_dtype['reason']}" if m.cpu_dtype else ""),
+        f"GPU: {gpus or m.machine.no_gpu_reason}",
+        f"grid: {json.dumps(s.grid)}" if s.grid else f"targets: {[t.name for t in s.targets]}",
+        f"{s.replicates} server start(s) per point x {_per_start(s)}; workload {w.kind} via {w.api}, "
+        + (_trace_line(w.trace) if w.trace else f"load {w.load.kind}, {w.requests_per_round} requests/round"),
+        "fixed engine args: " + json.dumps(s.engine_args.model_dump(exclude_none=True), sort_keys=True),
+    ]
+    if m.resumes:
+        lines.append(f"resumed {len(m.resumes)} time(s): see manifest.json")
+    if m.overlaps:
+        # a neighbour shares the host's CPU, PCIe and power: only a run without one can show its effect
+        lines.append(f"executor {m.executor}: {len(m.overlaps)} pair(s) of server starts ran at the same time "
+                     "(manifest.json: overlaps); whether a neighbour moved a number: `python -m vllm_study "
+                     "compare <this study under --executor local> <this run>`")
+    return "\n".join(lines)
+
+
+def _trace_line(t: TraceSpec) -> str:
+    window = f"{t.requests} requests" if t.requests else f"{t.duration_s:g} s" if t.duration_s else "the whole file"
+    return f"trace {t.file} ({t.format}), {window} from {t.start_s:g} s, speed {t.speed:g}"
+
+
+def headline_table(r: Run) -> pd.DataFrame:
+    """Per point: status, startup, and each headline metric's value [95% interval]."""
+    names = [n for n in metrics.HEADLINE if n in set(r.intervals.get("metric", []))]
+    rows = []
+    for s in r.summaries:
+        row = {"point": s.point, "status": status_label(s)}
+        if s.effective:
+            row["max seqs"] = s.effective.max_num_seqs
+        if "startup_s" in s.estimates:
+            row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
+        for n in names:
+            m = metrics.get(n)
+            row[m.title] = capacity_cell(r, s.point) if n == "capacity_rps" else \
+                metrics.with_interval(r.interval(s.point, n), m)
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
+
+
+def estimates_frame(s: PointSummary) -> pd.DataFrame:
+    """One point on its own: each metric's median, range and per-start medians."""
+    rows = [{"metric": n, "median": e.median, "min": e.min, "max": e.max, "rounds": e.rounds,
+             "start medians": ", ".join(f"{v:.4g}" for v in e.start_medians)} for n, e in s.estimates.items()]
+    return pd.DataFrame(rows).set_index("metric").round(3) if rows else pd.DataFrame({"median": []})
+
+
+def long_estimates(r: Run) -> pd.DataFrame:
+    """One row per point x metric: value and intervals with the point's axis values and
+    status: what figures draw from."""
+    if r.intervals.empty:
+        return pd.DataFrame()
+    base = pd.DataFrame([{"point": s.point, **s.values, "status": s.status} for s in r.summaries])
+    return r.intervals.merge(base, on="point")
+
+
+def failures(r: Run) -> pd.DataFrame:
+    """Points that did not complete every planned round, with why."""
+    rows = [{"point": s.point, "status": status_label(s), "rounds ok": f"{s.rounds_ok}/{s.rounds_planned}",
+             "reason": " | ".join(s.reasons) or "-"} for s in r.summaries if s.status != "ok"]
+    if not rows:
+        return pd.DataFrame({"reason": ["(none: every point completed every round)"]}, index=["-"])
+    return pd.DataFrame(rows).set_index("point")
+
+
+def target_comparison(r: Run) -> pd.DataFrame | None:
+    targets = r.study.targets
+    if not targets:
+        print("not an endpoint study (it has a grid, no targets)")
+        return None
+    by_id = {s.point: s for s in r.summaries}
+    first = f"target={targets[0].name}"
+    rows = []
+    for t in targets:
+        pid = f"target={t.name}"
+        s = by_id.get(pid)
+        row = {"target": t.name, "base_url": t.base_url, "status": status_label(s) if s else "not run"}
+        for n in ("ttft_p50_ms", "itl_p50_ms", "e2e_p50_ms"):
+            m = metrics.get(n)
+            row[m.title] = metrics.with_interval(r.interval(pid, n), m)
+            row[f"{m.label} vs {targets[0].name}"] = _change(r, n, pid, first) if pid != first else ""
+        rows.append(row)
+    return pd.DataFrame(rows).set_index("target")
+
+
+def _change(r: Run, metric: str, a: str, b: str) -> str:
+    """a relative to b, '+12.0% [+3.1%, +21.7%]', or '' where either was not measured."""
+    data = analysis.MetricData.from_rounds(r.rounds, metric)
+    if data is None or a not in data.starts or b not in data.starts:
+        return ""
+    d = analysis.difference(data, a, b)
+    if d.relative:
+        return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
+    m = metrics.get(metric)
+    return f"{d.estimate:+{m.fmt}} [{d.low:+{m.fmt}}, {d.high:+{m.fmt}}]"
+
+
+def _group_order(label: str):
+    key, _, value = label.partition("=")
+    try:
+        return key, 0, float(value), ""
+    except ValueError:
+        return key, 1, 0.0, value
+
+
+def has_groups(r: Run) -> bool:
+    """Whether the rounds split into request groups (classes, turns, ladder steps)."""
+    df = r.rounds
+    return not df.empty and "group" in df.columns and bool((df["group"] != "all").any())
+
+
+def group_table(r: Run) -> pd.DataFrame | None:
+    """Per point and request class (long/short), turn, or ladder step: value [95% interval]."""
+    df = r.rounds
+    if not has_groups(r):
+        print("this run's workload has no classes, turns or rate steps")
+        return None
+    groups = df.loc[df["group"] != "all", ["group", "group_value"]].drop_duplicates()
+    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=_group_order)
+    frames = {lab: analysis.point_intervals(df, metrics.GROUP_METRICS, tuple(lab.split("=", 1))) for lab in labels}
+    rows = []
+    for s in r.summaries:
+        for lab in labels:
+            cells = {metrics.get(n).title: metrics.with_interval(_lookup(frames[lab], s.point, n), metrics.get(n))
+                     for n in metrics.GROUP_METRICS}
+            if any(cells.values()):
+                rows.append({"point": s.point, "group": lab, **cells})
+    return pd.DataFrame(rows).set_index(["point", "group"])
+
+
+def noise_table(r: Run) -> pd.DataFrame:
+    """The study's noise floor: how much each headline metric moves between server starts
+    and between rounds of a start."""
+    nf = analysis.noise_floor(r.rounds, [n for n in metrics.HEADLINE if n in metrics.REGISTRY])
+    if nf.empty:
+        return pd.DataFrame({"summary": ["(nothing measured)"]})
+    return nf[["scale", "summary"]].rename(index=lambda n: metrics.get(n).title)
+
+
+def reported_metrics(r: Run) -> list[str]:
+    present = set(r.intervals.get("metric", [])) | {n for s in r.summaries for n in s.estimates}
+    return [n for n in metrics.REGISTRY if n in present]
+
+
+def study_failed(r: Run) -> bool:
+    """Nothing was measured at any point (a search: not even a trial): the study has no
+    result but its failures."""
+    trials = r.trial_rounds is not None and not analysis.ok_rounds(r.trial_rounds).empty
+    return not r.measured and not trials
+
+
+def short_table(folder: RunFolder) -> pd.DataFrame:
+    """The console's table (sweep's and report's last words); a capacity study's leads with
+    each point's capacity, its interval and each start's bracket."""
+    r = Run.load(folder)
+    t = headline_table(r)
+    keep = [c for c in t.columns if c in ("status", "TTFT P90 (ms)", "ITL P90 (ms)", "TPOT P50 (ms)",
+                                          "output tokens/s (tok/s)", "prefix-cache hit rate")]
+    if is_capacity_study(r):
+        cap = capacity_table(r)
+        lead = [c for c in ("status", "capacity (req/s)", f"{r.study.capacity.over} bracket per start")
+                if c in cap.columns]
+        return cap[lead].join(t[[c for c in keep if c != "status"]])
+    return t[keep]

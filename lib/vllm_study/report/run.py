@@ -1,0 +1,132 @@
+"""A run folder read for the report: its manifest, point summaries, rounds and intervals,
+and the SLO it is judged against."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import pandas as pd
+
+from ..analysis import intervals as analysis
+from ..vocab.axes import SCHEDULER_AXIS
+from ..define.search_space import Search
+from ..define.params import Study
+from ..define.schema import StudyError
+from ..define.study_file import study_from_dict
+from ..records.results import Manifest, PointSummary, RunFolder
+
+
+@dataclass
+class Run:
+    folder: RunFolder
+    manifest: Manifest
+    summaries: list[PointSummary]
+    rounds: pd.DataFrame            # summary.csv: one row per point x start x round x group
+    intervals: pd.DataFrame         # analysis.point_intervals: point x metric
+
+    slo_override: dict[str, float] | None = None   # an SLO given at report time (parse_slo)
+    trial_rounds: pd.DataFrame | None = None        # a search: its trials' rounds (one start each)
+
+    @classmethod
+    def load(cls, folder: RunFolder | str | Path, slo: dict[str, float] | None = None) -> "Run":
+        """A search's Run is its confirmation: the points started again and their fresh
+        starts only (the trials' own starts were selected for looking good); its trials
+        are in trial_rounds."""
+        folder = folder if isinstance(folder, RunFolder) else RunFolder(folder)
+        rounds = pd.read_csv(folder.summary_csv) if folder.summary_csv.exists() else folder.rounds_table()
+        run = cls(folder, folder.manifest(), folder.summaries(), rounds, pd.DataFrame(), slo or None)
+        if run.search:
+            from ..search.config_search import TRIAL_BLOCK
+            confirmed = {u.point for u in run.manifest.order if u.block > TRIAL_BLOCK}
+            run.trial_rounds = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
+            run.rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
+            run.summaries = [s for s in run.summaries if s.point in confirmed]
+        run.intervals = analysis.point_intervals(run.rounds)
+        return run
+
+    @cached_property
+    def study(self) -> Study:
+        """The study as today's kit reads it. Every committed run's manifest validates as it
+        is: fields added since take their defaults, and params reads the older layouts'
+        spellings itself (unset SLO bounds as null, start_ahead null). Validation reads no
+        file (a trace's path is only made absolute), so runs made elsewhere load here."""
+        return study_from_dict(self.manifest.params, source=str(self.folder.manifest_path))
+
+    @property
+    def search(self) -> Search | None:
+        return self.study.search
+
+    @property
+    def baseline(self) -> str | None:
+        """The point every other is compared with: the study's `baseline`; for a search,
+        vLLM's defaults."""
+        if self.search:
+            from ..define.grid import DEFAULTS_POINT
+            return DEFAULTS_POINT
+        return self.study.baseline
+
+    def interval(self, point: str, metric: str) -> dict | None:
+        return _lookup(self.intervals, point, metric)
+
+    @property
+    def axes(self) -> list[str]:
+        """The grid's axes as the points have them: the study's grid, and the scheduler axis
+        that grid.expand adds where a study sweeps the Prefix Reuse Budget's ratios."""
+        grid = list(self.study.grid or (self.search.space if self.search else {}))
+        return grid + [SCHEDULER_AXIS] if any(SCHEDULER_AXIS in s.values for s in self.summaries) else grid
+
+    @property
+    def slo(self) -> dict[str, float]:
+        """The SLO given at report time, else the study's."""
+        return self.slo_override or dict(self.study.slo)
+
+    @property
+    def measured(self) -> list[PointSummary]:
+        """Points with at least one measured round (ok or partial); a search's: in its
+        confirmation starts (a summary also counts the point's trial start)."""
+        done = [s for s in self.summaries if s.estimates and s.status in ("ok", "partial")]
+        if self.search:
+            confirmed = set(analysis.ok_rounds(self.rounds)["point"]) if not self.rounds.empty else set()
+            done = [s for s in done if s.point in confirmed]
+        return done
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is.
+    The one parser of report's and export's --slo: a bad one is a StudyError (the CLI's exit 2)."""
+    from ..define.params import _check_slo
+    if not text.strip():
+        return {}
+    try:
+        bounds = {k.strip(): float(v) for k, v in (re.split("[=:]", part, maxsplit=1) for part in text.split(","))}
+    except ValueError:
+        raise StudyError(f"--slo {text!r}: write it as metric=bound pairs, "
+                         "e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
+    try:
+        return _check_slo(bounds)
+    except ValueError as e:
+        raise StudyError(f"--slo {text!r}: {e}") from None
+
+
+def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
+    """One point x metric row of an intervals frame, or None."""
+    if iv.empty:
+        return None
+    row = iv[(iv["point"] == point) & (iv["metric"] == metric)]
+    return row.iloc[0].to_dict() if len(row) else None
+
+
+def _per_start(s: Study) -> str:
+    c = s.capacity
+    if not c:
+        return f"{s.rounds} rounds"
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in c.slo.items())
+    return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (at most {c.max_steps} rounds) under {bounds}"
+
+
+def status_label(s: PointSummary) -> str:
+    if s.status == "partial":
+        return f"partial {s.rounds_ok}/{s.rounds_planned}"
+    return s.status

@@ -1,0 +1,1 @@
+"""The configuration search: its space, its loop and its report section."""

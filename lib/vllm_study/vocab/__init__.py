@@ -1,0 +1,1 @@
+"""The kit's vocabulary: the grid axes and the metrics, each defined once."""

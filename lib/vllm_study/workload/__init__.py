@@ -1,0 +1,1 @@
+"""The requests a round sends: synthetic workloads, trace replay, arrival schedules."""

@@ -1,0 +1,121 @@
+"""The package's layout, read from its source: the layers (vllm_study.LAYERS), the package
+and size of each module, the package imports between layers, and the largest module and
+class. tests/test_unit_import_graph.py holds the package to the same reading.
+
+    python tools/layout.py
+"""
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+LIB = Path(__file__).resolve().parents[1] / "lib"
+PACKAGE = LIB / "vllm_study"
+sys.path.insert(0, str(LIB))
+
+from vllm_study import LAYERS  # noqa: E402
+
+MAX_LAYERS, MAX_MODULE_LINES, MAX_CLASS_LINES = 8, 600, 200
+
+
+def module_name(path: Path) -> str:
+    parts = ("vllm_study", *path.relative_to(PACKAGE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def package_of(module: str) -> str:
+    """The stage package a module belongs to: "" for the root's own modules."""
+    parts = module.split(".")
+    root_module = len(parts) == 2 and not (PACKAGE / parts[1]).is_dir()
+    return "" if len(parts) == 1 or root_module else parts[1]
+
+
+def layer_of(package: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if package in layer:
+            return i
+    raise KeyError(f"package {package!r} is in no layer of vllm_study.LAYERS; add it there")
+
+
+def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules `name` imports, anywhere in its source (function-local too)."""
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            # `from . import x` names a module; `from .m import f` names m
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t in known and t != name)
+    return found
+
+
+def import_edges() -> list[tuple[str, str]]:
+    known = modules()
+    return sorted((name, t) for name, path in known.items() for t in imports(name, path, known))
+
+
+def upward_imports() -> list[str]:
+    """Each import of a package not below the importer's own (the root `vllm_study`, which
+    holds only the version and LAYERS, may be imported from anywhere)."""
+    bad = []
+    for a, b in import_edges():
+        pa, pb = package_of(a), package_of(b)
+        if b != "vllm_study" and pa != pb and layer_of(pb) >= layer_of(pa):
+            bad.append(f"{a} ({pa or 'root'}, layer {layer_of(pa) + 1}) imports {b} "
+                       f"({pb or 'root'}, layer {layer_of(pb) + 1})")
+    return bad
+
+
+def module_lines() -> dict[str, int]:
+    return {name: len(path.read_text().splitlines()) for name, path in modules().items()}
+
+
+def class_lines() -> dict[str, int]:
+    """Every class, top-level or nested, by its module and name: its lines, decorators included."""
+    out = {}
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                out[f"{name}.{node.name}"] = node.end_lineno - start + 1
+    return out
+
+
+def main() -> None:
+    lines = module_lines()
+    print(f"{len(LAYERS)} layers, lowest first (a module imports its own package and lower layers only):")
+    for i, layer in enumerate(LAYERS, 1):
+        for package in layer:
+            members = [m for m in lines if package_of(m) == package and m != "vllm_study"]
+            size = sum(lines[m] for m in members)
+            print(f"  {i}  {package or '(root)':14} {len(members):2} modules {size:6} lines")
+    print("\nmodules:")
+    for m in sorted(lines, key=lambda m: (layer_of(package_of(m)), m)):
+        print(f"  {package_of(m) or '(root)':14} {m:48} {lines[m]:5}")
+    big_module = max(lines, key=lines.get)
+    classes = class_lines()
+    big_class = max(classes, key=classes.get)
+    print(f"\nlargest module: {big_module} ({lines[big_module]} lines; target <= {MAX_MODULE_LINES})")
+    print(f"largest class:  {big_class} ({classes[big_class]} lines; target <= {MAX_CLASS_LINES})")
+    over = [f"{m} ({n})" for m, n in lines.items() if n > MAX_MODULE_LINES]
+    over += [f"{c} ({n})" for c, n in classes.items() if n > MAX_CLASS_LINES]
+    print("over a target:", ", ".join(over) or "none")
+    up = upward_imports()
+    print("upward imports:", "\n  ".join(["", *up]) if up else "none")
+
+
+if __name__ == "__main__":
+    main()
