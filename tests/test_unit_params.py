@@ -702,22 +702,37 @@ def test_chunk_not_a_multiple_of_the_block_says_where_it_splits_the_prompts():
 def test_the_wall_time_estimate_counts_a_start_ahead_as_a_quarter_or_half_of_a_start():
     """Twelve 7B starts of two points on one H200: started ahead, every start after the
     first leaves a quarter of its start-up on the critical path where its configuration
-    compiled before, half where it is new (the second point's first start); without it
-    (the default), all of it."""
+    compiled before, half where it is new (the second point's first start); without it,
+    all of it."""
     from vllm_study.define.timing import (AHEAD_SHARE, AHEAD_SHARE_NEW, GPU_START_S, GPU_START_S_PER_GB,
                                           estimate_minutes)
     base = {"name": "t", "model": {"card": "qwen2.5-7b"}, "grid": {"max_num_batched_tokens": [64, 128]},
             "replicates": 6, "rounds": 2}
     ahead = estimate_minutes(study_from_dict({**base, "server": {"start_ahead": True}}), "gpu", 2, "NVIDIA H200")
-    off = estimate_minutes(study_from_dict(base), "gpu", 2, "NVIDIA H200")
+    off = estimate_minutes(study_from_dict({**base, "server": {"start_ahead": False}}), "gpu", 2, "NVIDIA H200")
     start = GPU_START_S + GPU_START_S_PER_GB * 2 * 7.6  # 7.6e9 parameters in bf16
     assert (off - ahead) * 60 == pytest.approx(((1 - AHEAD_SHARE_NEW) + 10 * (1 - AHEAD_SHARE)) * start, rel=0.02)
 
 
-def test_start_ahead_is_off_unless_asked_and_an_older_null_reads_as_off():
-    assert study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]}}).server.start_ahead is False
-    older = study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]}, "server": {"start_ahead": None}})
-    assert older.server.start_ahead is False
+def test_start_ahead_is_on_by_default_for_the_gpu_engine_only_and_a_study_can_say_otherwise():
+    grid = {"name": "t", "grid": {"max_num_batched_tokens": [64]}}
+    default = study_from_dict(grid).server
+    assert default.start_ahead is None and default.ahead_on("gpu") and not default.ahead_on("cpu")
+    assert not study_from_dict({**grid, "server": {"start_ahead": False}}).server.ahead_on("gpu")
+    assert study_from_dict({**grid, "server": {"start_ahead": True}}).server.ahead_on("cpu")
+    # the wall-time estimate follows: a GPU study's default is started ahead
+    from vllm_study.define.timing import estimate_minutes
+    gpu = {**grid, "model": {"card": "qwen2.5-7b"}, "replicates": 3}
+    assert estimate_minutes(study_from_dict(gpu), "gpu", 1, "NVIDIA H200") < \
+        estimate_minutes(study_from_dict({**gpu, "server": {"start_ahead": False}}), "gpu", 1, "NVIDIA H200")
+
+
+def test_start_ahead_with_vllm_info_lines_hidden_by_default_is_not_refused():
+    """Asked for, hidden INFO lines are refused (below); by default the start says why it
+    was not started ahead instead (Launcher._start_ahead_wanted)."""
+    s = study_from_dict({"name": "t", "grid": {"max_num_batched_tokens": [64]},
+                         "server": {"env": {"VLLM_LOGGING_LEVEL": "WARNING"}}})
+    assert s.server.start_ahead is None
 
 
 def test_start_ahead_with_vllm_info_lines_hidden_is_refused_before_anything_starts():

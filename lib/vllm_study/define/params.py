@@ -225,16 +225,21 @@ class Server(_Strict):
     # Spawn a slot's next server while the previous one still measures and hold it,
     # frozen, at its engine's init until that one has stopped: its processes' start-up
     # and imports leave the slot's critical path (~45% of a 7B start's turn on an H200),
-    # but run beside the previous server's first round, where their effect on TTFT is not
-    # resolved (README, "Start-ahead"). Off unless asked for; runs made while it was on by
-    # default for the GPU engine recorded null.
-    start_ahead: Annotated[bool, BeforeValidator(lambda v: False if v is None else v)] = False
+    # but run beside the previous server's first round. null (the default): on for the GPU
+    # engine, where a neighbour importing beside a measured server moved no figure by more
+    # than an interval resolves (docs/scale-out.md, "Start-ahead"); off on the CPU engine,
+    # where those imports take the cores the measured server runs on.
+    start_ahead: bool | None = None
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
 
+    def ahead_on(self, engine: str) -> bool:
+        """Whether a slot's next start is spawned ahead on `engine` ("cpu" or "gpu")."""
+        return engine == "gpu" if self.start_ahead is None else self.start_ahead
+
     @model_validator(mode="after")
     def _start_ahead_needs_info_lines(self):
-        why = engine_init_visible(self.env) if self.start_ahead else None
+        why = engine_init_visible(self.env) if self.start_ahead else None  # asked for: refused; by default: said
         if why:
             raise ValueError(f"server.start_ahead holds a server at its engine's INFO line, but server.env: {why}; "
                              "drop that variable or set start_ahead: false")

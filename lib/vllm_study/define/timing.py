@@ -103,6 +103,6 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
         starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
         new = study.search.trials + 1
-    ahead = study.server.start_ahead and not study.targets
+    ahead = study.server.ahead_on(engine) and not study.targets
     on_path = (new - 1) * (AHEAD_SHARE_NEW if ahead else 1) + (starts - new) * (AHEAD_SHARE if ahead else 1)
     return (start + starts * measure + on_path * start + REPORT_S) / 60

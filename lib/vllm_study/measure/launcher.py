@@ -96,7 +96,7 @@ class Launcher(StartWriter):
         """server.start_ahead, where there is a slot to wait for and vLLM will log the
         line the hold is timed by."""
         s = self.study.server
-        if not s.start_ahead or self.slot_lock is None or self.point.target:
+        if not s.ahead_on(self.plan.engine) or self.slot_lock is None or self.point.target:
             return False
         why = engine_init_visible({**os.environ, **s.env})
         if why:
@@ -181,7 +181,7 @@ class Launcher(StartWriter):
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)
-        if s.server.start_ahead:
+        if s.server.ahead_on(self.plan.engine):
             # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
             # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
             # starts only would make each config's first held start compile again

@@ -50,7 +50,7 @@ class Run:
     def study(self) -> Study:
         """The study as today's kit reads it. Every committed run's manifest validates as it
         is: fields added since take their defaults, and params reads the older layouts'
-        spellings itself (unset SLO bounds as null, start_ahead null). Validation reads no
+        spellings itself (unset SLO bounds as null). Validation reads no
         file (a trace's path is only made absolute), so runs made elsewhere load here."""
         return study_from_dict(self.manifest.params, source=str(self.folder.manifest_path))
 
