@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import networkx as nx
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import layout  # noqa: E402
@@ -90,3 +91,19 @@ def test_extra_cli_args_are_read_by_one_parser():
     assert walks == []
     from vllm_study.define.schema import parse_flags
     assert parse_flags(["--a", "1", "--b_c=2", "--d", "--e", "x"]) == {"a": "1", "b_c": "2", "d": True, "e": "x"}
+
+
+def test_the_chunk_size_forms_from_study_file_to_argv_are_read_by_the_kits_code(tmp_path):
+    """tools/layout.py --knob: one value, 2048, from a study file to the vLLM argv, the
+    serve --config key and the heatmap axis; a knob the grid lacks is named."""
+    study = tmp_path / "s.yaml"
+    study.write_text("name: s\ngrid:\n  max_num_batched_tokens: [2048, 512]\n")
+    forms = dict(layout.knob_forms("max_num_batched_tokens", study))
+    assert forms["study file (YAML)"] == "max_num_batched_tokens: [2048, 512]"
+    assert forms["Study.grid, Point.values, EngineArgs (one int)"] == "2048"
+    assert forms["point id"] == "mbt=2048"
+    assert forms["vLLM argv"] == "--max-num-batched-tokens 2048"
+    assert forms["serve --config key (export)"] == "max-num-batched-tokens: 2048"
+    assert forms["heatmap axis"] == "max_num_batched_tokens (chunk size)"
+    with pytest.raises(SystemExit, match="'max_num_seqs' is not an axis"):
+        layout.knob_forms("max_num_seqs", study)

@@ -1,8 +1,11 @@
 """The package's layout, read from its source: the layers (vllm_study.LAYERS), the package
 and size of each module, the package imports between layers, and the largest module and
-class. tests/test_unit_import_graph.py holds the package to the same reading.
+class. tests/test_unit_import_graph.py holds the package to the same reading. With
+--knob, the forms one grid knob takes from a study file to vLLM's command line, its
+`serve --config` key and its heatmap axis, read by the kit's own code on that study.
 
     python tools/layout.py
+    python tools/layout.py --knob max_num_batched_tokens [--study params/default.yaml]
 """
 from __future__ import annotations
 
@@ -94,7 +97,37 @@ def class_lines() -> dict[str, int]:
     return out
 
 
+def knob_forms(knob: str, study_file: Path) -> list[tuple[str, str]]:
+    """(where, the value as it stands there) for one grid knob of `study_file`'s first point.
+    Each step is the kit's own code: the study is loaded and expanded as a sweep does, the
+    argv is the point's EngineArgs.cli(), the config key is what export writes."""
+    from vllm_study.define.grid import expand
+    from vllm_study.define.study_file import load_study
+    from vllm_study.vocab import axes
+    study = load_study(study_file)
+    if knob not in study.grid:
+        raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(study.grid)}")
+    point = expand(study, "cpu")[0]
+    yaml_line = next(ln.strip() for ln in study_file.read_text().splitlines() if ln.strip().startswith(f"{knob}:"))
+    argv = point.engine_args.cli()
+    flag = "--" + knob.replace("_", "-")
+    value = getattr(point.engine_args, knob)
+    return [("study file (YAML)", yaml_line),
+            ("Study.grid, Point.values, EngineArgs (one int)", repr(value)),
+            ("point id", point.id),
+            ("vLLM argv", " ".join(argv[argv.index(flag):argv.index(flag) + 2])),
+            ("serve --config key (export)", f"{knob.replace('_', '-')}: {value}"),
+            ("heatmap axis", axes.get(knob).label)]
+
+
 def main() -> None:
+    if "--knob" in sys.argv:
+        args = sys.argv[1:]
+        knob = args[args.index("--knob") + 1]
+        study = Path(args[args.index("--study") + 1]) if "--study" in args else LIB.parent / "params" / "default.yaml"
+        for where, form in knob_forms(knob, study):
+            print(f"  {where:48} {form}")
+        return
     lines = module_lines()
     print(f"{len(LAYERS)} layers, lowest first (a module imports its own package and lower layers only):")
     for i, layer in enumerate(LAYERS, 1):
