@@ -25,7 +25,7 @@ PAPERMILL = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-
 WORKER = """
 import json, subprocess, sys, time
 from pathlib import Path
-from vllm_study import orphan_guard
+from vllm_study.launch import orphan_guard
 scratch = Path(sys.argv[1])
 guard = orphan_guard.launch(scratch)
 nb = subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[3]], start_new_session=True)
