@@ -101,16 +101,18 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
 
 
 def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.0, hi: float = 8.0,
-                      bound_ms: float = 400.0) -> RunFolder:
+                      bound_ms: float = 400.0, floor: float | None = None) -> RunFolder:
     """A capacity study over the Poisson rate (lo to hi req/s, two starts a point) whose
     point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p]: each step's round
     records TTFT P90 = bound_ms x load / capacity, and each start its search, as
-    point.search_capacity does."""
+    point.search_capacity does. `floor`: halve below lo down to it (None: stop at lo, as
+    runs searched before the floor did)."""
     from vllm_study.capacity import bracket as capacity
     over = {"grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1, "slo": {"ttft_p90_ms": bound_ms},
             "workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
                          "load": {"kind": "poisson", "rate": 2}},
-            "capacity": {"over": "rate", "lo": lo, "hi": hi, "precision": 0.1, "max_steps": 6}}
+            "capacity": {"over": "rate", "lo": lo, "hi": hi, "precision": 0.1, "max_steps": 6,
+                         "floor": floor if floor is not None else lo}}
     s = study_from_dict(study(**over))
     points = expand(s, "cpu")
     run = _new_run(root, s, points)
@@ -133,9 +135,10 @@ def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.
                 rounds.append(rec)
                 with open(sdir / "rounds.jsonl", "a") as f:
                     f.write(rec.model_dump_json() + "\n")
-                return capacity.Step(load, met, why or "", rec.round)
+                return capacity.Step(load, met, why or "", rec.round, capacity.margins(m, s.capacity.slo))
             c = s.capacity
-            result = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps).run(measure)
+            result = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps,
+                                      floor=floor).run(measure)
             result.requests_per_s = result.load
             StartRecord(point=p.id, start=k, block=k, status="ok", started_utc="x", host="test",
                         launch=Launch(startup_s=30.0), rounds_planned=s.steps_per_start, rounds_ok=len(rounds),

@@ -143,3 +143,49 @@ def test_a_plain_trace_run_says_what_it_could_not_replay_exactly(tmp_path):
     text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
     assert "3 requests kept, 1 longer than max_model_len=2048 left out" in text
     assert f"warning: 1 of 3 trace prompts are shorter than the chat template's floor of {floor} tokens" in text
+
+
+# The same window searched from far too high a lo: 32 x real time misses (its 40 requests
+# arrive within 0.6 s, seconds of prefill on a CPU), so the search halves below lo towards
+# the floor; the capacity the shipped study finds on a CPU lies below 32.
+BELOW_LO_STUDY = {**TRACE_STUDY, "name": "e2e-capacity-below-lo",
+                  "capacity": {"over": "speed", "lo": 32, "hi": 64, "floor": 0.5, "precision": 0.5, "max_steps": 2}}
+
+
+@pytest.mark.e2e
+def test_a_capacity_below_lo_is_found_by_halving_or_stated_as_a_bound(tmp_path):
+    results = tmp_path / "results"
+    r = sweep(write(tmp_path, BELOW_LO_STUDY), "--results", results)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "a capacity search over speed 32..64, halving down to 0.5 where 32 misses (up to 8 rounds)" in r.stdout
+    (path,) = results.iterdir()
+    run = RunFolder(path)
+    (summary,) = run.summaries()
+    assert summary.status == "ok", summary.reasons
+    (start,) = run.point(summary.point).starts()
+    cap = start.capacity
+    rounds = run.point(summary.point).rounds()
+    loads = [s["load"] for s in cap.steps]
+    assert loads == [r.load for r in rounds] and loads[:2] == [64, 32] and cap.floor == 0.5
+    assert not rounds[1].slo_met, "the premise: lo = 32 misses on this machine"
+    # below lo: halving (16, 8, ...) until a step meets the SLO or the floor misses
+    met = [x for x, rec in zip(loads, rounds) if rec.slo_met]
+    j = loads.index(met[0]) + 1 if met else len(loads)  # the halving: up to the first pass
+    assert loads[2:j] == [32 / 2 ** k for k in range(1, j - 1)]
+    assert len(loads) <= 2 + 6  # max_steps and the halving's log2(32 / 0.5) steps
+    # every step records each bound's margin, as its round measured it against the limit
+    for s, rec in zip(cap.steps, rounds):
+        assert set(s["margins"]) == set(SLO)
+        for bound, limit in SLO.items():
+            assert s["margins"][bound] == pytest.approx(rec.metrics[capacity.bound_key(bound, rec.metrics)] / limit)
+        assert s["met"] == (max(s["margins"].values()) <= 1 and rec.metrics["failed"] == 0)
+    nb = json.loads((path / "report.ipynb").read_text())
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    if met:  # found below lo: a capacity with its bracket, between a pass and the miss above it
+        assert cap.censored is None and cap.load == max(met) < 32
+        assert cap.bracket[0] == cap.load < cap.bracket[1] <= 32
+        assert not any(rec.slo_met for rec in rounds if rec.load >= cap.bracket[1])
+        assert f"{summary.point} sustains" in text and "sustains 0.00" not in text
+    else:  # missed at the floor: a bound, never 0
+        assert cap.censored == "below" and cap.load is None and loads[-1] == 0.5
+        assert "Capacity below" in text and "0.5 x the trace's real rate" in text

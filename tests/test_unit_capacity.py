@@ -57,6 +57,54 @@ def test_capacity_below_lo_and_above_hi_are_censored_not_guessed():
     assert log == [8.0]  # the slow low loads are never run
 
 
+def test_the_search_goes_below_lo_by_halving_and_bisects_the_bracket_it_finds():
+    """lo = 2 misses; the capacity (0.7) is found by halving (1 misses, 0.5 meets) and the
+    bisection of [0.5, 1] with what the halving left of its three steps."""
+    log: list[float] = []
+    rec = capacity.Bracket("speed", 2.0, 8.0, 0.05, 5, floor=0.25).run(_measure(0.7, log))
+    assert log[0] == 8.0 and log[4] == 2.0  # the probe at hi, ..., lo last among max_steps
+    assert log[5:7] == [1.0, 0.5]
+    lo, hi = rec.bracket
+    assert rec.censored is None and rec.load == lo and 0.5 <= lo <= 0.7 < hi <= 1.0
+    assert hi / lo < 2  # the bisection narrowed the halving's bracket
+    assert len(log) == 5 + 3 and min(log) >= 0.25  # max_steps and the halving's three steps
+    assert log[rec.at_round] == rec.load and rec.floor == 0.25
+    # every step below lo is recorded like any other, in order
+    assert [s["load"] for s in rec.steps] == log
+    assert [s["met"] for s in rec.steps] == [x <= 0.7 for x in log]
+    assert capacity.planned_steps(2.0, 8.0, 0.05, 5, floor=0.25) == 5 + 3
+
+
+def test_a_start_that_misses_at_the_floor_is_a_bound_below_the_floor_never_zero():
+    log: list[float] = []
+    rec = capacity.Bracket("speed", 2.0, 8.0, 0.05, 5, floor=0.3).run(_measure(0.1, log))
+    assert rec.load is None and rec.censored == "below" and rec.bracket == (0.0, 0.3) and rec.floor == 0.3
+    assert log[4:] == [2.0, 1.0, 0.5, 0.3]  # halved, the last step clamped to the floor
+    assert log[rec.at_round] == 0.3 and all(not s["met"] for s in rec.steps)
+    # over concurrency the halving stays on whole numbers
+    log.clear()
+    rec = capacity.Bracket("concurrency", 8, 64, 0.05, 4, floor=1).run(_measure(0, log))
+    assert log[3:] == [8, 4, 2, 1] and rec.bracket == (0.0, 1) and rec.censored == "below"
+
+
+def test_every_step_records_each_bounds_margin():
+    values = {"requests": 10, "completed": 10, "failed": 0, "ttft_p90_ms": 900.0, "ttft_sched_p90_ms": 2500.0,
+              "itl_p99_ms": 75.0}
+    assert capacity.margins(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150}) == \
+        {"ttft_p90_ms": 1.25, "itl_p99_ms": 0.5}  # judged from the schedule, as judge() does
+    assert capacity.margins({"ttft_p90_ms": 10.0}, {"tpot_p50_ms": 20}) == {}  # not measured: no margin
+    log: list[float] = []
+    measure = _measure(3.0, log)
+    rec = capacity.Bracket("rate", 1.0, 8.0, 0.2, 6).run(
+        lambda load: capacity.Step(**{**vars(measure(load)), "margins": {"ttft_p90_ms": load / 3.0}}))
+    assert [s["margins"] for s in rec.steps] == [{"ttft_p90_ms": x / 3.0} for x in log]
+    # a record from before margins and the floor still loads
+    old = {"over": "rate", "load": None, "bracket": [0.0, 1.0], "censored": "below", "at_round": 0,
+           "steps": [{"load": 1.0, "met": False, "why": "x", "round": 0}]}
+    back = capacity.CapacityRecord.model_validate(old)
+    assert back.floor is None and "margins" not in back.steps[0]
+
+
 def test_lo_is_measured_only_when_nothing_above_it_met():
     log: list[float] = []
     rec = capacity.Bracket("speed", 1.0, 8.0, 0.3, 8).run(_measure(1.2, log))
@@ -109,7 +157,8 @@ def _study(**over):
 def test_capacity_takes_the_study_slo_when_it_names_none():
     s = study_from_dict(_study())
     assert s.capacity.slo == {"ttft_p90_ms": 2000}
-    assert s.steps_per_start == 8
+    # max_steps, and the halving from lo = 1 down to the default floor lo / 8: three more
+    assert s.capacity.floor == 0.125 and s.steps_per_start == 8 + 3
 
 
 @pytest.mark.parametrize("change, message", [
@@ -119,6 +168,10 @@ def test_capacity_takes_the_study_slo_when_it_names_none():
     ({"capacity": {"over": "concurrency", "lo": 1, "hi": 2}}, "closed-loop"),
     ({"workload": {}, "capacity": {"over": "concurrency", "lo": 1.5, "hi": 8}}, "whole numbers"),
     ({"capacity": {"over": "rate", "lo": 1, "hi": 8, "slo": {"ttft_p91_ms": 5}}}, "ttft_p91_ms"),
+    ({"capacity": {"over": "rate", "lo": 1, "hi": 8, "floor": 2}}, "floor (2) must be above 0 and at most lo (1)"),
+    ({"capacity": {"over": "rate", "lo": 1, "hi": 8, "floor": 0}}, "floor (0) must be above 0"),
+    ({"workload": {"load": {"kind": "closed", "concurrency": 4}},
+      "capacity": {"over": "concurrency", "lo": 4, "hi": 8, "floor": 1.5}}, "floor (1.5) is requests in flight"),
 ])
 def test_bad_capacity_settings_are_refused_with_the_fix(change, message):
     with pytest.raises(StudyError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -181,6 +234,27 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     assert "status: missed the SLO at every load measured" in note
     assert e.shortfall.startswith("the SLO was missed at every load measured (capacity below 2.00 req/s)")
     assert cli.main(["export", str(run.path), "--point", "mbt=512", "--out", str(tmp_path / "o")]) == 3
+
+
+def test_a_study_below_its_floor_reads_below_the_floor_and_one_above_it_gets_a_number(tmp_path):
+    """Halving from lo = 2 to floor 0.25: mbt=256 (capacity 0.1) is "below 0.25", never 0;
+    mbt=512 (capacity 0.7) has a capacity found below lo."""
+    from synthetic_run import make_capacity_run
+
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 0.7}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    table = capacity_section.capacity_table(r)
+    assert table.loc["mbt=256", "capacity (req/s)"] == "below 0.25"
+    assert table.loc["mbt=256", "capacity (rate)"] == "below 0.25"
+    cell = table.loc["mbt=512", "capacity (req/s)"]
+    assert not cell.startswith("below") and 0.5 <= float(cell.split()[0]) <= 0.7
+    answer = capacity_section.capacity_answer(r)
+    assert answer.startswith("mbt=512 sustains 0.") and "0.00 [" not in answer
+    assert capacity_section.below_lowest_load(r, "mbt=256") == "below 0.25"
+    all_below = make_capacity_run(tmp_path / "b", {"mbt=256": 0.1, "mbt=512": 0.2}, lo=2.0, hi=8.0, floor=0.25)
+    said = capacity_section.capacity_answer(report.Run.load(all_below.path))
+    assert said.startswith("Capacity below 0.25 req/s at every point") and said.endswith("lower capacity.floor.")
 
 
 def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):

@@ -403,7 +403,8 @@ def plan_label(study: Study, points: list[Point]) -> str:
 def rounds_label(study: Study) -> str:
     c = study.capacity
     if c:
-        return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (up to {c.max_steps} rounds)"
+        lower = f", halving down to {c.floor:g} where {c.lo:g} misses" if c.floor < c.lo else ""
+        return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g}{lower} (up to {study.steps_per_start} rounds)"
     return f"{study.rounds} rounds"
 
 

@@ -1,6 +1,7 @@
 """The most load a server start sustains within an SLO: a probe at the bracket's top,
 then a bisection over the load, each step one measured round; the bracket's bottom is
-measured only when every step above it missed.
+measured only when every step above it missed; where it misses too, the search halves
+the load down to a floor, and bisects between the first pass and the miss above it.
 
 The search is written against a `measure(load) -> Step` function, so the same code
 runs a live start (point.py), a synthetic SLO function with a known capacity (the unit
@@ -12,6 +13,10 @@ Loads scale multiplicatively (2 to 4 req/s is as big a step as 4 to 8), so the
 bisection is geometric and its precision is a ratio: precision 0.05 stops once the
 bracket's high end is within 5% of its low end. Concurrency is a whole number: its
 midpoints are rounded and it stops once the two ends are neighbours.
+
+The step budget: `max_steps` for the probe, the bisection above lo and lo itself, as
+before; below lo, the halving may take up to ceil(log2(lo / floor)) more steps (3 with
+the default floor lo / 8), and the bisection below lo gets what the halving left of them.
 """
 from __future__ import annotations
 
@@ -34,17 +39,19 @@ class Step:
     met: bool
     why: str                 # the bounds it missed, or why it failed; "" when met
     round: int | None = None  # the round record that measured it
+    margins: dict[str, float] | None = None  # per SLO bound: measured / limit (met at <= 1)
 
 
 class CapacityRecord(BaseModel):
     """One start's search, as start.json keeps it."""
     over: Literal["speed", "rate", "concurrency"]
-    load: float | None              # the highest load that met the SLO (None: not even lo)
+    load: float | None              # the highest load that met the SLO (None: not even the floor)
     bracket: tuple[float, float | None]   # met at [0], missed at [1] (None: hi met, capacity >= hi)
-    censored: Literal["below", "above"] | None = None  # below lo / at or above hi
+    censored: Literal["below", "above"] | None = None  # below the floor / at or above hi
+    floor: float | None = None      # the lowest load the search could go to (None: lo, runs before the floor)
     requests_per_s: float | None = None   # the load as requests per second (the report's unit)
     at_round: int | None = None     # the round measured at the capacity (its latencies are "at capacity")
-    steps: list[dict] = []          # every step: load, met, why, round
+    steps: list[dict] = []          # every step: load, met, why, round, margins (not in older runs)
 
 
 @dataclass
@@ -54,7 +61,12 @@ class Bracket:
     hi: float
     precision: float
     max_steps: int
+    floor: float | None = None   # halve below lo down to this where lo misses (None: stop at lo)
     steps: list[Step] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.floor is None:
+            self.floor = self.lo
 
     @property
     def integer(self) -> bool:
@@ -91,11 +103,37 @@ class Bracket:
                 best, lo = s, mid
             else:
                 hi = mid
-        if best is None:  # every step above lo missed: lo decides between a bracket and "below"
+        if best is None:  # every step above lo missed: lo decides between a bracket and going lower
             s = self._take(measure, self.lo)
             if not s.met:
-                return self._record(None, (0.0, self.lo), "below")
+                return self._below(measure)
             best = s
+        return self._record(best, (lo, hi), None)
+
+    def _below(self, measure: Callable[[float], Step]) -> CapacityRecord:
+        """lo missed: halve the load until a step meets the SLO or the floor misses (a
+        bound: "below floor"), then bisect between that pass and the miss above it with the
+        steps the halving left (module docstring)."""
+        budget = self.max_steps + halvings(self.lo, self.floor, self.integer)
+        hi, load = self.lo, self.lo
+        while load > self.floor:
+            load = max(math.floor(load / 2) if self.integer else load / 2, self.floor)
+            s = self._take(measure, load)
+            if s.met:
+                break
+            hi = load
+        else:
+            return self._record(None, (0.0, self.floor), "below")
+        best, lo = s, load
+        while len(self.steps) < budget and not self._done(lo, hi):
+            mid = self._mid(lo, hi)
+            if mid is None:
+                break
+            s = self._take(measure, mid)
+            if s.met:
+                best, lo = s, mid
+            else:
+                hi = mid
         return self._record(best, (lo, hi), None)
 
     def _take(self, measure, load: float) -> Step:
@@ -104,19 +142,34 @@ class Bracket:
         return s
 
     def _record(self, best: Step | None, bracket, censored) -> CapacityRecord:
-        # below lo: the report still shows the latencies the lowest step had
+        # below the floor: the report still shows the latencies the lowest step had
         at = best.round if best else self.steps[-1].round
         return CapacityRecord(over=self.over, load=best.load if best else None, bracket=bracket, censored=censored,
-                              at_round=at, steps=[vars(s) for s in self.steps])
+                              floor=self.floor, at_round=at, steps=[vars(s) for s in self.steps])
 
 
-def planned_steps(lo: float, hi: float, precision: float, max_steps: int, integer: bool = False) -> int:
-    """The most steps a search over [lo, hi] can take (for time estimates and progress)."""
+def halvings(lo: float, floor: float, integer: bool = False) -> int:
+    """The most steps the halving below lo takes to reach the floor."""
+    if floor >= lo:
+        return 0
+    if integer:
+        n, load = 0, lo
+        while load > floor:
+            load, n = max(math.floor(load / 2), floor), n + 1
+        return n
+    return math.ceil(math.log2(lo / floor) - 1e-9)
+
+
+def planned_steps(lo: float, hi: float, precision: float, max_steps: int, integer: bool = False,
+                  floor: float | None = None) -> int:
+    """The most steps a search over [lo, hi] can take (for time estimates and progress);
+    with a floor, the halving's steps below lo too."""
+    extra = halvings(lo, floor, integer) if floor is not None else 0
     if integer:
         bisections = math.ceil(math.log2(max(hi - lo, 1)))
     else:
         bisections = math.ceil(math.log2(max(math.log(hi / lo) / math.log1p(precision), 1)))
-    return min(max_steps, 2 + bisections)
+    return min(max_steps, 2 + bisections) + extra
 
 
 def trace_speed(over: str | None, load: float | None, trace_rate: float, default: float) -> float:
@@ -136,6 +189,17 @@ def bound_key(bound: str, values: dict) -> str:
     sched = FROM_SCHEDULE.get(lat)
     key = f"{sched}_{rest}" if sched else bound
     return key if values.get(key) is not None else bound
+
+
+def margins(values: dict, slo: dict[str, float]) -> dict[str, float]:
+    """Each SLO bound's margin: the round's figure (bound_key) over its limit; met at <= 1.
+    A bound the round did not measure has none."""
+    out = {}
+    for bound, limit in slo.items():
+        v = values.get(bound_key(bound, values))
+        if v is not None:
+            out[bound] = v / limit
+    return out
 
 
 def judge(values: dict, slo: dict[str, float], failed_reason: str | None = None) -> tuple[bool, str]:

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
+from ..capacity.bracket import halvings
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
 from .models import CARDS
 from .traces import SHIPPED
@@ -347,7 +348,9 @@ class Capacity(_Strict):
     """How much load each server start sustains within the SLO: a probe at `hi`, then a
     bisection (geometric: loads scale multiplicatively) until the bracket is at most
     `precision` wide (hi/lo - 1) or `max_steps` rounds have run; `lo` is measured only
-    if every step above it missed (capacity.py). Each step is
+    if every step above it missed (capacity/bracket.py). Where lo misses, the search
+    halves the load down to `floor` (default lo / 8) before calling the start "below
+    floor", and bisects between the first pass and the miss above it. Each step is
     one measured round on a fresh prefix cache; the capacity is the highest load whose
     round met every SLO bound with no failed request. `over`: speed (a trace's time
     scale), rate (Poisson req/s; for a trace, its speed is set to give that rate) or
@@ -358,6 +361,7 @@ class Capacity(_Strict):
     hi: float = Field(gt=0)
     precision: float = Field(0.05, gt=0)
     max_steps: int = Field(8, ge=2)
+    floor: float | None = None   # the lowest load the search goes to where lo misses; None: lo / 8
 
     @model_validator(mode="after")
     def _bracket(self):
@@ -365,6 +369,15 @@ class Capacity(_Strict):
             raise ValueError(f"capacity: lo ({self.lo:g}) must be below hi ({self.hi:g})")
         if self.over == "concurrency" and not (float(self.lo).is_integer() and float(self.hi).is_integer()):
             raise ValueError("capacity over concurrency: lo and hi are requests in flight, whole numbers")
+        if self.floor is None:  # concurrency: a whole number of requests, at least one
+            self.floor = max(1.0, float(self.lo // 8)) if self.over == "concurrency" else self.lo / 8
+        if not 0 < self.floor <= self.lo:
+            raise ValueError(f"capacity: floor ({self.floor:g}) must be above 0 and at most lo ({self.lo:g}): "
+                             "it is the lowest load the search halves down to where lo misses; "
+                             "leave it out for lo / 8")
+        if self.over == "concurrency" and not float(self.floor).is_integer():
+            raise ValueError(f"capacity over concurrency: floor ({self.floor:g}) is requests in flight, "
+                             "a whole number")
         return self
 
 
@@ -471,4 +484,7 @@ class Study(_Strict):
     @property
     def steps_per_start(self) -> int:
         """Measured rounds a start runs at most: the rounds, or the capacity search's steps."""
-        return self.capacity.max_steps if self.capacity else self.rounds
+        if not self.capacity:
+            return self.rounds
+        c = self.capacity
+        return c.max_steps + halvings(c.lo, c.floor, c.over == "concurrency")

@@ -154,7 +154,7 @@ class RoundProtocol(StartWriter):
         """capacity.Bracket over this start's server, one round a step; the record is saved
         after every step, so a start that dies mid-search keeps what it measured."""
         c = self.study.capacity
-        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps)
+        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor)
 
         def measure(load: float) -> capacity.Step:
             if self.failed:
@@ -165,7 +165,8 @@ class RoundProtocol(StartWriter):
                 progress(i)
             if rec is None:
                 return capacity.Step(load, False, self.record.reason or "round failed")
-            return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round)
+            return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round,
+                                 capacity.margins(rec.metrics, c.slo))
         result = bracket.run(measure)
         result.requests_per_s = self._requests_per_s(result)
         self.record.capacity = result

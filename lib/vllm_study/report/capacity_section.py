@@ -36,9 +36,9 @@ def capacity_answer(r: Run) -> str | None:
     rec = decision.recommend(r.rounds, r.intervals, {})
     if rec.point is None:
         return f"No capacity was measured: {rec.reason}."
-    if _all_below(_completed_capacities(r, rec.point)):  # the best is below lo: so is every point
-        return (f"Capacity below {_load_words(r, r.study.capacity.lo)} at every point: the SLO ({bounds}) was "
-                "missed at every load measured; lower capacity.lo.")
+    if _all_below(_completed_capacities(r, rec.point)):  # the best is below the floor: so is every point
+        return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
+                f"missed at every load measured; {_lower(r)}.")
     m = metrics.get("capacity_rps")
     trace = _trace_info(r)
     times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
@@ -108,9 +108,23 @@ def _censored(r: Run, point: str) -> str | None:
         return (f"{above} of {len(starts)} starts met the SLO at the search's highest load ({cap.hi:g}): "
                 "the capacity is at least that; raise capacity.hi to find it.")
     if below:
-        return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({cap.lo:g}): "
-                "their capacity is below it, not measured; lower capacity.lo.")
+        return (f"{below} of {len(starts)} starts missed the SLO at the lowest load ({floor(r, point):g}): "
+                f"their capacity is below it, not measured; {_lower(r, point)}.")
     return None
+
+
+def floor(r: Run, point: str | None = None) -> float:
+    """The lowest load the capacity search could go to: the starts' recorded floor (of the
+    point, or of every point), or lo for runs searched before the search halved below lo."""
+    caps = [st.capacity for p in ([point] if point else [s.point for s in r.summaries])
+            for st in r.folder.point(p).starts() if st.capacity]
+    return min((c.floor if c.floor is not None else r.study.capacity.lo for c in caps),
+               default=r.study.capacity.lo)
+
+
+def _lower(r: Run, point: str | None = None) -> str:
+    """The setting to lower to measure a capacity below the floor."""
+    return "lower capacity.floor" if floor(r, point) < r.study.capacity.lo else "lower capacity.lo"
 
 
 def _lowest_load(r: Run, lo: float | None = None) -> tuple[str, float | None]:
@@ -146,14 +160,14 @@ def _all_above(completed: list) -> bool:
 
 
 def _baseline_below(r: Run, point: str) -> str | None:
-    """Where every start of a point missed the SLO at the search's lowest load, say so with
+    """Where every start of a point missed the SLO at the search's lowest load (its floor), say so with
     why each missed: its capacity is not 0 but unmeasured below the bracket."""
     starts = _completed_capacities(r, point)
     if not _all_below(starts):
         return None
-    lo = r.study.capacity.lo
+    lo = floor(r, point)
     why = "; ".join(sorted({s["why"] for c in starts for s in c.steps if s["load"] == lo and s.get("why")}))
-    words, _ = _lowest_load(r)
+    words, _ = _lowest_load(r, lo)
     return (f"The baseline {point} met the SLO at no load tried: each of its {len(starts)} starts missed at the "
             f"lowest, {words}: {why}.")
 
@@ -161,32 +175,33 @@ def _baseline_below(r: Run, point: str) -> str | None:
 def _gain_over_below(r: Run, best: str, base: str) -> str:
     """The gain over a baseline below the bracket is a lower bound: the best point's
     interval low less the lowest load's rate."""
-    words, lo_rps = _lowest_load(r)
+    words, lo_rps = _lowest_load(r, floor(r, base))
+    lower = _lower(r, base)
     iv = r.interval(best, "capacity_rps")
     if lo_rps is None or not iv or not np.isfinite(iv["ci_low"]):
-        return f" Its capacity is below {words}; lower capacity.lo to measure it."
+        return f" Its capacity is below {words}; {lower} to measure it."
     more = iv["ci_low"] - lo_rps
     if more <= 0:
-        return f" Its capacity is below {lo_rps:.2f} req/s; the gain is not resolved (lower capacity.lo to measure it)."
+        return f" Its capacity is below {lo_rps:.2f} req/s; the gain is not resolved ({lower} to measure it)."
     return (f" Its capacity is below {lo_rps:.2f} req/s, so {best} sustains at least {more:+.2f} req/s more "
             f"({iv['ci_low'] / lo_rps:.1f} x or more: its interval's low end over that rate), a resolved gain.")
 
 
 def _all_below(completed: list) -> bool:
     """Every completed start of a point (_completed_capacities) missed the SLO at the
-    search's lowest load: its capacity is unmeasured below the bracket (recorded as 0,
+    search's lowest load (its floor): its capacity is unmeasured below it (recorded as 0,
     which it is not)."""
     return bool(completed) and all(c.censored == "below" for c in completed)
 
 
 def lowest_load_rps(r: Run) -> float | None:
-    """The capacity search's lowest load as requests/s, where the load fixes the rate."""
-    return _lowest_load(r)[1] if is_capacity_study(r) else None
+    """The capacity search's lowest load (its floor) as requests/s, where the load fixes the rate."""
+    return _lowest_load(r, floor(r))[1] if is_capacity_study(r) else None
 
 
-def below_lowest_load(r: Run) -> str:
-    """'below 3.08' (req/s), or the load in the search's own unit where no rate fixes it."""
-    words, lo_rps = _lowest_load(r)
+def below_lowest_load(r: Run, point: str | None = None) -> str:
+    """'below 3.08' (req/s: the floor), or the load in the search's own unit where no rate fixes it."""
+    words, lo_rps = _lowest_load(r, floor(r, point))
     return f"below {lo_rps:.2f}" if lo_rps else f"below {words}"
 
 
@@ -196,7 +211,7 @@ def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
     (`completed`: its _completed_capacities, if read)."""
     completed = _completed_capacities(r, point) if completed is None else completed
     if _all_below(completed):
-        return below_lowest_load(r)
+        return below_lowest_load(r, point)
     if _all_above(completed):
         words, hi_rps = _lowest_load(r, r.study.capacity.hi)
         return f"at least {hi_rps:.2f}" if hi_rps else f"at least {words}"
@@ -227,7 +242,7 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
         below = _all_below(completed)
         row = {"point": s.point, "status": status_label(s),
                "capacity (req/s)": capacity_cell(r, s.point, completed),
-               f"capacity ({over})": f"below {r.study.capacity.lo:g}" if below else
+               f"capacity ({over})": f"below {floor(r, s.point):g}" if below else
                f"at least {r.study.capacity.hi:g}" if _all_above(completed) else
                metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
                f"{over} bracket per start": brackets}

@@ -205,7 +205,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     shortfall = slo_shortfall(r, point, slo)
     if capacity_section.below_everywhere(r, point):
         shortfall = "; ".join(filter(None, [f"the SLO was missed at every load measured (capacity "
-                                            f"{capacity_section.below_lowest_load(r)} req/s)", shortfall]))
+                                            f"{capacity_section.below_lowest_load(r, point)} req/s)", shortfall]))
     return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall)
 
 
@@ -223,7 +223,8 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     method = r.intervals[r.intervals["point"] == point]["method"]
     status = report_run.status_label(s)
     if capacity_section.below_everywhere(r, point):
-        status = (f"missed the SLO at every load measured: capacity {capacity_section.below_lowest_load(r)} req/s "
+        below = capacity_section.below_lowest_load(r, point)
+        status = (f"missed the SLO at every load measured: capacity {below} req/s "
                   "(each start's search completed)")
     lines[-1:-1] = [f"- status: {status}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
                     f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
