@@ -189,3 +189,29 @@ def test_a_capacity_below_lo_is_found_by_halving_or_stated_as_a_bound(tmp_path):
     else:  # missed at the floor: a bound, never 0
         assert cap.censored == "below" and cap.load is None and loads[-1] == 0.5
         assert "Capacity below" in text and "0.5 x the trace's real rate" in text
+
+
+@pytest.mark.e2e
+def test_a_primed_mooncake_window_hits_what_the_cache_model_predicts(tmp_path):
+    """trace.prime: history on the shipped Mooncake window, on a KV cache of 16k tokens
+    (two of its longer prompts): each round is first primed with the traffic before the
+    window that fits the cache, and vLLM's measured hit rate is the cache model's."""
+    study = tiny(workload={"kind": "trace", "warmup_requests": 1, "concurrency": 1,
+                           "trace": {"file": "mooncake_conversation", "start_s": 60, "requests": 20,
+                                     "max_output_tokens": 4, "prime": "history"}},
+                 engine_args={**tiny()["engine_args"], "max_model_len": 8192, "kv_cache_memory_bytes": kv_bytes(16384)},
+                 grid={"max_num_batched_tokens": [2048]}, rounds=2)
+    run, summary = measure(plan_of(study), tmp_path / "s1")
+    assert summary.status == "ok", summary.reasons
+    assert len(run.rounds) == 2
+    for rec in run.rounds:
+        m = rec.metrics
+        assert m["prime_requests"] > 0 and m["prime_errors"] == 0 and m["prime_s"] > 0
+        assert m["prime_prompt_tokens"] > 16384  # the history fills the cache: more than it holds
+        assert m["prompt_tokens_vs_trace"] == 0.0 and m["prompt_tokens"] == m["trace_prompt_tokens"]
+        # priming is outside the round's counters: the queries are the window's prompts alone
+        assert m["prefix_cache_queries"] == m["trace_prompt_tokens"]
+        assert abs(m["prefix_cache_hit_rate"] - m["model_prefix_hit_rate"]) <= 0.05, m
+        assert m["model_prefix_hit_rate"] > m["expected_prefix_hit_rate"]  # the history's blocks are hit
+    assert not run.record.warnings or not any("runs off" in w for w in run.record.warnings)
+    assert group_gone(run.record.launch.server_pgid)

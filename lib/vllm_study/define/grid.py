@@ -26,7 +26,7 @@ from .schema import EngineArgs, StudyError, parse_flags
 from .params import Study, Target
 from .study_file import _explain
 from .models import max_positions
-from .traces import TraceError, read_trace
+from .traces import TraceError, read_history, read_trace
 
 
 class Effective(BaseModel):
@@ -114,10 +114,24 @@ def _check_point(study: Study, args: EngineArgs, engine: str,
     return effective, warnings, errors
 
 
+def _history_statement(spec) -> str:
+    """How much history trace.prime: history has to send: the server's KV size, which
+    decides how much of it is sent, is known only once it starts (then a history that runs
+    off the trace's start is said again, in the start's record)."""
+    before = read_history(spec)
+    if not before:
+        return (f"workload.trace.prime: history: the window starts at the trace's first request (start_s "
+                f"{spec.start_s:g}), so it has no history and its rounds start cold; move trace.start_s later")
+    return (f"workload.trace.prime: history: {len(before)} requests, {sum(r.input_tokens for r in before):,} prompt "
+            f"tokens precede the window; each round first sends as many of the latest as the server's KV cache holds")
+
+
 def _trace_fit(study: Study, max_model_len: int | None, warnings: list[str]) -> list[str]:
     """A trace's requests longer than the server allows are dropped and counted; a window
     none of whose requests fits is an error."""
     trace = read_trace(study.workload.trace)
+    if study.workload.trace.prime == "history":
+        warnings.append(_history_statement(study.workload.trace))
     for why, n in trace.skipped.items():  # BurstGPT's failed rows: in the window's span, not replayed
         warnings.append(f"{n} trace rows within the window are {why} and are left out (counted in each "
                         "start's record)")
@@ -257,9 +271,13 @@ def expand(study: Study, engine: str) -> list[Point]:
                       target=t) for t in study.targets]
     if study.workload.kind == "trace":  # a trace that does not parse is refused before anything starts
         try:
-            read_trace(study.workload.trace)
+            trace = read_trace(study.workload.trace)
         except (TraceError, OSError) as e:
             raise StudyError(f"workload.trace: {e}") from None
+        if study.workload.trace.prime == "history" and trace.block_tokens is None:
+            raise StudyError(f"workload.trace.prime: history needs a trace with prefix ids (what the cache holds), "
+                             f"and {trace.source} has none (Azure and BurstGPT rows carry lengths only; a jsonl "
+                             "file needs `prefix` and trace.block_tokens); set workload.trace.prime: none")
     maker = PointMaker(study, engine)
     if study.search:
         # vLLM's CPU build cannot start without a KV size where the RAM is short (see

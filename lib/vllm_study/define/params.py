@@ -135,6 +135,9 @@ class TraceSpec(_Strict):
                                      "Mooncake's are 512")
     max_output_tokens: int | None = Field(None, ge=1, description="caps each request's output at this many "
                                           "tokens (the trace's own where shorter): long outputs take minutes on a CPU")
+    prime: Literal["none", "history"] = Field("none", description="history: before each measured round, send "
+                                              "the traffic that preceded the window (as much as the server's "
+                                              "prefix cache holds) unmeasured, prefill-only; none: a cold cache")
 
     @model_validator(mode="after")
     def _window(self):

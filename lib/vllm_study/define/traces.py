@@ -464,3 +464,11 @@ def read_trace(spec) -> Trace:
         window += f", outputs capped at {cap} tokens"
     return Trace(requests, block if any(r.prefix for r in requests) else None,
                  f"{label} ({spec.format}, {window})", {BURSTGPT_FAILED: failed} if failed else {})
+
+
+def read_history(spec) -> list[TraceRequest]:
+    """The rows of the same file before the window's start_s (failed rows left out), in
+    arrival order, timed as in the file: what trace.prime: history sends first."""
+    path, label = _locate(spec)
+    rows = _parse_file(str(path.resolve()), path.stat().st_mtime_ns, spec.format, _block_tokens(spec, label), label)
+    return [r for r in rows if r.t_s < spec.start_s and r.output_tokens]

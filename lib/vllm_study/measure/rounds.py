@@ -19,6 +19,7 @@ from ..records.results import (RoundRecord, append_round,
                                now_utc, read_log)
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..launch.server import failure_reason
+from .primer import Primer
 from .start_record import StartWriter, _step
 
 
@@ -100,6 +101,8 @@ class RoundProtocol(StartWriter):
         launch = self.record.launch
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
+        trace = self.study.workload.kind == "trace"
+        primed = self.primer.prime(self._run_closed) if trace else {}  # unmeasured: before the first snapshot
         before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
         pb_before = self._pb_snapshot()
         sending = self._prepare_round(load)
@@ -111,8 +114,8 @@ class RoundProtocol(StartWriter):
             duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
         values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
-        if self.study.workload.kind == "trace":
-            values |= self.workload.fidelity(results)
+        if trace:
+            values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load)
         died = self.server is not None and not self.server.alive()
         if not died:
             if before is not None:
@@ -137,6 +140,13 @@ class RoundProtocol(StartWriter):
             self.record.rounds_ok += 1
             self._save()
         return rec
+
+    @property
+    def primer(self) -> Primer:
+        """This start's priming and cache model, made at its first round (the server's KV size is known)."""
+        if getattr(self, "_primer", None) is None:
+            self._primer = Primer(self.study, self.workload, self.tokenizer, self.record)
+        return self._primer
 
     def run_rounds(self, progress=None) -> None:
         if self.study.capacity:

@@ -13,14 +13,17 @@ from .capacity_section import _trace_info, below_everywhere, capacity_answer, is
 from .run import Run, _per_start
 
 
-FIDELITY = ("prompt_tokens_vs_trace", "expected_prefix_hit_rate", "prefix_cache_hit_rate", "send_lateness_p50_ms",
+FIDELITY = ("prompt_tokens_vs_trace", "expected_prefix_hit_rate", "model_prefix_hit_rate", "prefix_cache_hit_rate",
+            "prime_requests", "prime_prompt_tokens", "prime_s", "send_lateness_p50_ms",
             "send_lateness_p99_ms", "offered_rate")
 
 
 def fidelity_table(r: Run) -> pd.DataFrame | None:
     """Does the replay reproduce the trace? Over every measured round of each point (each
-    capacity step included): prompt tokens against the trace's, the hit rate a never-evicting
-    cache would reach on the window against vLLM's, and how late the client sent."""
+    capacity step included): prompt tokens against the trace's; the hit rate a never-evicting
+    cache would reach on the window, the cache model's at the server's KV size and vLLM's
+    measured one; priming's requests, tokens and time (trace.prime: history); and how late
+    the client sent."""
     trace = _trace_info(r)
     if trace is None:
         return None

@@ -119,6 +119,18 @@ _add(
     Metric("expected_prefix_hit_rate", "hit rate if nothing were evicted", "share", ".3f", None, "kit",
            "what a prefix cache that never evicts would hit on the round's requests (full blocks of the "
            "shared prefix, from the rendered prompts)", exact=True),
+    Metric("model_prefix_hit_rate", "hit rate the cache model predicts", "share", ".3f", None, "kit",
+           "prefix_cache_model.simulate: vLLM's LRU block cache at the server's KV size and block size over the "
+           "round's arrivals, primed with the history the round was primed with"),
+    Metric("model_short_blocks", "blocks the cache model lacked", "", ".0f", None, "kit",
+           "the most blocks the model's running requests lacked (0: its prediction needs no queueing)"),
+    Metric("prime_s", "priming time", "s", ".1f", None, "kit",
+           "trace.prime: history: first send to last answer of the unmeasured history"),
+    Metric("prime_requests", "priming requests", "", ".0f", None, "kit",
+           "history requests sent before the round (prefill-only, 1 output token)", exact=True),
+    Metric("prime_prompt_tokens", "priming prompt tokens", "tok", ".0f", None, "kit",
+           "the history's prompt tokens", exact=True),
+    Metric("prime_errors", "priming errors", "", ".0f", "lower", "client", "history requests that failed"),
     Metric("preemptions", "preemptions", "", ".0f", "lower", "server", "delta of vllm:num_preemptions_total"),
     # vllm:iteration_tokens_total is observed once per engine step that emitted output
     # (vLLM 0.26 and 0.32: AsyncLLM makes IterationStats only when a step has outputs), so

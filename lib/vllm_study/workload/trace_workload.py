@@ -35,9 +35,12 @@ class _Draft(NamedTuple):
 class TraceWorkload(_Base):
     """The requests of a trace window; `schedule(speed)` gives their send times."""
 
-    def __init__(self, tokenizer, *, api: str, seed: int, trace: Trace):
+    def __init__(self, tokenizer, *, api: str, seed: int, trace: Trace, stream: str = "measure"):
         super().__init__(tokenizer, api, seed)
         self.trace = trace
+        # the random stream of rows without prefix ids: priming's rows draw from their own,
+        # so they never share content with a measured row of the same index
+        self.stream = stream
         self._piece_ids = self._single_ids()
         self._anchor, self._lead, self._tail = self._frame()
         self._blocks: dict[int, list[int]] = {}  # block id -> its piece indices (block_tokens of them)
@@ -125,9 +128,9 @@ class TraceWorkload(_Base):
             return self._request(index, None, r.prompt, r.output_tokens, {})
         n = self._content_tokens(r.input_tokens)
         if n < 1:  # shorter than the template alone: the nearest the kit can send (prompt_floor)
-            return _Draft(index, self._own_content(1, "measure", index), r.output_tokens, None)
+            return _Draft(index, self._own_content(1, self.stream, index), r.output_tokens, None)
         content = (self._prefix_content(r.prefix, n) if r.prefix and self.trace.block_tokens
-                   else self._own_content(n, "measure", index))
+                   else self._own_content(n, self.stream, index))
         return _Draft(index, content, r.output_tokens, r.input_tokens)
 
     def _warmup_draft(self, i: int) -> _Draft:

@@ -1,0 +1,211 @@
+"""trace.prime: history: the key's validation, which history a window is primed with at
+the server's KV size, the priming requests, and the round's record fields (priming's
+figures and the cache model's hit rate beside vLLM's and the never-evicting bound)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from transformers import AutoTokenizer
+
+from vllm_study.define.grid import expand
+from vllm_study.define.models import build_model_dir
+from vllm_study.define.params import TraceSpec
+from vllm_study.define.schema import StudyError
+from vllm_study.define.study_file import study_from_dict
+from vllm_study.define.traces import Trace, TraceRequest, read_history, read_trace
+from vllm_study.measure.primer import Primer
+from vllm_study.workload import prefix_cache_model as pcm, priming, workload
+from vllm_study.workload.trace_workload import TraceWorkload
+from vllm_study.workload.workload import word_pieces
+
+
+def _study(trace: dict) -> dict:
+    return {"name": "t", "model": {"card": "tiny-qwen2"}, "grid": {"max_num_batched_tokens": [512]},
+            "engine_args": {"max_model_len": 8192}, "workload": {"kind": "trace", "trace": trace}}
+
+
+def _jsonl(tmp_path, rows: list[dict]) -> str:
+    f = tmp_path / "t.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(f)
+
+
+# ---------------------------------------------------------------- the key
+
+def test_prime_is_none_by_default_so_existing_studies_replay_cold():
+    assert study_from_dict(_study({"file": "mooncake_conversation"})).workload.trace.prime == "none"
+    with pytest.raises(StudyError, match="prime"):
+        study_from_dict(_study({"file": "mooncake_conversation", "prime": "all"}))
+
+
+@pytest.mark.parametrize("trace", [{"file": "azure_conv", "start_s": 10, "requests": 20},
+                                   {"file": "PATH", "format": "jsonl", "start_s": 1}])
+def test_priming_a_trace_without_prefix_ids_is_refused_naming_the_key_and_the_fix(tmp_path, trace):
+    f = _jsonl(tmp_path, [{"t_s": t, "input_tokens": 300, "output_tokens": 4} for t in range(4)])
+    trace = {**trace, "file": f if trace["file"] == "PATH" else trace["file"], "prime": "history"}
+    with pytest.raises(StudyError, match="workload.trace.prime: history needs a trace with prefix ids") as e:
+        expand(study_from_dict(_study(trace)), "cpu")
+    assert "set workload.trace.prime: none" in str(e.value)
+    (p,) = expand(study_from_dict(_study({**trace, "prime": "none"})), "cpu")  # the same window, cold: fine
+    assert not any("prime" in w for w in p.warnings)
+
+
+def test_the_plan_states_how_much_history_a_window_has():
+    (p,) = expand(study_from_dict(_study({"file": "mooncake_conversation", "requests": 10, "prime": "history"})),
+                  "cpu")
+    assert any("has no history and its rounds start cold" in w for w in p.warnings)
+    spec = TraceSpec(file="mooncake_conversation", start_s=100, requests=10)
+    before = read_history(spec)
+    (p,) = expand(study_from_dict(_study({"file": "mooncake_conversation", "start_s": 100, "requests": 10,
+                                          "prime": "history"})), "cpu")
+    want = f"{len(before)} requests, {sum(r.input_tokens for r in before):,} prompt tokens precede the window"
+    assert any(want in w for w in p.warnings)
+
+
+# ---------------------------------------------------------------- which history
+
+def test_the_history_is_the_rows_before_the_window_in_the_same_file():
+    spec = TraceSpec(file="mooncake_conversation", start_s=100, requests=10)
+    before, window = read_history(spec), read_trace(spec)
+    whole = read_trace(TraceSpec(file="mooncake_conversation"))
+    assert before == list(whole.requests[:len(before)])
+    assert before[-1].t_s < 100 <= whole.requests[len(before)].t_s
+    assert whole.requests[len(before)].prefix == window.requests[0].prefix
+
+
+def _r(t, n, prefix):
+    return TraceRequest(t, n, 2, tuple(prefix), None, t + 1)
+
+
+def test_the_history_goes_back_as_far_as_the_cache_holds():
+    B = 4  # 4-token trace blocks, 4-token KV blocks: one trace id one KV block
+    before = [_r(0, 8, (1, 2)), _r(1, 8, (3, 4)), _r(2, 8, (5, 6)), _r(3, 8, (5, 7))]
+    window = [_r(4, 8, (5, 6))]
+    # 4 usable blocks (5 less vLLM's null block): rows 3 and 2 hold 3 distinct blocks, row 1 brings it to 5
+    h = priming.select_history(before, window, block_tokens=B, kv_tokens=5 * B, block_size=B)
+    assert h.requests == before[1:] and h.full and h.note() is None
+    assert h.prompt_tokens == 24 and (h.available, h.available_tokens) == (4, 32)
+    # a cache larger than all of it: every row, and the statement that it runs off the start
+    h = priming.select_history(before, window, block_tokens=B, kv_tokens=100 * B, block_size=B)
+    assert h.requests == before and not h.full
+    assert "runs off the trace's start: 4 requests, 32 prompt tokens before it" in h.note()
+    assert "400-token KV cache" in h.note()
+    # a row the server cannot take (prompt + 1 over max_model_len) is not sent
+    h = priming.select_history(before + [_r(3.5, 40, range(20, 30))], window, block_tokens=B,
+                               kv_tokens=100 * B, block_size=B, max_model_len=16)
+    assert h.requests == before
+
+
+# ---------------------------------------------------------------- what priming sends
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    cache = os.environ.get("VLLM_STUDY_CACHE")
+    root = Path(cache) / "models" if cache else tmp_path_factory.mktemp("models")
+    tokenizer = AutoTokenizer.from_pretrained(str(build_model_dir("tiny-qwen2", root / "tiny-qwen2")))
+    pieces = word_pieces(tokenizer)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(workload, "word_pieces", lambda t: list(pieces) if t is tokenizer else word_pieces(t))
+        yield tokenizer
+
+
+def test_priming_requests_are_prefill_only_and_share_the_windows_blocks(tok):
+    spec = TraceSpec(file="mooncake_conversation", start_s=30, requests=4)
+    window = read_trace(spec)
+    before = read_history(spec)
+    # the latest history row that shares a block with the window's first request
+    j = max(i for i, r in enumerate(before) if r.prefix[0] == window.requests[0].prefix[0])
+    h = priming.History([before[j]], 1, before[j].input_tokens, True, 10 ** 6)
+    (p,) = priming.prime_requests(tok, api="chat", seed=0, history=h, block_tokens=512)
+    w = TraceWorkload(tok, api="chat", seed=0, trace=window)
+    m = w.requests()[0]
+    assert p.max_tokens == 1 and p.tags == {"prime": True} and p.prompt_tokens == before[j].input_tokens
+    shared = next(k for k, (a, b) in enumerate(zip(before[j].prefix, window.requests[0].prefix)) if a != b)
+    pi, mi = w._ids(p.messages, p.prompt), w._ids(m.messages, m.prompt)
+    assert shared >= 1 and pi[:shared * 512] == mi[:shared * 512] and pi[shared * 512] != mi[shared * 512]
+
+
+def test_a_history_row_without_prefix_ids_shares_nothing_with_the_window_row_of_its_index(tok):
+    rows = [TraceRequest(0.0, 200, 2, None, None, 1)]
+    h = priming.History(rows, 1, 200, True, 10 ** 6)
+    (p,) = priming.prime_requests(tok, api="chat", seed=0, history=h, block_tokens=None)
+    m = TraceWorkload(tok, api="chat", seed=0, trace=Trace(rows, None, "w")).requests()[0]
+    assert p.prompt_tokens == m.prompt_tokens == 200 and p.messages != m.messages
+
+
+# ---------------------------------------------------------------- the round's figures
+
+def _primer(spec: TraceSpec, window: Trace, kv_blocks: int, block: int = 16):
+    study = SimpleNamespace(workload=SimpleNamespace(trace=spec, api="chat", seed=0), capacity=None)
+    record = SimpleNamespace(launch=SimpleNamespace(cache_config={"num_gpu_blocks": str(kv_blocks),
+                                                                  "block_size": str(block)}),
+                             trace={"max_model_len": 32768}, warnings=[])
+    return Primer(study, SimpleNamespace(trace=window), None, record), record
+
+
+def test_the_round_records_priming_and_the_models_hit_rate(monkeypatch):
+    monkeypatch.setattr(priming, "prime_requests", lambda *a, history, **k: list(history.requests))
+    spec = TraceSpec(file="mooncake_conversation", start_s=100, requests=20, prime="history")
+    window = read_trace(spec)
+    primer, record = _primer(spec, window, kv_blocks=20000)
+    h = primer.history
+    assert primer.kv == (320000, 16) and h.full and 0 < len(h.requests) < len(read_history(spec))
+    sent = []
+    figures = primer.prime(lambda reqs: sent.extend(reqs) or [{"error": None}] * len(reqs))
+    assert sent == h.requests
+    assert figures["prime_requests"] == len(h.requests) and figures["prime_errors"] == 0
+    assert figures["prime_prompt_tokens"] == sum(r.input_tokens for r in h.requests) and figures["prime_s"] >= 0
+    values = {"ttft_p50_ms": 200.0, "tpot_p50_ms": 20.0}
+    primed = primer.model_hit_rate(values, None)["model_prefix_hit_rate"]
+    cold = _primer(TraceSpec(**{**spec.model_dump(), "prime": "none"}), window, 20000)[0]
+    assert cold.prime(lambda reqs: pytest.fail("a cold round sends no history")) == {}
+    assert cold.model_hit_rate(values, None)["model_prefix_hit_rate"] == pytest.approx(pcm.simulate(
+        window.requests, block_tokens=512, kv_tokens=320000, block_size=16, timing=pcm.Timing(0.2, 0.02)).hit_rate)
+    assert primed > cold.model_hit_rate(values, None)["model_prefix_hit_rate"]  # the history's blocks are hit
+    assert record.warnings == []
+
+
+def test_a_window_whose_history_runs_off_the_start_says_so_in_the_starts_record(monkeypatch):
+    monkeypatch.setattr(priming, "prime_requests", lambda *a, history, **k: list(history.requests))
+    spec = TraceSpec(file="mooncake_conversation", start_s=5, requests=20, prime="history")
+    primer, record = _primer(spec, read_trace(spec), kv_blocks=10 ** 6)
+    fits = [r for r in read_history(spec) if r.input_tokens + 1 <= 32768]  # the rest the server cannot take
+    assert not primer.history.full and primer.history.requests == fits and len(fits) < len(read_history(spec))
+    (w,) = record.warnings
+    assert "runs off the trace's start" in w and "16,000,000-token KV cache" in w
+
+
+def test_the_fidelity_table_shows_the_three_hit_rates_and_priming_and_older_runs_lack_them(tmp_path):
+    from synthetic_run import make_run
+
+    from vllm_study import notebook_support as ns
+    base = {"ttft_p90_ms": 300.0, "prompt_tokens_vs_trace": 0.0, "expected_prefix_hit_rate": 0.30,
+            "prefix_cache_hit_rate": 0.081}
+    primed = {**base, "model_prefix_hit_rate": 0.085, "prime_requests": 120.0, "prime_prompt_tokens": 1.5e6,
+              "prime_s": 12.0}
+    trace = {"file": "mooncake_conversation", "requests": 60, "prime": "history"}
+    study = {"grid": {"max_num_batched_tokens": [512]}, "workload": {"kind": "trace", "trace": trace}}
+    record = {"source": "mooncake", "format": "mooncake", "start_s": 0.0, "requests": 60,
+              "dropped_over_max_model_len": 0, "max_model_len": 32768, "skipped": {}, "inexact": 0,
+              "prompt_floor": 20, "rate": 3.0, "duration_s": 20.0}
+    tables = {}
+    for name, values in (("new", primed), ("old", base)):
+        run = make_run(tmp_path / name, {"mbt=512": values}, study_over=study)
+        for start in run.path.glob("points/*/s*/start.json"):
+            start.write_text(json.dumps({**json.loads(start.read_text()), "trace": record}))
+        tables[name] = ns.fidelity(ns.load_run(run, quiet=True))
+    new, old = tables["new"], tables["old"]
+
+    def median(table, column):  # "median (min to max)"; the synthetic rounds scatter by a few %
+        return float(table.loc["mbt=512", column].split()[0])
+    assert median(new, "hit rate the cache model predicts") == pytest.approx(0.085, rel=0.1)
+    assert median(new, "hit rate if nothing were evicted") == pytest.approx(0.30, rel=0.1)
+    assert median(new, "prefix-cache hit rate") == pytest.approx(0.081, rel=0.1)
+    assert median(new, "priming requests") == pytest.approx(120, rel=0.1)
+    assert median(new, "priming prompt tokens (tok)") == pytest.approx(1.5e6, rel=0.1)
+    assert "hit rate the cache model predicts" not in old.columns and "priming requests" not in old.columns
+    assert median(old, "prefix-cache hit rate") == pytest.approx(0.081, rel=0.1)
