@@ -93,16 +93,7 @@ class Bracket:
         steps, and a bisection that finds a pass never needs lo itself."""
         if self._take(measure, self.hi).met:
             return self._record(self.steps[-1], (self.hi, None), "above")
-        best, lo, hi = None, self.lo, self.hi
-        while len(self.steps) < self.max_steps - (best is None) and not self._done(lo, hi):
-            mid = self._mid(lo, hi)
-            if mid is None:
-                break
-            s = self._take(measure, mid)
-            if s.met:
-                best, lo = s, mid
-            else:
-                hi = mid
+        best, lo, hi = self._bisect(measure, None, self.lo, self.hi, self.max_steps)
         if best is None:  # every step above lo missed: lo decides between a bracket and going lower
             s = self._take(measure, self.lo)
             if not s.met:
@@ -124,8 +115,13 @@ class Bracket:
             hi = load
         else:
             return self._record(None, (0.0, self.floor), "below")
-        best, lo = s, load
-        while len(self.steps) < budget and not self._done(lo, hi):
+        best, lo, hi = self._bisect(measure, s, load, hi, budget)
+        return self._record(best, (lo, hi), None)
+
+    def _bisect(self, measure, best: Step | None, lo: float, hi: float, budget: int):
+        """Bisect between lo and a miss at hi until the bracket is precise or the search
+        has taken `budget` steps; while nothing has passed, one step is kept back for lo."""
+        while len(self.steps) < budget - (best is None) and not self._done(lo, hi):
             mid = self._mid(lo, hi)
             if mid is None:
                 break
@@ -134,7 +130,7 @@ class Bracket:
                 best, lo = s, mid
             else:
                 hi = mid
-        return self._record(best, (lo, hi), None)
+        return best, lo, hi
 
     def _take(self, measure, load: float) -> Step:
         s = measure(load)
