@@ -230,9 +230,9 @@ class Server(_Strict):
     # frozen, at its engine's init until that one has stopped: its processes' start-up
     # and imports leave the slot's critical path (~45% of a 7B start's turn on an H200),
     # but run beside the previous server's first round. null (the default): on for the GPU
-    # engine, where a neighbour importing beside a measured server moved no figure by more
-    # than an interval resolves (docs/scale-out.md, "Start-ahead"); off on the CPU engine,
-    # where those imports take the cores the measured server runs on.
+    # engine, where a neighbour importing beside a measured server changed no figure by a
+    # resolved amount (docs/scale-out.md, "Start-ahead"); off on the CPU engine, where those
+    # imports take the cores the measured server runs on.
     start_ahead: bool | None = None
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
