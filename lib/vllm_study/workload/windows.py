@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 
 from . import prefix_cache_model as pcm
+from ..define.params import TraceSpec
 from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_trace
 
 QUANTILES = (0.5, 0.9, 0.99)
@@ -36,9 +36,7 @@ def whole_trace(name: str) -> Trace:
     if name not in SHIPPED:
         raise TraceError(f"{name!r} is not a shipped trace; the whole traces are {', '.join(SHIPPED)}")
     s = SHIPPED[name]
-    # read_trace takes any object with TraceSpec's fields; params.TraceSpec would import pydantic models
-    spec = SimpleNamespace(file=str(DATA / s.original), format=s.format, start_s=0.0, requests=None,
-                           duration_s=None, block_tokens=None, max_output_tokens=None)
+    spec = TraceSpec(file=str(DATA / s.original), format=s.format)  # no window: every request
     return replace(read_trace(spec), source=f"{s.original} ({s.format}, whole trace)")
 
 
