@@ -209,3 +209,144 @@ def test_the_fidelity_table_shows_the_three_hit_rates_and_priming_and_older_runs
     assert median(new, "priming prompt tokens (tok)") == pytest.approx(1.5e6, rel=0.1)
     assert "hit rate the cache model predicts" not in old.columns and "priming requests" not in old.columns
     assert median(old, "prefix-cache hit rate") == pytest.approx(0.081, rel=0.1)
+
+
+# ---------------------------------------------------------------- trace.windows: a start's rounds
+
+def _windowed_start(tmp_path, tok, prime: str, rounds: int = 5, **over):
+    """A PointStart of a 3-window study over a 60-row jsonl trace, launched by hand: its
+    workloads built as launch() builds them, a KV cache of 40 16-token blocks, no server."""
+    from vllm_study.define.grid import PointPlan
+    from vllm_study.measure.point import PointStart
+    rows = [{"t_s": i * 0.5, "input_tokens": 96, "output_tokens": 3, "prefix": [i % 4, 100 + i, 200 + i]}
+            for i in range(60)]  # four conversations' first 32-token block, then blocks of their own
+    trace = {"file": _jsonl(tmp_path, rows), "format": "jsonl", "block_tokens": 32, "windows": 3,
+             "requests": 6, "prime": prime}
+    study = study_from_dict({**_study(trace), "rounds": rounds, "workload": {
+        "kind": "trace", "trace": trace, "warmup_requests": 0, "seed": 4}, **over})
+    (point,) = expand(study, "cpu")
+    ps = PointStart(PointPlan(study=study, point=point, engine="cpu"), tmp_path / "s1")
+    ps.tokenizer, ps.url, ps.model_name = tok, "http://127.0.0.1:9", "m"
+    ps.workload = ps._trace_workload()
+    ps.record.launch.cache_config = {"num_gpu_blocks": "40", "block_size": "16"}
+    ps.record.launch.has_metrics = False
+    return ps
+
+
+def _fake_server(monkeypatch):
+    """The client's loops answer at once; each call's requests are kept, in order."""
+    from vllm_study.measure import client, counters
+    calls = []
+
+    def answer(requests, kind):
+        calls.append((kind, list(requests)))
+        return [client.RequestResult(r.index, 0.0, 0.01 + i * 1e-3, prompt_tokens=r.prompt_tokens,
+                                     output_tokens=r.max_tokens, ttft_s=0.005, e2e_s=0.01, itl_s=[0.001] * 2,
+                                     tags=r.tags) for i, r in enumerate(requests)]
+
+    async def open_loop(url, model, api, requests, arrivals_s, **k):
+        res = answer(requests, "measured")
+        if arrivals_s[-1] < 1.5:  # sent faster than this "server" keeps up with: a miss
+            res[0].error = "timeout"
+        return res
+
+    async def closed_loop(url, model, api, requests, concurrency, **k):
+        return answer(requests, "prime")
+    monkeypatch.setattr(client, "run_open_loop", open_loop)
+    monkeypatch.setattr(client, "run_closed_loop", closed_loop)
+    monkeypatch.setattr(counters, "reset_prefix_cache", lambda *a, **k: None)
+    return calls
+
+
+def test_rounds_rotate_through_the_windows_each_primed_with_its_own_history(tmp_path, tok, monkeypatch):
+    calls = _fake_server(monkeypatch)
+    ps = _windowed_start(tmp_path, tok, "history")
+    whole, plan = ps.windows.whole, ps.windows.plan
+    assert len(plan.windows) == 3 and ps.record.trace["windows"][2]["first"] == plan.windows[2].start
+    ps.run_rounds()
+    assert not ps.failed, ps.record.reason
+    assert [r.window for r in ps.rounds] == [1, 2, 3, 1, 2]
+    for rec in ps.rounds:
+        w = plan.windows[rec.window - 1]
+        assert (rec.window_first, rec.window_last) == (w.start, w.stop - 1)
+    # each round: its window's history first (prefill-only), then its window's requests
+    assert [kind for kind, _ in calls] == ["prime", "measured"] * 5
+    for i, rec in enumerate(ps.rounds):
+        w = plan.windows[rec.window - 1]
+        sent_prime, sent = calls[2 * i][1], calls[2 * i + 1][1]
+        want = priming.select_history(whole.requests[:w.start], whole.requests[w.start:w.stop], block_tokens=32,
+                                      kv_tokens=640, block_size=16)
+        assert [r.prompt_tokens for r in sent] == [r.input_tokens for r in whole.requests[w.start:w.stop]]
+        assert len(sent_prime) == len(want.requests) > 0 and all(r.max_tokens == 1 for r in sent_prime)
+        assert rec.metrics["prime_requests"] == len(want.requests)
+        # the model's hit rate and the never-evicting bound are the round's window's
+        window = w.trace(whole)
+        model = pcm.simulate(window.requests, block_tokens=32, kv_tokens=640, block_size=16,
+                             history=want.requests, timing=pcm.Timing(0.005, 0.0025))
+        assert rec.metrics["model_prefix_hit_rate"] == pytest.approx(model.hit_rate)
+        assert rec.metrics["expected_prefix_hit_rate"] == pytest.approx(window.expected_hit_rate())
+    # each window's history is its own: the rows just before it, sent with their blocks' text
+    primes = [calls[2 * i][1] for i in range(3)]
+    assert len({tuple(str(r.messages) for r in p) for p in primes}) == 3
+    assert calls[0][1] == calls[6][1]  # round 4 replays window 1: the same history again
+
+
+def test_a_cold_windowed_start_sends_no_history_and_models_each_window_cold(tmp_path, tok, monkeypatch):
+    calls = _fake_server(monkeypatch)
+    ps = _windowed_start(tmp_path, tok, "none", rounds=3)
+    ps.run_rounds()
+    assert [kind for kind, _ in calls] == ["measured"] * 3 and [r.window for r in ps.rounds] == [1, 2, 3]
+    whole = ps.windows.whole
+    for rec in ps.rounds:
+        window = ps.windows.plan.windows[rec.window - 1].trace(whole)
+        assert "prime_requests" not in rec.metrics
+        assert rec.metrics["model_prefix_hit_rate"] == pytest.approx(pcm.simulate(
+            window.requests, block_tokens=32, kv_tokens=640, block_size=16,
+            timing=pcm.Timing(0.005, 0.0025)).hit_rate)
+
+
+def test_a_capacity_search_rotates_the_windows_across_its_steps(tmp_path, tok, monkeypatch):
+    calls = _fake_server(monkeypatch)
+    ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000},
+                         capacity={"over": "speed", "lo": 0.5, "hi": 4, "precision": 0.15, "max_steps": 4})
+    ps.run_rounds()
+    assert not ps.failed, ps.record.reason
+    steps = ps.record.capacity.steps
+    assert len(steps) >= 3 and [r.window for r in ps.rounds] == [i % 3 + 1 for i in range(len(steps))]
+    assert [r.load for r in ps.rounds] == [s["load"] for s in steps]
+    assert [kind for kind, _ in calls] == ["prime", "measured"] * len(steps)
+    # the capacity in req/s: the speed times the windows' pooled rate (5 gaps of 0.5 s each)
+    assert ps.record.trace["rate"] == pytest.approx(2.0)
+    assert ps.record.capacity.requests_per_s == pytest.approx(ps.record.capacity.load * 2.0)
+
+
+def test_the_fidelity_table_has_a_row_per_window_each_beside_its_own_window(tmp_path, capsys):
+    from synthetic_run import make_run
+
+    from vllm_study import notebook_support as ns
+    trace = {"file": "mooncake_conversation", "windows": 2, "requests": 60, "prime": "history"}
+    study = {"grid": {"max_num_batched_tokens": [512]}, "rounds": 4,
+             "workload": {"kind": "trace", "trace": trace}}
+    run = make_run(tmp_path / "w", {"mbt=512": {"ttft_p90_ms": 300.0, "prefix_cache_hit_rate": 0.1}},
+                   study_over=study)
+    windows = [{"window": k, "first": f, "last": f + 59, "source": "s", "requests": 58,
+                "dropped_over_max_model_len": 2, "inexact": 0, "rate": r, "duration_s": 20.0}
+               for k, f, r in ((1, 3000, 3.1), (2, 9000, 3.9))]
+    record = {"source": "mooncake, 2 windows", "format": "mooncake", "start_s": 0.0, "requests": 116,
+              "dropped_over_max_model_len": 4, "max_model_len": 32768, "skipped": {}, "inexact": 0,
+              "prompt_floor": 20, "rate": 3.5, "duration_s": 40.0, "windows": windows}
+    for start in run.path.glob("points/*/s*/start.json"):
+        start.write_text(json.dumps({**json.loads(start.read_text()), "trace": record}))
+    for rounds in run.path.glob("points/*/s*/rounds.jsonl"):
+        recs = [json.loads(line) for line in rounds.read_text().splitlines()]
+        for rec in recs:  # window 1's bound 0.2, window 2's 0.5
+            rec["window"] = rec["round"] % 2 + 1
+            rec["metrics"]["expected_prefix_hit_rate"] = 0.2 if rec["window"] == 1 else 0.5
+        rounds.write_text("".join(json.dumps(rec) + "\n" for rec in recs))
+    run.write_summary_csv()
+    table = ns.fidelity(ns.load_run(run, quiet=True))
+    out = capsys.readouterr().out
+    assert list(table.index) == [("mbt=512", 1), ("mbt=512", 2)]
+    assert table.loc[("mbt=512", 1), "hit rate if nothing were evicted"].startswith("0.200")
+    assert table.loc[("mbt=512", 2), "hit rate if nothing were evicted"].startswith("0.500")
+    assert "window 2: requests 9001-9060 of the whole trace, 58 kept, 2 left out; real rate 3.90 req/s" in out

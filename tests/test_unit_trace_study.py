@@ -200,3 +200,63 @@ def test_fidelity_is_not_repeated_nor_invented_where_it_does_not_apply(tmp_path,
     run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p90_ms": 300.0}})
     assert ns.fidelity(ns.load_run(run, quiet=True)) is None
     assert capsys.readouterr().out == ""
+
+
+# ---------------------------------------------------------------- trace.windows
+
+def test_windows_with_start_s_or_without_a_length_are_refused_naming_the_key_and_the_fix():
+    with pytest.raises(StudyError, match=r"trace.windows cuts its windows from across the whole trace, so "
+                                         r"trace.start_s \(30\) has no meaning beside it: remove trace.start_s"):
+        study_from_dict(_study({"file": "mooncake_conversation", "windows": 3, "requests": 20, "start_s": 30}))
+    with pytest.raises(StudyError, match="trace.windows needs each window's length: set trace.requests or "
+                                         "trace.duration_s"):
+        study_from_dict(_study({"file": "mooncake_conversation", "windows": 3}))
+    with pytest.raises(StudyError, match="windows"):
+        study_from_dict(_study({"file": "mooncake_conversation", "windows": 0, "requests": 20}))
+    # absent: the one window from start_s, as before
+    assert study_from_dict(_study({"file": "mooncake_conversation", "start_s": 30})).workload.trace.windows is None
+
+
+@pytest.mark.parametrize("trace, message", [
+    # 12031 requests in 100 strata: each holds ~120, fewer than a window's 200
+    ({"file": "mooncake_conversation", "windows": 100, "requests": 200},
+     "trace.windows 100 cuts the trace into 100 strata .* the trace holds at most \\d+ such windows: lower "
+     "trace.windows or the window's length"),
+    ({"file": "mooncake_conversation", "windows": 2, "duration_s": 5000},
+     "a window of trace.duration_s 5000 s is longer than the trace .*lower trace.duration_s"),
+    ({"file": "mooncake_conversation", "windows": 2, "requests": 20000},
+     "a window of trace.requests 20000 is longer than the trace \\(12031 requests\\); lower trace.requests"),
+])
+def test_windows_the_trace_cannot_hold_are_refused_by_the_dry_run_before_any_server(tmp_path, trace, message,
+                                                                                    monkeypatch):
+    from vllm_study import sweep
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps(_study(trace, engine_args={"max_model_len": 8192})))
+    monkeypatch.setattr(sweep.doctor, "study_findings", lambda *a, **k: pytest.fail("checked after the windows"))
+    for check in (lambda: sweep.dry_run([str(f)], "cpu"), lambda: sweep.prepare(load_study(str(f)), "cpu")):
+        with pytest.raises(StudyError, match="workload.trace: .*" + message):
+            check()
+
+
+def test_a_window_none_of_whose_requests_fits_is_refused_and_the_dry_run_states_each_window(tmp_path, capsys):
+    from vllm_study import sweep
+    # 40 rows, one a second; rows 20-39 are longer than max_model_len 4096
+    rows = [json.dumps({"t_s": i, "input_tokens": 300 if i < 20 else 5000, "output_tokens": 4,
+                        "prefix": [0, 100 + i, 200 + i] if i < 20 else list(range(10 * i, 10 * i + 40))})
+            for i in range(40)]
+    path = _jsonl(tmp_path, rows)
+    f = tmp_path / "s.yaml"
+    trace = {"file": path, "format": "jsonl", "block_tokens": 128, "windows": 2, "requests": 5, "prime": "history"}
+    f.write_text(json.dumps(_study(trace)))
+    with pytest.raises(StudyError, match="window 2: requests .* every one of its 5 requests is longer than "
+                                         "max_model_len 4096"):
+        sweep.dry_run([str(f)], "cpu")
+    f.write_text(json.dumps(_study(trace, engine_args={"max_model_len": 8192}, rounds=3)))
+    sweep.dry_run([str(f)], "cpu")
+    out = capsys.readouterr().out
+    assert "workload.trace.windows 2:" in out and "measured round r replays window r % 2" in out
+    assert "window 1: requests " in out and "window 2: requests " in out
+    assert "history before it: " in out and "tokens of distinct prefix blocks" in out
+    assert "rounds 3 is not a multiple of trace.windows 2: windows 1 to 1 get one round more" in out
+    # the head window's history statement (start_s 0: "no history") is not made for windows
+    assert "has no history" not in out

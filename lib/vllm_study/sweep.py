@@ -29,6 +29,7 @@ from .define.search_space import FloatRange, IntRange
 from .define.params import Study
 from .define.schema import StudyError
 from .define.study_file import load_study
+from .define.traces import TraceError
 from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
@@ -65,6 +66,8 @@ def prepare(study: Study, engine: str) -> list[Point]:
     listing what to fix; prints what will not stop the study but changes what it
     measures (a target's rounds that start warm, missing server counters)."""
     points = expand(study, engine)
+    for line in windows_statements(study, points):
+        print(line)
     found = doctor.study_findings(study, stop_at_target_fail=True)
     _refuse([f for f in found if f.status == doctor.FAIL])
     for f in found:
@@ -73,6 +76,18 @@ def prepare(study: Study, engine: str) -> list[Point]:
     check_parameters(notebook("point.ipynb"), POINT_PARAMS)
     check_parameters(notebook("report.ipynb"), REPORT_PARAMS)
     return points
+
+
+def windows_statements(study: Study, points: list[Point]) -> list[str]:
+    """A trace study's windows (trace.windows), cut and checked before anything starts:
+    what they are, and a StudyError where they cannot be cut or a window cannot run."""
+    if study.workload.kind != "trace" or not study.workload.trace.windows:
+        return []
+    from .workload import windows
+    try:
+        return windows.study_statements(study, {p.effective.max_model_len for p in points if p.effective})
+    except TraceError as e:
+        raise StudyError(f"workload.trace: {e}") from None
 
 
 def _refuse(problems: list) -> None:
@@ -424,6 +439,7 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     study = load_study(*params_files)
     engine = study_engine(study, engine)
     points = expand(study, engine)
+    lines = windows_statements(study, points)  # (before the estimate: it reads the first window)
     gpus = describe().gpus
     minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
@@ -439,6 +455,8 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
             print(f"  effective: {p.effective.model_dump(exclude_none=True)}")
         for w in p.warnings:
             print(f"  warning: {w}")
+    if lines:
+        print("\ntrace windows:\n" + "\n".join(f"  {line}" for line in lines))
     if study.workload.kind == "trace" and not study.targets and _shortest_prompt(study) < FRAME_BOUND:
         # a prompt may be under the chat template's floor: its tokenizer is read (seconds), and
         # what it finds is said here as the sweep will say it (the sweep refuses a FAIL)

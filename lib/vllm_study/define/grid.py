@@ -26,7 +26,7 @@ from .schema import EngineArgs, StudyError, parse_flags
 from .params import Study, Target
 from .study_file import _explain
 from .models import max_positions
-from .traces import TraceError, read_history, read_trace
+from .traces import TraceError, read_history, read_trace, read_whole
 
 
 class Effective(BaseModel):
@@ -129,6 +129,8 @@ def _history_statement(spec) -> str:
 def _trace_fit(study: Study, max_model_len: int | None, warnings: list[str]) -> list[str]:
     """A trace's requests longer than the server allows are dropped and counted; a window
     none of whose requests fits is an error."""
+    if study.workload.trace.windows:  # each window is checked, and its history stated, where the windows are
+        return []                     # cut (workload/windows.py study_statements: the dry run and the sweep)
     trace = read_trace(study.workload.trace)
     if study.workload.trace.prime == "history":
         warnings.append(_history_statement(study.workload.trace))
@@ -271,7 +273,8 @@ def expand(study: Study, engine: str) -> list[Point]:
                       target=t) for t in study.targets]
     if study.workload.kind == "trace":  # a trace that does not parse is refused before anything starts
         try:
-            trace = read_trace(study.workload.trace)
+            spec = study.workload.trace
+            trace = read_whole(spec) if spec.windows else read_trace(spec)  # (windows: cut and checked in sweep)
         except (TraceError, OSError) as e:
             raise StudyError(f"workload.trace: {e}") from None
         if study.workload.trace.prime == "history" and trace.block_tokens is None:

@@ -123,7 +123,9 @@ class TraceSpec(_Strict):
     the name of a window the kit ships (traces.SHIPPED: mooncake_conversation,
     mooncake_synthetic, azure_conv, azure_code). The window is `requests` requests from
     `start_s` on, or all requests within `duration_s` of `start_s`. `speed` scales time:
-    2 sends the window in half its real time (twice the rate)."""
+    2 sends the window in half its real time (twice the rate). `windows: K` cuts K
+    windows of that length from across the whole trace instead (workload/windows.py):
+    measured round r replays window r % K."""
     file: str
     format: Literal[TRACE_FORMATS] | None = Field(None, description="mooncake | azure | burstgpt | jsonl; "
                                                   "may be left out for a shipped window")
@@ -138,11 +140,23 @@ class TraceSpec(_Strict):
     prime: Literal["none", "history"] = Field("none", description="history: before each measured round, send "
                                               "the traffic that preceded the window (as much as the server's "
                                               "prefix cache holds) unmeasured, prefill-only; none: a cold cache")
+    windows: int | None = Field(None, ge=1, description="K windows from across the whole trace (a shipped "
+                                "name's full original, or the whole file), one per equal time stratum at a "
+                                "position seeded by workload.seed, each `requests` or `duration_s` long; "
+                                "measured round r replays window r % K. Absent: the one window from start_s")
 
     @model_validator(mode="after")
     def _window(self):
         if self.requests is not None and self.duration_s is not None:
             raise ValueError("trace: give the window as `requests` or as `duration_s`, not both")
+        if self.windows is not None:
+            if self.start_s > 0:
+                raise ValueError(f"trace.windows cuts its windows from across the whole trace, so trace.start_s "
+                                 f"({self.start_s:g}) has no meaning beside it: remove trace.start_s, or remove "
+                                 "trace.windows to replay the one window from start_s")
+            if self.requests is None and self.duration_s is None:
+                raise ValueError("trace.windows needs each window's length: set trace.requests or "
+                                 "trace.duration_s")
         if self.format is None:
             if self.file not in SHIPPED:
                 raise ValueError(f"trace.format is needed for {self.file!r} (not a shipped window: "

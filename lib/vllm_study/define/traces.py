@@ -402,9 +402,11 @@ def _parse_file(path: str, mtime_ns: int, fmt: str, block_tokens: int | None, la
 # ---------------------------------------------------------------- the window
 
 def _locate(spec) -> tuple[Path, str]:
-    """The file of trace.file (a path, or a shipped window's name) and its label in errors."""
+    """The file of trace.file (a path, or a shipped window's name) and its label in errors.
+    With trace.windows, a shipped name is its whole trace (the windows are cut from it)."""
     if spec.file in SHIPPED:
-        p = SHIPPED[spec.file].path
+        s = SHIPPED[spec.file]
+        p = DATA / s.original if getattr(spec, "windows", None) else s.path
         return p, p.name
     p = Path(spec.file).expanduser()
     if not p.is_file():
@@ -464,6 +466,12 @@ def read_trace(spec) -> Trace:
         window += f", outputs capped at {cap} tokens"
     return Trace(requests, block if any(r.prefix for r in requests) else None,
                  f"{label} ({spec.format}, {window})", {BURSTGPT_FAILED: failed} if failed else {})
+
+
+def read_whole(spec) -> Trace:
+    """All of the file that trace.windows cuts its windows from (a shipped name's whole
+    original), outputs capped as the spec says."""
+    return read_trace(spec.model_copy(update={"requests": None, "duration_s": None, "start_s": 0.0}))
 
 
 def read_history(spec) -> list[TraceRequest]:

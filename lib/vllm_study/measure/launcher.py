@@ -22,6 +22,7 @@ from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, 
                              serve_command, stop_group_from_file)
 from ..define.schema import parse_flags
 from ..define.traces import read_trace
+from ..workload import windows
 from ..workload.build_workload import make_workload
 from ..workload.trace_workload import TraceWorkload
 from .start_record import StartWriter, _step
@@ -124,9 +125,12 @@ class Launcher(StartWriter):
         """The trace's window, less the requests longer than the server allows (counted in
         start.json), as prompts of exact length and prefix structure."""
         w = self.study.workload
-        trace = read_trace(w.trace)
         limit = (self.point.effective.max_model_len if self.point.effective else None) \
             or models.max_positions(self.study.model)
+        if w.trace.windows:  # one workload a window; the first is the start's until a round picks its own
+            self.windows, self.record.trace = windows.build(self.tokenizer, w, limit)
+            return self.windows.workloads[0]
+        trace = read_trace(w.trace)
         kept, dropped = trace.fit(limit) if limit else (trace, 0)
         wl = TraceWorkload(self.tokenizer, api=w.api, seed=w.seed, trace=kept)
         self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
@@ -140,6 +144,8 @@ class Launcher(StartWriter):
         """What a cache that never evicts would hit (the report puts it beside the measured
         rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
         if self.study.workload.kind == "trace":
+            if self.windows:  # each round records its window's; the start, their mean
+                return self.windows.expected_hit_rate()
             return self.workload.expected_hit_rate()
         if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
             return None

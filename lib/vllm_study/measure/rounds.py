@@ -1,7 +1,9 @@
 """The round protocol of a start: reset the prefix cache (each round starts cold) ->
 snapshot the server's counters -> send the round's requests -> snapshot again -> the
 round's figures, and, for a capacity step, judged against the SLO. Warm-up runs before
-the first round; a capacity study runs its bracket one round a step. What a round
+the first round; a capacity study runs its bracket one round a step. With
+trace.windows, round r replays window r % K (a capacity step is one round: the windows
+rotate across steps). What a round
 should do to the server first (prime a cache, set a live knob) goes in `run_round`,
 before its first snapshot."""
 from __future__ import annotations
@@ -25,6 +27,8 @@ from .start_record import StartWriter, _step
 
 class RoundProtocol(StartWriter):
     """The measuring steps of a PointStart, on the server its Launcher started."""
+
+    windows = None  # trace.windows: the whole trace, its windows and their workloads (set at launch)
 
     @property
     def pb_stats_path(self) -> Path:
@@ -102,7 +106,8 @@ class RoundProtocol(StartWriter):
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
         trace = self.study.workload.kind == "trace"
-        primed = self.primer.prime(self._run_closed) if trace else {}  # unmeasured: before the first snapshot
+        k = self._pick_window(index)
+        primed = self.primer.prime(self._run_closed, k) if trace else {}  # unmeasured: before the first snapshot
         before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
         pb_before = self._pb_snapshot()
         sending = self._prepare_round(load)
@@ -113,9 +118,10 @@ class RoundProtocol(StartWriter):
             results = [r.to_dict() for r in client.run_sync(sending)]
             duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
-        values["expected_prefix_hit_rate"] = self.record.expected_prefix_hit_rate
+        values["expected_prefix_hit_rate"] = (self.workload.expected_hit_rate() if self.windows
+                                              else self.record.expected_prefix_hit_rate)  # the round's window's
         if trace:
-            values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load)
+            values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load, k)
         died = self.server is not None and not self.server.alive()
         if not died:
             if before is not None:
@@ -127,6 +133,9 @@ class RoundProtocol(StartWriter):
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
                           metrics=values, groups=stats.group_records(results), load=load)
+        if self.windows:
+            w = self.windows.plan.windows[k]
+            rec.window, rec.window_first, rec.window_last = k + 1, w.start, w.stop - 1
         if load is not None:
             rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo,
                                                       None if ok else "the server died" if died else "round failed")
@@ -141,11 +150,21 @@ class RoundProtocol(StartWriter):
             self._save()
         return rec
 
+    def _pick_window(self, index: int) -> int:
+        """trace.windows: round `index` replays window index % K (a capacity search's
+        rounds are its steps, so the windows rotate across steps); its workload becomes
+        the start's for the round. 0 without windows."""
+        if not self.windows:
+            return 0
+        k = self.windows.pick(index)
+        self.workload = self.windows.workloads[k]
+        return k
+
     @property
     def primer(self) -> Primer:
         """This start's priming and cache model, made at its first round (the server's KV size is known)."""
         if getattr(self, "_primer", None) is None:
-            self._primer = Primer(self.study, self.workload, self.tokenizer, self.record)
+            self._primer = Primer(self.study, self.workload, self.tokenizer, self.record, self.windows)
         return self._primer
 
     def run_rounds(self, progress=None) -> None:
@@ -187,8 +206,8 @@ class RoundProtocol(StartWriter):
         throughput at the capacity of a closed-loop one."""
         if result.load is None:
             return None
-        if result.over == "speed":
-            return result.load * self.workload.trace.rate
+        if result.over == "speed":  # (trace.windows: their pooled rate, the start's trace record's)
+            return result.load * (self.record.trace["rate"] if self.windows else self.workload.trace.rate)
         if result.over == "rate":
             return result.load
         at = next((r for r in self.rounds if r.round == result.at_round), None)

@@ -99,6 +99,11 @@ class RoundRecord(BaseModel):
     load: float | None = None
     slo_met: bool | None = None
     slo_why: str | None = None
+    # trace.windows: the window the round replayed (1-based) and its first and last request
+    # as 0-based indices into the whole trace (inclusive)
+    window: int | None = None
+    window_first: int | None = None
+    window_last: int | None = None
 
     _check = field_validator("metrics")(_known_metrics)
 
@@ -343,6 +348,8 @@ class RunFolder:
                     at = cap is not None and cap.at_round == r.round
                     head |= {"load": r.load, "slo_met": r.slo_met, "at_capacity": at}
                     extra = capacity_figures(cap) if at else {}
+                if r.window is not None:  # trace.windows (a column only where a run has them)
+                    head |= {"window": r.window}
                 rows.append({**head, "group": "all", "group_value": "", **r.metrics, **extra})
                 rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
         return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_KEYS)

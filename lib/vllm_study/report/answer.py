@@ -28,9 +28,13 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
     if trace is None:
         return None
     df = r.rounds[(r.rounds["group"] == "all") & (r.rounds["round_status"] == "ok")]
+    # trace.windows: one row a point and window, each round beside its own window's trace
+    keys = ["point", "window"] if "window" in df.columns and df["window"].notna().any() else ["point"]
     rows = []
-    for point, g in df.groupby("point", sort=False):
-        row = {"point": point, "rounds": len(g)}
+    for key, g in df.groupby(keys, sort=False):
+        row = {**dict(zip(keys, key if isinstance(key, tuple) else (key,))), "rounds": len(g)}
+        if len(keys) > 1:
+            row["window"] = int(row["window"])
         for k in FIDELITY:
             if k in g.columns and g[k].notna().any():
                 m = metrics.get(k)
@@ -38,13 +42,16 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
         rows.append(row)
     note = (f"trace {trace['source']}: {trace['requests']} requests kept, {trace['dropped_over_max_model_len']} "
             f"longer than max_model_len={trace['max_model_len']} left out; real rate {trace['rate']:.2f} req/s")
+    for w in trace.get("windows") or ():
+        note += (f"\nwindow {w['window']}: requests {w['first'] + 1}-{w['last'] + 1} of the whole trace, "
+                 f"{w['requests']} kept, {w['dropped_over_max_model_len']} left out; real rate {w['rate']:.2f} req/s")
     print(note + "".join(f"\n{n} rows {why} left out" for why, n in (trace.get("skipped") or {}).items()
                          if not why.startswith("longer than max_model_len")))  # (that one is said above)
     if trace.get("inexact"):  # older runs counted these prompts without recording the floor
         print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
               if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
               "chat template allows and were sent longer than the trace says")
-    return pd.DataFrame(rows).set_index("point") if rows else None
+    return pd.DataFrame(rows).set_index(keys) if rows else None
 
 
 # -- the answer in words, for the top of the page --------------------------------

@@ -25,8 +25,9 @@ import numpy as np
 import pandas as pd
 
 from . import prefix_cache_model as pcm
+from .trace_workload import TraceWorkload
 from ..define.params import TraceSpec
-from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_trace
+from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_trace, read_whole
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -161,3 +162,116 @@ def summary(whole: Trace, plan: Plan) -> pd.DataFrame:
     for w in plan.windows:
         rows.append(_row(f"window {w.index + 1}", whole.requests[w.start:w.stop], whole, w.start, w.stop))
     return pd.DataFrame(rows).set_index("window")
+
+
+# ---------------------------------------------------------------- a study's windows
+
+@dataclass
+class WindowSet:
+    """A start's windows: the whole trace, the plan, and one TraceWorkload a window (each
+    fit to the server's max_model_len). Round r replays window r % K."""
+    whole: Trace
+    plan: Plan
+    workloads: list
+
+    def pick(self, round_index: int) -> int:
+        return round_index % len(self.plan.windows)
+
+    def expected_hit_rate(self) -> float | None:
+        """The never-evicting bound's mean over the windows (each round records its own)."""
+        rates = [wl.expected_hit_rate() for wl in self.workloads]
+        return sum(rates) / len(rates) if None not in rates else None
+
+
+def whole_of(spec: TraceSpec) -> Trace:
+    """The whole trace a study's `trace.windows` cuts from: a shipped name's full
+    original, else the whole file; outputs capped as the study says."""
+    return read_whole(spec)
+
+
+def for_study(spec: TraceSpec, seed: int, *, kv_tokens: int | None = None,
+              block_size: int = pcm.DEFAULT_BLOCK_SIZE) -> tuple[Trace, Plan]:
+    """The whole trace and the study's windows of it (spec.windows of them, seeded by
+    workload.seed)."""
+    whole = whole_of(spec)
+    return whole, plan_windows(whole, spec.windows, seed=seed, requests=spec.requests, duration_s=spec.duration_s,
+                               prime=spec.prime, kv_tokens=kv_tokens, block_size=block_size)
+
+
+def build(tokenizer, w, max_model_len: int | None) -> tuple[WindowSet, dict]:
+    """A start's windows of params.Workload `w` (trace.windows), each fit to the server's
+    max_model_len and built as a TraceWorkload, and the start's trace record: the windows
+    summed, each listed (first and last: 0-based indices into the whole trace)."""
+    whole, plan = for_study(w.trace, w.seed)
+    loads, rows = [], []
+    for x in plan.windows:
+        trace = x.trace(whole)
+        kept, dropped = trace.fit(max_model_len) if max_model_len else (trace, 0)
+        wl = TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=kept)
+        loads.append(wl)
+        rows.append({"window": x.index + 1, "first": x.start, "last": x.stop - 1, "source": trace.source,
+                     "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
+                     "inexact": wl.inexact, "rate": kept.rate, "duration_s": kept.duration_s})
+    gaps, span = sum(r["requests"] - 1 for r in rows), sum(r["duration_s"] for r in rows)
+    record = {"source": f"{whole.source}, {len(rows)} windows", "format": w.trace.format, "start_s": 0.0,
+              "requests": sum(r["requests"] for r in rows),
+              "dropped_over_max_model_len": sum(r["dropped_over_max_model_len"] for r in rows),
+              "max_model_len": max_model_len, "skipped": whole.skipped, "inexact": sum(r["inexact"] for r in rows),
+              "prompt_floor": loads[0].prompt_floor,
+              # the windows' arrivals pooled: their gaps over their spans
+              "rate": gaps / span if span > 0 else math.inf, "duration_s": span, "windows": rows}
+    return WindowSet(whole, plan, loads), record
+
+
+def _history_block_tokens(whole: Trace, starts: list[int]) -> dict[int, int]:
+    """For each start, the tokens of the distinct prefix blocks before it (trace blocks,
+    counted whole): the most a cache could hold of that history."""
+    seen, out, todo = set(), {}, sorted(set(starts))
+    j = 0
+    for s in todo:
+        for r in whole.requests[j:s]:
+            seen.update(r.prefix or ())
+        j = s
+        out[s] = len(seen) * (whole.block_tokens or 0)
+    return out
+
+
+def study_statements(study, max_model_lens, kv_tokens: int | None = None) -> list[str]:
+    """What the dry run and the sweep say of a study's trace windows before any server
+    starts: each window, what of it a server of each max_model_len leaves out, its
+    history (prime: history), how a capacity search samples them. Raises TraceError
+    where the windows cannot be cut, or a window has no request a server can take.
+    kv_tokens: the server's KV size where known; before a start it is not (a GPU's
+    depends on what the model leaves free), so each window's history is stated with
+    the most a cache could hold of it, and plan_windows' notes (at a never-evicting
+    cache, every window's history "runs off the start") are left to the start's record."""
+    spec, w = study.workload.trace, study.workload
+    whole, plan = for_study(spec, w.seed, kv_tokens=kv_tokens)
+    k = len(plan.windows)
+    lines = [f"workload.trace.windows {k}: {whole.source}, {len(whole.requests)} requests over "
+             f"{whole.duration_s:.1f} s, cut into {k} time strata of {whole.duration_s / k:.1f} s with one window "
+             f"each (seed {w.seed}); measured round r replays window r % {k}; warm-up draws on window 1"]
+    history = _history_block_tokens(whole, [x.start for x in plan.windows]) if spec.prime == "history" else {}
+    for x in plan.windows:
+        t = x.trace(whole)
+        line = (f"window {x.index + 1}: requests {x.start + 1}-{x.stop} of the trace ({whole.requests[x.start].t_s:.1f}"
+                f" s to {whole.requests[x.stop - 1].t_s:.1f} s, {t.rate:.2f} req/s)")
+        for mml in sorted(m for m in set(max_model_lens) if m):
+            _, dropped = t.fit(mml)  # a window none of whose requests fits: TraceError
+            if dropped:
+                line += f"; {dropped} of its {len(t.requests)} requests are longer than max_model_len={mml}, left out"
+        if spec.prime == "history":
+            line += (f"; history before it: {x.start} requests, "
+                     f"{sum(r.input_tokens for r in whole.requests[:x.start]):,} prompt tokens, about "
+                     f"{history[x.start]:,} tokens of distinct prefix blocks: a server whose KV cache holds more "
+                     "starts this window part cold (its start's record says so at the server's size)")
+        lines.append(line)
+    if kv_tokens is not None:
+        lines += plan.notes
+    if study.capacity:
+        lines.append(f"capacity: the bracket's step j measures window j % {k} (the windows rotate across steps: "
+                     "a step's verdict rests on one window, not on all of them; docs/capacity.md)")
+    elif study.rounds % k:
+        lines.append(f"rounds {study.rounds} is not a multiple of trace.windows {k}: windows 1 to "
+                     f"{study.rounds % k} get one round more than the others")
+    return lines
