@@ -1,0 +1,396 @@
+"""Is a scheduler limit lowered at runtime the same as a server started at it?
+
+Pairs, interleaved: each pair holds, for every value v of --values, a fresh start
+launched at v (vLLM's own scheduler, --rounds rounds), and ONE start launched at
+--launch with the kit's live-limits scheduler (measure/live_knobs.py), lowered to each
+value in turn (--rounds rounds a value, the values' order shuffled per pair by --seed).
+Even pairs run their fresh starts first, odd pairs the lowered start first: a drift
+over the session favours neither. Each start warms up once; the prefix cache is reset
+before every round, as the kit's rounds do.
+
+Per round: TTFT P50/P90, ITL P99, TPOT P50, output throughput, preemptions (the delta
+of vllm:num_preemptions), the start's KV capacity (num_gpu_blocks x block_size from
+/metrics) and the limits the engine ran it under (live_knobs.limits_used; a fresh
+start's are its launch arguments). Per value and metric: lowered over fresh, the ratio
+of the per-pair medians over rounds, as the mean log ratio over pairs with a 95% t
+interval. Why t and not a bootstrap over pairs: with 4-8 pairs a bootstrap has too few
+distinct resamples (35 for 4 pairs) and its percentile interval covers well under 95%;
+the t interval is exact where log ratios are normal, and pairs cancel the start-to-start
+spread that makes them wide. A metric equal in every pair (KV capacity; no preemptions
+either way) has a zero-width interval: nothing varied.
+
+The rule: a metric is "equal" where its interval lies within +-3%; "not resolved"
+where it holds 0 and lies within +-5%; "differs" where it excludes 0 and leaves +-3%;
+"too wide" where it holds 0 but leaves +-5% (more pairs may still settle it). Live
+knobs pass on this engine only where every metric is equal or not resolved.
+
+    python benchmarks/live_knobs_equivalence.py params/h200-live-knobs-equivalence.yaml \\
+        --knob max_num_batched_tokens --launch 8192 --values 2048,512 --pairs 4 --rounds 1 \\
+        --out results/live-knobs-equivalence/<run> --minutes 9     # again until the pairs are done
+    python benchmarks/live_knobs_equivalence.py --summarize results/live-knobs-equivalence/<run>
+
+--minutes: no start begins that would not end (at the longest start-up and round so
+far) before that many minutes; a rerun with the same --out continues where it stopped
+(finished starts are kept in starts.jsonl; a start cut off midway runs again whole).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as sps
+
+from vllm_study.define import models
+from vllm_study.define.grid import expand
+from vllm_study.define.study_file import load_study, study_from_dict
+from vllm_study.define.traces import read_trace
+from vllm_study.launch.machine import resolve_engine
+from vllm_study.launch.server import VllmServer, free_port, serve_command
+from vllm_study.measure import client, counters, live_knobs, stats
+from vllm_study.measure.rounds import _send_to_finish
+from vllm_study.workload.build_workload import make_workload
+from vllm_study.workload.trace_workload import TraceWorkload
+
+KNOBS = ("max_num_batched_tokens", "max_num_seqs")
+METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms", "output_throughput", "preemptions",
+           "kv_tokens")
+EQUAL, LOOSE = 0.03, 0.05   # the rule's bounds on lowered / fresh - 1
+MARGIN_S = 20               # left at --minutes for the summary and the files' way back
+
+
+# ------------------------------------------------------------------ statistics
+
+def log_ratio(lowered: float, fresh: float) -> float:
+    """log(lowered / fresh); 0 where both are equal (no preemptions either way), +-inf
+    where only one side is 0 (a ratio cannot say how far apart that is)."""
+    if lowered == fresh:
+        return 0.0
+    if lowered <= 0 or fresh <= 0:
+        return math.inf if lowered > fresh else -math.inf
+    return math.log(lowered / fresh)
+
+
+def interval(logs) -> dict:
+    """The mean log ratio over pairs with its 95% t interval, as fractions (+0.02: +2%)."""
+    d = np.asarray(logs, dtype=float)
+    out = {"pairs": len(d), "effect": None, "low": None, "high": None, "sd": None}
+    if len(d) == 0 or not np.isfinite(d).all():
+        return out
+    out.update(effect=float(np.expm1(d.mean())))
+    if len(d) < 2:
+        return out
+    sd = float(d.std(ddof=1))
+    low, high = (d.mean(), d.mean()) if sd == 0 else sps.ttest_1samp(d, 0.0).confidence_interval(0.95)
+    return {**out, "low": float(np.expm1(low)), "high": float(np.expm1(high)), "sd": sd}
+
+
+def verdict(x: dict) -> str:
+    """The rule, on one metric's interval (interval()'s dict)."""
+    if x["effect"] is None and x["pairs"]:
+        return "differs"  # zero on one side only: lowered and fresh did not behave alike
+    if x["low"] is None:
+        return "too few pairs"
+    low, high = x["low"], x["high"]
+    if -EQUAL <= low and high <= EQUAL:
+        return "equal"
+    if low <= 0 <= high:
+        return "not resolved" if -LOOSE <= low and high <= LOOSE else "too wide"
+    return "differs"
+
+
+def pairs_needed(sd: float, half: float = math.log1p(EQUAL), most: int = 10_000) -> int:
+    """The fewest pairs whose t interval's half-width, at this sd of the log ratios,
+    is at most `half` (log scale; log(1.03): +-3%)."""
+    n = 2
+    while n < most and sps.t.ppf(0.975, n - 1) * sd / math.sqrt(n) > half:
+        n += 1
+    return n
+
+
+def paired(starts: list[dict], values: list[int]) -> dict:
+    """{value: {metric: interval + verdict}} over the pairs that have both ways of it."""
+    med: dict = {}  # (pair, value, way) -> {metric: median over rounds}
+    for s in starts:
+        for v in values:
+            rows = [r["metrics"] for r in s["rounds"] if r["value"] == v and r["metrics"].get("completed")]
+            if rows:
+                med[(s["pair"], v, s["way"])] = {m: float(np.median([r[m] for r in rows if r.get(m) is not None]
+                                                                    or [np.nan])) for m in METRICS}
+    out = {}
+    for v in values:
+        pairs = sorted({p for p, _, _ in med if (p, v, "fresh") in med and (p, v, "lowered") in med})
+        out[v] = {}
+        for m in METRICS:
+            both = [(med[(p, v, "lowered")][m], med[(p, v, "fresh")][m]) for p in pairs]
+            both = [(a, b) for a, b in both if not (math.isnan(a) or math.isnan(b))]
+            x = interval([log_ratio(a, b) for a, b in both])
+            x["lowered"] = float(np.median([a for a, _ in both])) if both else None
+            x["fresh"] = float(np.median([b for _, b in both])) if both else None
+            out[v][m] = {**x, "verdict": verdict(x)}
+    return out
+
+
+def summary(starts: list[dict], values: list[int]) -> dict:
+    by_value = paired(starts, values)
+    rows = [(v, m, x) for v, ms in by_value.items() for m, x in ms.items()]
+    widest = max((r for r in rows if r[2]["sd"] is not None), key=lambda r: r[2]["sd"], default=None)
+    need = None
+    if widest:
+        v, m, x = widest
+        n = pairs_needed(x["sd"])
+        need = {"value": v, "metric": m, "low": x["low"], "high": x["high"], "pairs": n,
+                "more": max(0, n - x["pairs"])}
+    passes = bool(rows) and all(x["verdict"] in ("equal", "not resolved") for _, _, x in rows)
+    return {"by_value": by_value, "passes": passes, "widest": need,
+            "method": "mean log ratio over pairs, 95% t interval (scipy.stats.ttest_1samp)"}
+
+
+def report(plan: dict, s: dict) -> str:
+    pct = lambda x: "    -" if x is None else f"{x:+.1%}"  # noqa: E731
+    lines = [f"{plan['knob']}: launched at {plan['launch']} and lowered live, over fresh starts at each value; "
+             f"{s['method']}; rounds a value {plan['rounds']}",
+             f"{'value':>7}  {'metric':<18} {'lowered':>10} {'fresh':>10} {'ratio':>7}  {'95% interval':<18} "
+             f"pairs  verdict"]
+    for v, ms in s["by_value"].items():
+        for m, x in ms.items():
+            ci = "" if x["low"] is None else f"[{pct(x['low'])}, {pct(x['high'])}]"
+            num = lambda y: "-" if y is None else f"{y:.5g}"  # noqa: E731
+            lines.append(f"{v:>7}  {m:<18} {num(x['lowered']):>10} {num(x['fresh']):>10} {pct(x['effect']):>7}  "
+                         f"{ci:<18} {x['pairs']:>5}  {x['verdict']}")
+    rule = f"rule (equal within +-{EQUAL:.0%}, or not resolved inside +-{LOOSE:.0%}): "
+    if s["passes"]:
+        lines.append(rule + "PASSES: live knobs may be the default on this engine")
+    elif any(x["verdict"] == "too few pairs" for ms in s["by_value"].values() for x in ms.values()):
+        lines.append(rule + "not decided: every value needs at least 2 complete pairs")
+    else:
+        lines.append(rule + "does NOT pass: the kit restarts for this knob on this engine")
+    w = s["widest"]
+    if w:
+        lines.append(f"widest interval: {w['metric']} at {w['value']}, [{pct(w['low'])}, {pct(w['high'])}]: about "
+                     f"{w['pairs']} pairs ({w['more']} more) at this spread narrow it to +-{EQUAL:.0%}")
+    else:
+        lines.append("no interval yet: it needs at least 2 complete pairs")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the plan and its files
+
+def pair_units(pair: int, values: list[int], seed: int) -> list[tuple[str, list[int]]]:
+    """(way, values) in run order: the fresh starts and the one lowered start of a pair."""
+    order = list(values)
+    random.Random(f"{seed}/{pair}").shuffle(order)
+    fresh = [("fresh", [v]) for v in order]
+    return fresh + [("lowered", order)] if pair % 2 == 0 else [("lowered", order)] + fresh
+
+
+def read_starts(out: Path) -> list[dict]:
+    f = out / "starts.jsonl"
+    return [json.loads(line) for line in f.read_text().splitlines() if line.strip()] if f.exists() else []
+
+
+def check_plan(out: Path, plan: dict) -> None:
+    """A rerun into the same folder must measure the same thing (--pairs may grow)."""
+    f = out / "plan.json"
+    if f.exists():
+        old = json.loads(f.read_text())
+        diff = [k for k in plan if k not in ("pairs", "params") and old.get(k) != plan[k]]
+        if diff:
+            raise SystemExit(f"{out} holds a run with other {', '.join(diff)} ({ {k: old.get(k) for k in diff} }): "
+                             "rerun with its arguments, or give a new --out")
+    f.write_text(json.dumps(plan, indent=1))
+
+
+def parse_values(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"--values {text!r}: give whole numbers separated by commas, e.g. 2048,512") from None
+    if not values or len(set(values)) != len(values) or min(values) < 1:
+        raise SystemExit(f"--values {text!r}: give distinct values of at least 1, e.g. 2048,512")
+    return values
+
+
+# ------------------------------------------------------------------ measuring
+
+class Bench:
+    def __init__(self, a, plan: dict):
+        self.a, self.plan = a, plan
+        s = load_study(a.params)
+        if s.workload.kind == "multi_turn" or s.workload.load.kind != "closed" or s.targets or s.search \
+                or s.scheduler.ratios != ["off"]:
+            raise SystemExit("the study must launch its own server with vLLM's scheduler and send a trace or a "
+                             "closed-loop workload: no targets, search, multi_turn, load or scheduler.min_reuse_ratio")
+        if s.workload.kind == "trace" and s.workload.trace.prime != "none":
+            raise SystemExit("workload.trace.prime: history is not sent by this benchmark: set prime: none")
+        if any(x.startswith("--scheduler-cls") for x in s.server.extra_cli_args):
+            raise SystemExit("server.extra_cli_args names a --scheduler-cls: remove it (the lowered start runs "
+                             f"{live_knobs.SCHEDULER_CLS}, the fresh ones vLLM's own)")
+        # the kit's own checks of every launch (e.g. max_num_seqs <= max_num_batched_tokens)
+        grid = {a.knob: [a.launch, *(v for v in plan["values"] if v != a.launch)]}
+        self.study = study_from_dict({**s.model_dump(exclude_unset=True), "grid": grid})
+        self.points = {p.values[a.knob]: p for p in expand(self.study, resolve_engine(self.study.server.engine))}
+        self.model, self.dummy = models.resolve(self.study.model)
+        from transformers import AutoTokenizer
+        tok, w = AutoTokenizer.from_pretrained(self.model), self.study.workload
+        if w.kind == "trace":
+            limit = self.points[a.launch].engine_args.max_model_len or models.max_positions(self.study.model)
+            trace, dropped = read_trace(w.trace).fit(limit) if limit else (read_trace(w.trace), 0)
+            self.wl = TraceWorkload(tok, api=w.api, seed=w.seed, trace=trace)
+            self.requests, self.times = self.wl.requests(), self.wl.schedule(w.trace.speed)
+            print(f"{trace.source}: {len(self.requests)} requests at {w.trace.speed:g} x ({dropped} longer than "
+                  f"max_model_len {limit} left out)", flush=True)
+        else:
+            self.wl = make_workload(tok, w)
+            self.requests, self.times = self.wl.requests(w.requests_per_round), None
+
+    def _send(self, url: str, requests, times=None) -> list[dict]:
+        w, served = self.study.workload, self.study.model.served_name
+        coro = (client.run_open_loop(url, served, w.api, requests, times, timeout_s=w.request_timeout_s) if times
+                else client.run_closed_loop(url, served, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s))
+        return [r.to_dict() for r in client.run_sync(coro)]
+
+    def run_start(self, pair: int, way: str, values: list[int]) -> dict:
+        a, s = self.a, self.study
+        launch = a.launch if way == "lowered" else values[0]
+        work = a.out / (f"pair{pair}-{way}" + ("" if way == "lowered" else f"-{launch}"))
+        work.mkdir(parents=True, exist_ok=True)
+        control, counters_file = work / "control.json", work / "counters.json"
+        env, extra = dict(s.server.env), list(s.server.extra_cli_args)
+        if way == "lowered":
+            env |= live_knobs.launch_env(control, counters_file)
+            extra += ["--scheduler-cls", live_knobs.SCHEDULER_CLS]
+        port = free_port()
+        cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
+                            self.dummy, extra)
+        t0 = time.perf_counter()
+        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "rounds": []}
+        with VllmServer(cmd, port, work / "server.log", env=env, startup_timeout_s=s.server.startup_timeout_s) as srv:
+            rec["startup_s"] = srv.startup_s
+            cache = counters.cache_config(counters.scrape(srv.url))
+            kv = int(cache["num_gpu_blocks"]) * int(cache["block_size"]) if "num_gpu_blocks" in cache else None
+            rec["cache_config"] = cache
+            if s.workload.warmup_requests:
+                self._send(srv.url, self.wl.requests(s.workload.warmup_requests, "warmup"))
+            for v in values:
+                limits = (live_knobs.set_limits(srv.url, counters_file, control, **{a.knob: v}) if way == "lowered"
+                          else {a.knob: v, "source": "launch arguments"})
+                for i in range(a.rounds):
+                    t_round = time.perf_counter()
+                    counters.reset_prefix_cache(srv.url)  # every round starts cold
+                    before = counters.scrape(srv.url)
+                    results = self._send(srv.url, self.requests, self.times)
+                    after = counters.scrape(srv.url)
+                    m = stats.round_metrics(results, _send_to_finish(results))
+                    m["preemptions"] = counters.round_deltas(before, after)["preemptions"]
+                    m["kv_tokens"] = kv
+                    if way == "lowered":
+                        time.sleep(0.5)  # the plugin rewrites its counters file every 0.2 s
+                        limits = live_knobs.limits_used(counters_file, limits["seq"])
+                    rec["rounds"].append({"value": v, "round": i, "limits": limits,
+                                          "wall_s": time.perf_counter() - t_round,
+                                          "metrics": {k: m.get(k) for k in ("completed", "failed", "duration_s",
+                                                                            *METRICS)}})
+                    print(f"  pair {pair + 1} {way:>7} {a.knob}={v} round {i + 1}: " + "  ".join(
+                        f"{k} {m[k]:.4g}" for k in METRICS if m.get(k) is not None)
+                        + (f"  ({m['failed']} requests failed)" if m["failed"] else ""), flush=True)
+        rec["wall_s"] = time.perf_counter() - t0
+        with open(work / "server.log", "rb") as f, gzip.open(work / "server.log.gz", "wb") as z:
+            shutil.copyfileobj(f, z)
+        (work / "server.log").unlink()
+        return rec
+
+
+def todo(starts: list[dict], pairs: int, values: list[int], launch: int, seed: int) -> list[tuple]:
+    """(pair, way, values) of the starts still to run, in run order."""
+    done = {(s["pair"], s["way"], tuple(s["launch"].values())) for s in starts}
+    return [(p, way, vals) for p in range(pairs) for way, vals in pair_units(p, values, seed)
+            if (p, way, (launch if way == "lowered" else vals[0],)) not in done]
+
+
+def fits(starts: list[dict], rounds: int, elapsed_s: float, minutes: float) -> bool:
+    """Would a start of this many rounds end before `minutes`? Estimated from the starts
+    so far: the longest start-up and stop (a start's time outside its rounds) plus its
+    rounds at the longest round; the first start of a run always begins."""
+    if not minutes or not starts:
+        return True
+    outside = max(s["wall_s"] - sum(r["wall_s"] for r in s["rounds"]) for s in starts)
+    per_round = max((r["wall_s"] for s in starts for r in s["rounds"]), default=0.0)
+    return elapsed_s + outside + rounds * per_round + MARGIN_S <= 60 * minutes
+
+
+def run(a) -> None:
+    t_begin = time.monotonic()
+    values = parse_values(a.values)
+    if any(v > a.launch for v in values):
+        raise SystemExit(f"--values {a.values}: the live limit is capped at the launch value {a.launch}; "
+                         "raise --launch or lower the values")
+    text = Path(a.params).read_text()
+    plan = {"params": str(a.params), "params_sha256": hashlib.sha256(text.encode()).hexdigest(), "knob": a.knob,
+            "launch": a.launch, "values": values, "rounds": a.rounds, "seed": a.seed, "pairs": a.pairs}
+    a.out.mkdir(parents=True, exist_ok=True)
+    check_plan(a.out, plan)
+    starts = read_starts(a.out)
+    left = todo(starts, a.pairs, values, a.launch, a.seed)
+    bench = Bench(a, plan) if left else None
+    for pair, way, vals in left:
+        if not fits(starts, len(vals) * a.rounds, time.monotonic() - t_begin, a.minutes):
+            print(f"stopping before {a.minutes:g} minutes: {len(left)} starts left; rerun with the same --out "
+                  "to go on", flush=True)
+            return
+        print(f"pair {pair + 1}/{a.pairs}: {way} start at {a.knob}={a.launch if way == 'lowered' else vals[0]}",
+              flush=True)
+        rec = bench.run_start(pair, way, vals)
+        starts.append(rec)
+        left = left[1:]
+        with open(a.out / "starts.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        print(f"  started in {rec['startup_s']:.0f} s, {rec['wall_s']:.0f} s in all", flush=True)
+
+
+def summarize(out: Path) -> int:
+    plan = json.loads((out / "plan.json").read_text())
+    starts = read_starts(out)
+    s = summary(starts, plan["values"])
+    (out / "summary.json").write_text(json.dumps({"plan": plan, **s}, indent=1))
+    print(f"\n{len(starts)} starts in {out}")
+    print(report(plan, s))
+    return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("params", nargs="?")
+    ap.add_argument("--knob", choices=KNOBS, default="max_num_batched_tokens")
+    ap.add_argument("--launch", type=int, help="the lowered start's launch value (the largest)")
+    ap.add_argument("--values", default="", help="the values compared, e.g. 2048,512")
+    ap.add_argument("--pairs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="rounds per value in every start")
+    ap.add_argument("--seed", type=int, default=0, help="shuffles the values' order in each pair")
+    ap.add_argument("--minutes", type=float, default=0, help="begin no start that would end after this (0: no limit)")
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--summarize", type=Path, metavar="DIR", help="print the summary of DIR's files, run nothing")
+    a = ap.parse_args()
+    if a.summarize:
+        return summarize(a.summarize)
+    missing = [n for n, v in (("params", a.params), ("--launch", a.launch), ("--values", a.values),
+                              ("--out", a.out)) if not v]
+    if missing or a.pairs < 1 or a.rounds < 1:
+        ap.error(f"give {', '.join(missing)}" if missing else "--pairs and --rounds must be at least 1")
+    try:
+        run(a)
+    except KeyboardInterrupt:
+        print("\ninterrupted: finished starts are kept; rerun with the same --out to go on", flush=True)
+    return summarize(a.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""benchmarks/live_knobs_equivalence.py: its paired statistics, the rule's verdicts, and
+the plan it resumes (no server: the starts are written as the benchmark writes them)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "live_knobs_equivalence.py"
+_spec = importlib.util.spec_from_file_location("live_knobs_equivalence", SCRIPT)
+eq = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(eq)
+
+
+def _start(pair: int, way: str, launch: int, by_value: dict[int, list[dict]], wall_s: float = 100.0) -> dict:
+    """A start as starts.jsonl holds it: {value: [round metrics, ...]}."""
+    rounds = [{"value": v, "round": i, "limits": {}, "wall_s": 30.0, "metrics": {"completed": 10, "failed": 0, **m}}
+              for v, ms in by_value.items() for i, m in enumerate(ms)]
+    return {"pair": pair, "way": way, "launch": {"max_num_batched_tokens": launch}, "rounds": rounds,
+            "wall_s": wall_s, "startup_s": 60.0}
+
+
+def _metrics(x: float, **over) -> dict:
+    base = {m: x for m in eq.METRICS} | {"preemptions": 0, "kv_tokens": 1000}
+    return base | over
+
+
+def test_log_ratio_of_counts_that_can_be_zero():
+    assert eq.log_ratio(0, 0) == 0.0          # no preemptions either way: alike
+    assert eq.log_ratio(3, 0) == math.inf     # only one way preempted: no ratio says how far apart
+    assert eq.log_ratio(0, 3) == -math.inf
+    assert eq.log_ratio(110, 100) == pytest.approx(math.log(1.1))
+
+
+def test_interval_is_the_t_interval_of_the_mean_log_ratio():
+    d = np.array([0.01, 0.03, 0.02, 0.04])
+    x = eq.interval(d)
+    half = sps.t.ppf(0.975, 3) * d.std(ddof=1) / 2
+    assert x["pairs"] == 4 and x["effect"] == pytest.approx(math.expm1(0.025))
+    assert x["low"] == pytest.approx(math.expm1(0.025 - half)) and x["high"] == pytest.approx(math.expm1(0.025 + half))
+
+
+def test_interval_edges_one_pair_constant_and_undefined():
+    one = eq.interval([0.02])
+    assert one["effect"] == pytest.approx(math.expm1(0.02)) and one["low"] is None   # no spread: no interval
+    same = eq.interval([0.0, 0.0, 0.0])                      # equal in every pair (KV capacity, no preemptions)
+    assert (same["low"], same["high"], same["sd"]) == (0.0, 0.0, 0.0)
+    assert eq.interval([0.01, math.inf])["effect"] is None    # zero on one side in one pair
+
+
+def test_t_interval_covers_about_95_percent_with_four_pairs():
+    """Why t and not a percentile bootstrap: with 4 pairs the t interval keeps its 95%."""
+    rng = np.random.default_rng(0)
+    draws = rng.normal(0.01, 0.05, size=(1000, 4))
+    hits = 0
+    for d in draws:
+        x = eq.interval(d)
+        hits += math.log1p(x["low"]) <= 0.01 <= math.log1p(x["high"])
+    assert 0.925 <= hits / len(draws) <= 0.975  # 95% +- 3.5 standard errors
+    boot = [sps.bootstrap((d,), np.mean, n_resamples=199, method="percentile", rng=1).confidence_interval
+            for d in draws[:200]]
+    assert sum(c.low <= 0.01 <= c.high for c in boot) / len(boot) < 0.9  # the bootstrap over 4 pairs undercovers
+
+
+@pytest.mark.parametrize("low, high, want", [
+    (-0.02, 0.029, "equal"),
+    (0.005, 0.02, "equal"),            # resolved, but within +-3%
+    (-0.045, 0.01, "not resolved"),
+    (-0.01, 0.049, "not resolved"),
+    (0.01, 0.04, "differs"),           # resolved and past +3%, though inside +-5%
+    (-0.09, -0.04, "differs"),
+    (-0.02, 0.06, "too wide"),         # holds 0 but leaves +-5%: more pairs may settle it
+])
+def test_verdict_rule(low, high, want):
+    assert eq.verdict({"pairs": 4, "effect": (low + high) / 2, "low": low, "high": high}) == want
+
+
+def test_verdict_without_an_interval():
+    assert eq.verdict({"pairs": 1, "effect": 0.01, "low": None, "high": None}) == "too few pairs"
+    assert eq.verdict({"pairs": 0, "effect": None, "low": None, "high": None}) == "too few pairs"
+    assert eq.verdict({"pairs": 3, "effect": None, "low": None, "high": None}) == "differs"
+
+
+def test_pairs_needed_is_the_fewest_that_reach_the_width():
+    sd, half = 0.04, math.log(1.03)
+    n = eq.pairs_needed(sd, half)
+    assert sps.t.ppf(0.975, n - 1) * sd / math.sqrt(n) <= half < sps.t.ppf(0.975, n - 2) * sd / math.sqrt(n - 1)
+    assert eq.pairs_needed(0.0) == 2
+
+
+def test_summary_pairs_medians_over_rounds_and_skips_incomplete_pairs():
+    starts = []
+    for p, k in enumerate((1.00, 1.02, 0.99, 1.01)):
+        # fresh: rounds 100, 101, 90 (median 100); lowered: 100 k, and an outlier round
+        starts.append(_start(p, "fresh", 2048, {2048: [_metrics(100), _metrics(101), _metrics(90)]}))
+        starts.append(_start(p, "lowered", 8192, {2048: [_metrics(100 * k), _metrics(100 * k), _metrics(500)]}))
+    starts.append(_start(4, "lowered", 8192, {2048: [_metrics(300)]}))  # its fresh start never ran
+    s = eq.summary(starts, [2048])
+    x = s["by_value"][2048]["ttft_p90_ms"]
+    logs = np.log([1.00, 1.02, 0.99, 1.01])
+    assert x["pairs"] == 4 and x["effect"] == pytest.approx(math.expm1(logs.mean()))
+    assert x["fresh"] == pytest.approx(100) and x["verdict"] == "equal"
+    assert s["by_value"][2048]["preemptions"]["verdict"] == "equal"
+    assert s["passes"] and s["widest"]["metric"] in eq.METRICS
+
+
+def test_summary_fails_on_preemptions_one_way_and_leaves_out_failed_rounds():
+    starts = []
+    for p in range(3):
+        starts.append(_start(p, "fresh", 512, {512: [_metrics(100, preemptions=0)]}))
+        starts.append(_start(p, "lowered", 8192, {512: [_metrics(100, preemptions=4 if p == 1 else 0),
+                                                        {**_metrics(1), "completed": 0}]}))
+    s = eq.summary(starts, [512])
+    assert s["by_value"][512]["ttft_p50_ms"]["effect"] == 0.0  # the failed round (completed 0) is not counted
+    assert s["by_value"][512]["preemptions"]["verdict"] == "differs" and not s["passes"]
+    text = eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, s)
+    assert "does NOT pass" in text and "preemptions" in text
+
+
+def test_pair_plan_alternates_shuffles_and_extends_without_reordering():
+    a = [eq.pair_units(p, [2048, 512], seed=0) for p in range(6)]
+    assert all(u[-1][0] == "lowered" for u in a[0::2]) and all(u[0][0] == "lowered" for u in a[1::2])
+    for units in a:  # the fresh starts follow the lowered start's order of values
+        lowered = next(v for w, v in units if w == "lowered")
+        assert [v[0] for w, v in units if w == "fresh"] == lowered and sorted(lowered) == [512, 2048]
+    assert len({tuple(next(v for w, v in u if w == "lowered")) for u in a}) == 2  # the order is shuffled
+    assert eq.pair_units(3, [2048, 512], seed=0) == a[3]
+
+
+def test_resume_skips_finished_starts_and_stops_before_the_minutes():
+    values = [2048, 512]
+    plan = eq.todo([], 2, values, 8192, 0)
+    assert len(plan) == 6
+    done = [_start(0, w, 8192 if w == "lowered" else v[0], {x: [{}] for x in v}, wall_s=100.0 + 30 * len(v))
+            for w, v in eq.pair_units(0, values, 0)]
+    assert eq.todo(done, 2, values, 8192, 0) == plan[3:]
+    # 100 s outside the rounds, 30 s a round, 20 s kept at the end: 2 rounds need 180 s
+    assert eq.fits(done, 2, 360.0, 9) and not eq.fits(done, 2, 361.0, 9) and eq.fits(done, 1, 390.0, 9)
+    assert eq.fits(done, 2, 10_000.0, 0) and eq.fits([], 2, 10_000.0, 9)  # no --minutes; the first start
+
+
+def test_plan_file_refuses_another_measurement_but_takes_more_pairs(tmp_path):
+    plan = {"params": "a.yaml", "params_sha256": "x", "knob": "max_num_seqs", "launch": 64, "values": [16, 4],
+            "rounds": 1, "seed": 0, "pairs": 4}
+    eq.check_plan(tmp_path, plan)
+    eq.check_plan(tmp_path, {**plan, "pairs": 8, "params": "./a.yaml"})
+    assert json.loads((tmp_path / "plan.json").read_text())["pairs"] == 8
+    with pytest.raises(SystemExit, match="other values"):
+        eq.check_plan(tmp_path, {**plan, "values": [16, 8]})
+
+
+@pytest.mark.parametrize("text", ["", "2048,x", "512,512", "0,4"])
+def test_bad_values_are_refused_with_the_fix(text):
+    with pytest.raises(SystemExit, match="--values"):
+        eq.parse_values(text)
