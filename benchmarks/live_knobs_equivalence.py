@@ -42,6 +42,7 @@ import json
 import math
 import random
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -366,6 +367,10 @@ def summarize(out: Path) -> int:
     return 0
 
 
+def _interrupted(*_):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("params", nargs="?")
@@ -385,6 +390,7 @@ def main() -> int:
                               ("--out", a.out)) if not v]
     if missing or a.pairs < 1 or a.rounds < 1:
         ap.error(f"give {', '.join(missing)}" if missing else "--pairs and --rounds must be at least 1")
+    signal.signal(signal.SIGTERM, _interrupted)  # a timeout's TERM stops the server too, as Ctrl-C does
     try:
         run(a)
     except KeyboardInterrupt:
