@@ -119,3 +119,20 @@ def test_the_gain_over_a_baseline_below_its_floor_is_a_lower_bound(tmp_path):
     text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
     assert f"sustains at least {g.value:.2f} x the baseline's capacity (a lower bound" in text
     assert "a resolved gain" in text and np.isfinite(g.value)
+
+
+def test_the_trend_line_draws_a_capacity_below_the_floor_at_its_bound_not_at_0(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllm_study.report import plots, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    assert plots.trend_vs_axis(r, ["capacity_rps"]) is None
+    ax = plt.gcf().axes[0]
+    below = [c for c in ax.collections if c.get_label() == "< lowest load"]
+    assert len(below) == 1 and [tuple(p) for p in below[0].get_offsets()] == [(256, 0.25)]
+    line = ax.get_lines()[0]
+    assert list(line.get_ydata()) == [pytest.approx(3.0, rel=0.01)] and 0 not in list(line.get_ydata())
+    plt.close("all")

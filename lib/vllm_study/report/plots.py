@@ -143,6 +143,8 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
+        if n in ("capacity_rps", "capacity_load"):
+            _capacity_bounds(ax, r, n, x)
         _x_axis(ax, x, sub[x])
         ax.set_title(m.title)
         ax.set_ylabel(m.title)
@@ -153,6 +155,26 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     if out:
         fig.savefig(out, dpi=110)
     return None
+
+
+def _capacity_bounds(ax, r: Run, name: str, x: str) -> None:
+    """A capacity that is a bound (records.point_capacity) has no value on the line: a
+    grey triangle at its bound, pointing down for "below the lowest load", up for "at or
+    above the highest"; never a point at 0."""
+    for s in r.summaries:
+        pc = r.capacity(s.point)
+        if pc is None or pc.config.kind not in ("below", "at_least") or x not in s.values:
+            continue
+        bound = pc.rps(pc.config.value) if name == "capacity_rps" else pc.config.value
+        if bound is None:
+            continue
+        down = pc.config.kind == "below"
+        ax.scatter([s.values[x]], [bound], marker="v" if down else "^", s=80, color="grey", zorder=3,
+                   label="< lowest load" if down else "≥ highest load")
+    handles, labels = ax.get_legend_handles_labels()
+    if labels:   # one legend entry per kind of bound
+        seen = dict(zip(labels, handles))
+        ax.legend(seen.values(), seen.keys(), fontsize=8)
 
 
 def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) -> str | None:
