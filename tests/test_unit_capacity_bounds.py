@@ -136,3 +136,14 @@ def test_the_trend_line_draws_a_capacity_below_the_floor_at_its_bound_not_at_0(t
     line = ax.get_lines()[0]
     assert list(line.get_ydata()) == [pytest.approx(3.0, rel=0.01)] and 0 not in list(line.get_ydata())
     plt.close("all")
+
+
+def test_the_answer_and_export_name_the_highest_fitted_capacity_not_the_highest_step_that_met(tmp_path):
+    """2.95 and 3.05 req/s: both searches' highest passing step is 2.83 (a tie the bracket
+    cannot break); the margins' fit finds each capacity, and the answer names 3.05's point."""
+    from vllm_study.report import answer, capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 2.95, "mbt=512": 3.05}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    assert {st.capacity.load for p in ("mbt=256", "mbt=512") for st in run.point(p).starts()} == {2.0 ** 1.5}
+    assert answer.best_point(r) == capacity_section.best_capacity(r) == "mbt=512"
+    assert capacity_section.capacity_answer(r).startswith("mbt=512 sustains 3.05 [")

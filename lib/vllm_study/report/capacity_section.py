@@ -35,10 +35,7 @@ def capacity_answer(r: Run) -> str | None:
         return None
     bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
     rec = decision.recommend(r.rounds, r.intervals, {})
-    best = rec.point
-    if r.search:
-        from ..search import search_report
-        best = search_report.best(r) or best
+    best = best_capacity(r)
     pc = r.capacity(best) if best else None
     if pc is None:
         below = [p for p in (s.point for s in r.summaries) if r.capacity(p) is not None]
@@ -84,6 +81,18 @@ def capacity_answer(r: Run) -> str | None:
                      f"(at {r.study.gpu_hour_price:g} a GPU-hour).")
     lines.append(statistic_sentence(r))
     return "\n".join(lines)
+
+
+def best_capacity(r: Run) -> str | None:
+    """The point with the highest capacity (records.point_capacity's value, or its bound
+    where it met the SLO at the highest load) among those whose every planned start
+    completed; None where every capacity is below its lowest load."""
+    found = []
+    for s in r.summaries:
+        pc = r.capacity(s.point) if s.status == "ok" else None
+        if pc is not None and pc.config.kind in ("value", "at_least"):
+            found.append((pc.config.value, s.point))
+    return max(found)[1] if found else None
 
 
 def statistic_sentence(r: Run) -> str:
