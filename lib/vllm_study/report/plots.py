@@ -143,13 +143,14 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
-        if n in ("capacity_rps", "capacity_load"):
-            _capacity_bounds(ax, r, n, x)
-        _x_axis(ax, x, sub[x])
+        bound_at = _capacity_bounds(ax, r, n, x) if n in ("capacity_rps", "capacity_load") else []
+        _x_axis(ax, x, pd.concat([sub[x], pd.Series(bound_at, dtype=sub[x].dtype)]))
         ax.set_title(m.title)
         ax.set_ylabel(m.title)
-        if hue:
-            ax.legend(fontsize=8)
+        if hue or bound_at:
+            handles, labels = ax.get_legend_handles_labels()
+            seen = dict(zip(labels, handles))   # one entry per kind of bound
+            ax.legend(seen.values(), seen.keys(), fontsize=8)
     fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
@@ -157,10 +158,11 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     return None
 
 
-def _capacity_bounds(ax, r: Run, name: str, x: str) -> None:
+def _capacity_bounds(ax, r: Run, name: str, x: str) -> list:
     """A capacity that is a bound (records.point_capacity) has no value on the line: a
     grey triangle at its bound, pointing down for "below the lowest load", up for "at or
-    above the highest"; never a point at 0."""
+    above the highest"; never a point at 0. Returns the axis values it drew at."""
+    drawn = []
     for s in r.summaries:
         pc = r.capacity(s.point)
         if pc is None or pc.config.kind not in ("below", "at_least") or x not in s.values:
@@ -171,10 +173,8 @@ def _capacity_bounds(ax, r: Run, name: str, x: str) -> None:
         down = pc.config.kind == "below"
         ax.scatter([s.values[x]], [bound], marker="v" if down else "^", s=80, color="grey", zorder=3,
                    label="< lowest load" if down else "≥ highest load")
-    handles, labels = ax.get_legend_handles_labels()
-    if labels:   # one legend entry per kind of bound
-        seen = dict(zip(labels, handles))
-        ax.legend(seen.values(), seen.keys(), fontsize=8)
+        drawn.append(s.values[x])
+    return drawn
 
 
 def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) -> str | None:
