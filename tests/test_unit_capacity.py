@@ -319,3 +319,35 @@ def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_p
         assert ns.pareto(r) is None and ns.pareto_points(r) is None
         assert "different loads" in capsys.readouterr().out
         assert (figures.stat().st_mtime if figures.exists() else None) == before  # nothing drawn
+
+
+def test_confirm_until_resolved_is_planned_shown_by_the_dry_run_and_refused_by_the_sweep(tmp_path, capsys):
+    import json
+
+    from vllm_study.sweep import dry_run, sweep
+    study = _study(grid={"max_num_batched_tokens": [512, 1024]}, baseline="mbt=512", replicates=2,
+                   confirm={"until": "resolved", "max_starts": 6})
+    s = study_from_dict(study)
+    assert s.confirm.max_starts == 6 and s.replicates == 2
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps(study))  # JSON is YAML
+    dry_run([str(f)], "cpu")
+    out = capsys.readouterr().out
+    assert ("confirm until resolved: then the best, the runner-up and mbt=512 again, one fresh start each per "
+            "shuffled block, until the best's gain over mbt=512 and over the runner-up are resolved (95% "
+            "interval excludes 1) or each has 6 starts: at most 12 more starts") in out
+    with pytest.raises(StudyError, match="planned but this kit does not run it yet"):
+        sweep([str(f)], tmp_path / "results", "cpu")
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"capacity": None, "confirm": {"max_starts": 4}}, "confirm: resolves the best config's capacity"),
+    ({"confirm": {"max_starts": 4}}, "name one with `baseline:`"),
+    ({"baseline": "mbt=512", "replicates": 2, "confirm": {"max_starts": 2}},
+     "confirm.max_starts (2) must exceed the starts each point has already (replicates: 2)"),
+    ({"baseline": "mbt=512", "confirm": {"until": "forever", "max_starts": 4}}, "until"),
+])
+def test_bad_confirm_settings_are_refused_with_the_fix(change, message):
+    with pytest.raises((StudyError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        study_from_dict(_study(**change))
