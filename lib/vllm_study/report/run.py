@@ -59,7 +59,10 @@ class Run:
 
     @cached_property
     def capacities(self) -> dict[str, PointCapacity | None]:
-        """Every point's capacity (records.point_capacities: the spread pooled over them)."""
+        """Every point's capacity (records.point_capacities: the spread pooled over them);
+        none outside a capacity study."""
+        if not self.study.capacity:
+            return {}
         folders = {}
         for s in self.summaries:
             starts = None
