@@ -100,10 +100,11 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
     return run
 
 
-def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.0, hi: float = 8.0,
-                      bound_ms: float = 400.0, floor: float | None = None) -> RunFolder:
+def make_capacity_run(root: Path, capacity_rps: dict[str, float | tuple[float, float]], lo: float = 2.0,
+                      hi: float = 8.0, bound_ms: float = 400.0, floor: float | None = None) -> RunFolder:
     """A capacity study over the Poisson rate (lo to hi req/s, two starts a point) whose
-    point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p]: each step's round
+    point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p] (a pair: start 1's
+    and start 2's): each step's round
     records TTFT P90 = bound_ms x load / capacity, and each start its search, as
     point.search_capacity does. `floor`: halve below lo down to it (None: stop at lo, as
     runs searched before the floor did)."""
@@ -125,8 +126,10 @@ def make_capacity_run(root: Path, capacity_rps: dict[str, float], lo: float = 2.
             sdir.mkdir(parents=True)
             rounds: list[RoundRecord] = []
 
-            def measure(load: float) -> capacity.Step:
-                ttft = bound_ms * load / capacity_rps[p.id]
+            cap = capacity_rps[p.id][k - 1] if isinstance(capacity_rps[p.id], tuple) else capacity_rps[p.id]
+
+            def measure(load: float, cap=cap) -> capacity.Step:
+                ttft = bound_ms * load / cap
                 m = {"requests": 16.0, "completed": 16.0, "failed": 0.0, "ttft_p90_ms": ttft,
                      "tpot_p50_ms": 20.0, "output_throughput": 16.0 * load, "request_throughput": load}
                 met, why = capacity.judge(m, s.capacity.slo, None)

@@ -189,6 +189,9 @@ def test_a_capacity_below_lo_is_found_by_halving_or_stated_as_a_bound(tmp_path):
     else:  # missed at the floor: a bound, never 0
         assert cap.censored == "below" and cap.load is None and loads[-1] == 0.5
         assert "Capacity below" in text and "0.5 x the trace's real rate" in text
+    # judged by the fit of the steps' margins, its interval from the requests kept
+    assert ("Capacity: isotonic fit of each step's SLO margins, intervals by bootstrap over requests; starts "
+            "combined by an interval-censored likelihood") in text
 
 
 @pytest.mark.e2e

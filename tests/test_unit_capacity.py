@@ -189,13 +189,19 @@ def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_
     r = report.Run.load(H200_RUN)
     answer = capacity_section.capacity_answer(r)
     assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer
-    assert "itl_p99_ms 202 > 150" in answer and "below 1.87 req/s" in answer
-    # the best point's interval low (4.81 req/s) less the lowest load's rate
-    assert "at least +2.95 req/s more" in answer and "0.00 [" not in answer
+    assert "itl_p99_ms 202 > 150" in answer and "Its capacity is < 1.87 req/s" in answer
+    # the gain is a ratio bounded below: the best's interval low (6.04 req/s) over the lowest load's rate
+    assert "sustains at least 3.24 x the baseline's capacity (a lower bound" in answer and "0.00 [" not in answer
+    assert "a resolved gain" in answer
     table = capacity_section.capacity_table(r)
-    assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
-    assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "below 0.5"
-    assert table.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
+    assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "< 1.87"
+    assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "< 0.5"
+    # the margins' fit over each start's steps, not the highest step that met (5.28)
+    assert table.loc["mbt=2048__pc=on", "capacity (req/s)"] == "6.50 [6.04, 7.00]"
+    assert answer.splitlines()[-1] == (
+        "Capacity: isotonic fit of each step's SLO margins, intervals by bootstrap over requests; starts combined "
+        "by an interval-censored likelihood, the start-to-start spread pooled over the run's points (4 degrees of "
+        "freedom).")
 
 
 def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, capsys):
@@ -217,7 +223,7 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     assert "0.00" not in md and "At its capacity" not in md and "export" not in md
     assert answer.best_point(r) is None
     table = capacity_section.capacity_table(r)
-    assert set(table["capacity (req/s)"]) == {"below 2.00"} and set(table["capacity (rate)"]) == {"below 2"}
+    assert set(table["capacity (req/s)"]) == {"< 2.00"} and set(table["capacity (rate)"]) == {"< 2"}
     assert set(table["TTFT P90 from schedule (ms) at capacity"]) == {"-"}
     # benchmarks/capacity_table.py prints the same answer and table
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -230,9 +236,9 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     assert "no point to export: Capacity below 2.00 req/s" in capsys.readouterr().err
     e = export.export_point(run.path, "mbt=512", tmp_path / "o")
     note = e.notes.read_text()
-    assert "| capacity (req/s) | below 2.00 |" in note and "0.00" not in note and "status: ok" not in note
+    assert "| capacity (req/s) | < 2.00 |" in note and "0.00" not in note and "status: ok" not in note
     assert "status: missed the SLO at every load measured" in note
-    assert e.shortfall.startswith("the SLO was missed at every load measured (capacity below 2.00 req/s)")
+    assert e.shortfall.startswith("the SLO was missed at every load measured (capacity < 2.00 req/s)")
     assert cli.main(["export", str(run.path), "--point", "mbt=512", "--out", str(tmp_path / "o")]) == 3
 
 
@@ -245,16 +251,16 @@ def test_a_study_below_its_floor_reads_below_the_floor_and_one_above_it_gets_a_n
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 0.7}, lo=2.0, hi=8.0, floor=0.25)
     r = report.Run.load(run.path)
     table = capacity_section.capacity_table(r)
-    assert table.loc["mbt=256", "capacity (req/s)"] == "below 0.25"
-    assert table.loc["mbt=256", "capacity (rate)"] == "below 0.25"
+    assert table.loc["mbt=256", "capacity (req/s)"] == "< 0.25"
+    assert table.loc["mbt=256", "capacity (rate)"] == "< 0.25"
     cell = table.loc["mbt=512", "capacity (req/s)"]
-    assert not cell.startswith("below") and 0.5 <= float(cell.split()[0]) <= 0.7
+    assert not cell.startswith("<") and 0.5 <= float(cell.split()[0]) <= 0.7
     answer = capacity_section.capacity_answer(r)
     assert answer.startswith("mbt=512 sustains 0.") and "0.00 [" not in answer
-    assert capacity_section.below_lowest_load(r, "mbt=256") == "below 0.25"
+    assert capacity_section.below_lowest_load(r, "mbt=256") == "< 0.25"
     all_below = make_capacity_run(tmp_path / "b", {"mbt=256": 0.1, "mbt=512": 0.2}, lo=2.0, hi=8.0, floor=0.25)
     said = capacity_section.capacity_answer(report.Run.load(all_below.path))
-    assert said.startswith("Capacity below 0.25 req/s at every point") and said.endswith("lower capacity.floor.")
+    assert said.startswith("Capacity below 0.25 req/s at every point") and "lower capacity.floor.\n" in said
 
 
 def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
@@ -268,11 +274,12 @@ def test_a_start_that_met_the_slo_at_hi_is_at_least_hi(tmp_path):
     assert answer.startswith("mbt=512 sustains at least 8.00 req/s within the SLO")
     assert "raise capacity.hi" in answer and "At its capacity" not in answer and "8.00 [" not in answer
     table = capacity_section.capacity_table(r)
-    assert table.loc["mbt=512", "capacity (req/s)"] == "at least 8.00"
-    assert table.loc["mbt=512", "capacity (rate)"] == "at least 8"
-    assert table.loc["mbt=256", "capacity (req/s)"].startswith("2.83 [")
+    assert table.loc["mbt=512", "capacity (req/s)"] == "≥ 8.00"
+    assert table.loc["mbt=512", "capacity (rate)"] == "≥ 8"
+    # the fit of the steps' margins crosses 1 at the true capacity, 3: the highest step that met was 2.83
+    assert table.loc["mbt=256", "capacity (req/s)"].startswith("3.00 [")
     note = export.export_point(run.path, None, tmp_path / "o").notes.read_text()
-    assert "| capacity (req/s) | at least 8.00 |" in note
+    assert "| capacity (req/s) | ≥ 8.00 |" in note
 
 
 def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(tmp_path, capsys):
@@ -286,12 +293,12 @@ def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(t
     header = next(line for line in out.splitlines() if "status" in line).split()
     assert header[:5] == ["status", "capacity", "(req/s)", "rate", "bracket"], header
     row = next(line for line in out.splitlines() if line.startswith("mbt=256 "))
-    assert "2.83 [" in row and "s1: [2.83, 3.08]" in row
+    assert "3.00 [" in row and "s1: [2.83, 3.08]" in row
     # the committed H200 search, as its sweep and report end
     t = report.short_table(report.Run.load(H200_RUN).folder)
     assert list(t.columns[:3]) == ["status", "capacity (req/s)", "speed bracket per start"]
-    assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("5.28 [")
-    assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "below 1.87"
+    assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("6.50 [")
+    assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "< 1.87"
 
 
 def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_path, capsys):
@@ -312,3 +319,35 @@ def test_a_capacity_study_draws_no_pareto_fronts_across_loads_and_says_why(tmp_p
         assert ns.pareto(r) is None and ns.pareto_points(r) is None
         assert "different loads" in capsys.readouterr().out
         assert (figures.stat().st_mtime if figures.exists() else None) == before  # nothing drawn
+
+
+def test_confirm_until_resolved_is_planned_shown_by_the_dry_run_and_refused_by_the_sweep(tmp_path, capsys):
+    import json
+
+    from vllm_study.sweep import dry_run, sweep
+    study = _study(grid={"max_num_batched_tokens": [512, 1024]}, baseline="mbt=512", replicates=2,
+                   confirm={"until": "resolved", "max_starts": 6})
+    s = study_from_dict(study)
+    assert s.confirm.max_starts == 6 and s.replicates == 2
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps(study))  # JSON is YAML
+    dry_run([str(f)], "cpu")
+    out = capsys.readouterr().out
+    assert ("confirm until resolved: then the best, the runner-up and mbt=512 again, one fresh start each per "
+            "shuffled block, until the best's gain over mbt=512 and over the runner-up are resolved (95% "
+            "interval excludes 1) or each has 6 starts: at most 12 more starts") in out
+    with pytest.raises(StudyError, match="planned but this kit does not run it yet"):
+        sweep([str(f)], tmp_path / "results", "cpu")
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"capacity": None, "confirm": {"max_starts": 4}}, "confirm: resolves the best config's capacity"),
+    ({"confirm": {"max_starts": 4}}, "name one with `baseline:`"),
+    ({"baseline": "mbt=512", "replicates": 2, "confirm": {"max_starts": 2}},
+     "confirm.max_starts (2) must exceed the starts each point has already (replicates: 2)"),
+    ({"baseline": "mbt=512", "confirm": {"until": "forever", "max_starts": 4}}, "until"),
+])
+def test_bad_confirm_settings_are_refused_with_the_fix(change, message):
+    with pytest.raises((StudyError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
+        study_from_dict(_study(**change))

@@ -43,10 +43,10 @@ def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
     from vllm_study.search import search_report
     r = ns.load_run(ns.resolve_run(str(RESULTS / SEARCH_RUN)), quiet=True)
     capacity = next(c for c in report.headline_table(r).columns if c.startswith("capacity"))
-    assert report.headline_table(r).loc["vllm-defaults", capacity] == "below 3.08"
-    assert capacity_section.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "below 3.08"
+    assert report.headline_table(r).loc["vllm-defaults", capacity] == "< 3.08"
+    assert capacity_section.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "< 3.08"
     trials = ns.search_trials(r)
-    assert trials.loc[4, "capacity_rps"] == "below 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
+    assert trials.loc[4, "capacity_rps"] == "< 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
     assert "fewer than 20" in search_report.importance_caveat(r) and "8 measured trials" in \
         search_report.importance_caveat(r)
 

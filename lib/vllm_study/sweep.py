@@ -154,6 +154,9 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         engine = engine or run.manifest().engine
     else:
         study = load_study(*params_files)
+    if study.confirm:   # planned (--dry-run shows it), not run: refused before anything starts
+        raise StudyError("confirm: (confirmation until resolved) is planned but this kit does not run it yet: "
+                         "see it with --dry-run, and leave it out of the study to run it")
     engine = study_engine(study, engine)
     points = prepare(study, engine)  # raises StudyError before anything starts
     if not resume:
@@ -446,6 +449,8 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
+    if study.confirm:
+        print(f"  {study.confirm_plan}")
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
         if p.prefix_budget:

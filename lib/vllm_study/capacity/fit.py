@@ -161,8 +161,7 @@ class _StepSample:
             if b.name not in step.latencies:
                 raise ValueError(f"step at load {step.load:g} has no latencies for SLO bound {b.name}: "
                                  f"give StepData.latencies[{b.name!r}] (its requests' values) or failed=True")
-            vals, owner = _flatten(step.latencies[b.name], f"{b.name} at load {step.load:g}")
-            n = int(owner.max()) + 1 if len(owner) else 0
+            vals, owner, n = _flatten(step.latencies[b.name], f"{b.name} at load {step.load:g}")
             if self.n and n != self.n:
                 raise ValueError(f"step at load {step.load:g}: {b.name} has {n} requests, another bound "
                                  f"{self.n}; every bound's latencies come from the step's same requests")
@@ -188,12 +187,14 @@ class _StepSample:
         return out
 
 
-def _flatten(v, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """Per-request values (one each, or an array each) -> pooled values and their request."""
+def _flatten(v, what: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """Per-request values (one each, or an array each) -> pooled values, their request, and
+    the number of requests (one with an empty array, e.g. no token gaps, still counts)."""
     if isinstance(v, np.ndarray) and v.dtype != object:
         if v.ndim != 1:
             raise ValueError(f"{what}: one value per request (1-D), or one array per request; got shape {v.shape}")
         vals, owner = v.astype(float), np.arange(len(v))
+        parts = v
     else:
         parts = [np.atleast_1d(np.asarray(p, float)) for p in v]
         vals = np.concatenate(parts) if parts else np.zeros(0)
@@ -201,7 +202,7 @@ def _flatten(v, what: str) -> tuple[np.ndarray, np.ndarray]:
     if not np.all(np.isfinite(vals)) or np.any(vals <= 0):
         raise ValueError(f"{what}: latencies must be positive and finite (ms); drop failed requests "
                          f"or mark the step failed=True")
-    return vals, owner
+    return vals, owner, len(parts)
 
 
 # -- one start -----------------------------------------------------------------------------

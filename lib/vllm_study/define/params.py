@@ -361,6 +361,17 @@ class Precision(_Strict):
         return self
 
 
+class Confirm(_Strict):
+    """After the planned starts (a grid's replicates, a search's confirmation), start the
+    best config, the runner-up and the baseline (the study's `baseline`; vLLM's defaults
+    in a search) again, one fresh start each per shuffled block, until the best's gain
+    over the baseline and over the runner-up are both resolved (the ratio's 95% interval,
+    or its bound, excludes 1: records.point_capacity.gain) or each of the three has
+    `max_starts` starts. Planned and shown by --dry-run; the sweep does not run it yet."""
+    until: Literal["resolved"] = "resolved"
+    max_starts: int = Field(ge=2)
+
+
 class Capacity(_Strict):
     """How much load each server start sustains within the SLO: a probe at `hi`, then a
     bisection (geometric: loads scale multiplicatively) until the bracket is at most
@@ -420,6 +431,7 @@ class Study(_Strict):
                                          "the report gives each config's cost per million output tokens at capacity")
     baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
                                  "compared with, e.g. vLLM's defaults")
+    confirm: Confirm | None = None   # a capacity study: more starts of the best, runner-up and baseline
 
     @model_validator(mode="after")
     def _grid_axes(self):
@@ -443,6 +455,8 @@ class Study(_Strict):
                              "of each prompt): remove enable_prefix_caching: false")
         if self.capacity:
             self._check_capacity()
+        if self.confirm:
+            self._check_confirm()
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise ValueError(f"target names repeat: {names}")
@@ -479,6 +493,34 @@ class Study(_Strict):
         elif self.capacity and s.objective not in ("capacity_rps", "capacity_load"):
             raise ValueError(f"a capacity study's search optimises its capacity: leave search.objective out "
                              f"(it is capacity_rps), not {s.objective}")
+
+    def _check_confirm(self) -> None:
+        """What confirmation until resolved needs: capacities to resolve, a baseline to
+        resolve them against, and more starts than the study plans already."""
+        if not self.capacity:
+            raise ValueError("confirm: resolves the best config's capacity against the baseline's: it needs "
+                             "`capacity:` (a capacity study)")
+        if self.grid and not self.baseline:
+            raise ValueError("confirm: resolves the best against a baseline: name one with `baseline:` (a point "
+                             "id as --dry-run lists them, e.g. vLLM's defaults)")
+        planned = self.search.confirm_starts if self.search else self.replicates
+        if self.confirm.max_starts <= planned:
+            where = "search.confirm_starts" if self.search else "replicates"
+            raise ValueError(f"confirm.max_starts ({self.confirm.max_starts}) must exceed the starts each point "
+                             f"has already ({where}: {planned}); raise it, or leave confirm out")
+
+    @property
+    def confirm_plan(self) -> str | None:
+        """--dry-run's line for `confirm:`."""
+        if not self.confirm:
+            return None
+        planned = self.search.confirm_starts if self.search else self.replicates
+        base = "vLLM's defaults" if self.search else self.baseline
+        more = 3 * (self.confirm.max_starts - planned)
+        return (f"confirm until resolved: then the best, the runner-up and {base} again, one fresh start each "
+                f"per shuffled block, until the best's gain over {base} and over the runner-up are resolved "
+                f"(95% interval excludes 1) or each has {self.confirm.max_starts} starts: at most {more} more "
+                "starts (not in the estimate). Planned only: the sweep does not run it yet")
 
     def _check_capacity(self) -> None:
         """What a capacity search needs of the study: an SLO, and a load it can turn."""

@@ -20,6 +20,7 @@ from ..define.grid import PointPlan
 from ..launch.machine import NvmlProbe
 from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, StartRecord, capacity_figures,
                                compress_log, now_utc)
+from ..records.point_capacity import rps_per_load
 from ..launch.slots import SlotLock
 from ..launch.server import VllmServer
 from .launcher import Launcher
@@ -108,14 +109,23 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
     startups = [s.launch.startup_s for s in starts if s.launch.startup_s is not None]
     if startups:  # a figure per start, not per round
         estimates["startup_s"] = stats.estimate([[v] for v in startups])
+    below = []
     if study.capacity and searched:
         for name in ("capacity_rps", "capacity_load"):
-            estimates[name] = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
+            est = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
+            if est is not None:   # (none where every start missed at its lowest load: a bound, below)
+                estimates[name] = est
+        for st in starts:
+            c = searched.get(st.start)
+            if c is not None and c.censored == "below":
+                per = rps_per_load(c, st)
+                below.append({"start": st.start, "capacity_load": c.bracket[1],
+                              "capacity_rps": c.bracket[1] * per if per else None})
     summary = PointSummary(
         point=point.id, values=point.values, status=status, reasons=reasons, starts_planned=n_starts,
         starts_done=done, rounds_planned=planned, rounds_ok=len(ok_rounds), engine=plan.engine,
         engine_args=point.engine_args.model_dump(exclude_none=True), effective=point.effective,
         launch=first_up.launch if first_up else None, warnings=sorted({w for s in starts for w in s.warnings}),
-        estimates=estimates, groups=stats.group_estimates(rounds))
+        estimates=estimates, groups=stats.group_estimates(rounds), capacity_below=below)
     summary.save(folder.summary_path)
     return summary

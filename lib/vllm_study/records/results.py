@@ -197,6 +197,10 @@ class PointSummary(_Record):
     warnings: list[str] = []
     estimates: dict[str, Estimate] = {}
     groups: dict[str, dict[str, Estimate]] = {}   # "class=long" -> metric -> estimate
+    # a capacity study's starts that missed the SLO even at their lowest load: per start, the
+    # bound its capacity lies below ({"start": 1, "capacity_load": 0.25, "capacity_rps": 0.77});
+    # they have no capacity estimate (never a 0)
+    capacity_below: list[dict[str, float | None]] = []
 
 
 # -- the run -----------------------------------------------------------------
@@ -361,9 +365,10 @@ class RunFolder:
 
 
 def capacity_figures(cap: CapacityRecord) -> dict[str, float | None]:
-    """A start's capacity as metrics: 0 where even the search's lowest load missed."""
-    return {"capacity_rps": cap.requests_per_s if cap.load is not None else 0.0,
-            "capacity_load": cap.load if cap.load is not None else 0.0}
+    """A start's capacity as metrics: none where even the search's lowest load missed (its
+    capacity is a bound below that load, never 0: records.point_capacity states it)."""
+    return {"capacity_rps": cap.requests_per_s if cap.load is not None else None,
+            "capacity_load": cap.load}
 
 
 class PointFolder:

@@ -147,6 +147,9 @@ def best_point(r: Run) -> str | None:
     from ..analysis import decision
     if not r.measured:
         return None
+    if is_capacity_study(r):   # the highest capacity of records.point_capacity, as the answer says
+        from .capacity_section import best_capacity
+        return best_capacity(r)
     if r.search:
         from ..search import search_report
         return search_report.best(r)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..analysis import intervals as analysis
 from ..vocab import metrics
 from .run import Run, status_label
 
@@ -28,56 +27,131 @@ def _trace_info(r: Run) -> dict | None:
 def capacity_answer(r: Run) -> str | None:
     """The capacity study's answer in words: the best config's capacity with its interval
     (and as a multiple of the trace's real rate), the baseline's (vLLM's defaults where
-    the study names them so), and the difference, called an effect only when resolved."""
+    the study names them so), and the gain over it as a ratio with its interval (a lower
+    bound where the baseline's capacity is below the lowest load), called resolved only
+    where the interval excludes 1; last, the statistic it was judged by."""
     from ..analysis import decision
     if not is_capacity_study(r):
         return None
     bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
     rec = decision.recommend(r.rounds, r.intervals, {})
-    if rec.point is None:
+    best = best_capacity(r)
+    pc = r.capacity(best) if best else None
+    if pc is None:
+        below = [p for p in (s.point for s in r.summaries) if r.capacity(p) is not None]
+        if below and all(r.capacity(p).config.kind == "below" for p in below):  # every point below its floor
+            return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
+                    f"missed at every load measured; {_lower(r)}.\n{statistic_sentence(r)}")
         return f"No capacity was measured: {rec.reason}."
-    if _all_below(_completed_capacities(r, rec.point)):  # the best is below the floor: so is every point
+    if pc.config.kind == "below":  # the best is below the floor: so is every point
         return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
-                f"missed at every load measured; {_lower(r)}.")
-    m = metrics.get("capacity_rps")
+                f"missed at every load measured; {_lower(r)}.\n{statistic_sentence(r)}")
     trace = _trace_info(r)
-    times = f" ({rec.value / trace['rate']:.2f} x the trace's real rate)" if trace and trace.get("rate") else ""
-    sustains = metrics.with_interval(r.interval(rec.point, "capacity_rps"), m)
-    above = _all_above(_completed_capacities(r, rec.point))
+    c = pc.config
+    value_rps = pc.rps(c.value)
+    times = f" ({c.value:.2f} x the trace's real rate)" if r.study.capacity.over == "speed" and trace \
+        and trace.get("rate") and c.kind == "value" else ""
+    above = c.kind == "at_least"
     if above:  # met at hi in every start: a lower bound, no capacity found
-        lines = [f"{rec.point} sustains at least {_load_words(r, r.study.capacity.hi)} within the SLO ({bounds}): "
+        lines = [f"{best} sustains at least {_load_words(r, c.value)} within the SLO ({bounds}): "
                  "it met the SLO at the highest load measured; raise capacity.hi to find its capacity."]
+    elif c.kind == "unresolved":
+        lines = [f"{best}'s capacity is not resolved: {pc.cell()}."]
     else:
-        lines = [f"{rec.point} sustains {sustains} req/s{times} within the SLO ({bounds})."]
-    censored = None if above else _censored(r, rec.point)
+        unit = "req/s" if value_rps is not None else f"({r.study.capacity.over})"
+        lines = [f"{best} sustains {pc.cell()} {unit}{times} within the SLO ({bounds})."]
+    censored = None if above else _censored(r, best)
     if censored:
         lines.append(censored)
     base = r.baseline
-    below = _baseline_below(r, base) if base and base != rec.point else None
-    if below:
-        lines.append(below + _gain_over_below(r, rec.point, base))
-    elif base and base != rec.point and r.interval(base, "capacity_rps"):
-        data = analysis.MetricData.from_rounds(r.rounds, "capacity_rps")
-        d = analysis.difference(data, rec.point, base)
-        change = f"{d.estimate:+.0%} [{d.low:+.0%}, {d.high:+.0%}]" if d.relative else \
-            f"{d.estimate:+.2f} [{d.low:+.2f}, {d.high:+.2f}] req/s"
-        lines.append(f"The baseline {base} sustains {metrics.with_interval(r.interval(base, 'capacity_rps'), m)} "
-                     "req/s: "
-                     f"{change}, " + ("a resolved gain." if d.resolved and d.estimate > 0 else
-                                      "a resolved loss." if d.resolved else "not resolved by this study."))
-    elif base == rec.point:
+    if base and base != best and r.capacity(base) is not None:
+        lines.append(_baseline_words(r, best, base))
+    elif base == best:
         lines.append(f"That is the baseline ({base}) itself.")
-    if rec.tied:
-        lines.append("Not told apart from it by this study: " + ", ".join(rec.tied) + ".")
-    at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(rec.point, k), metrics.get(k))} ms"
-          for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(rec.point, k)]
+    tied = _tied(r, best)
+    if tied:
+        lines.append("Not told apart from it by this study: " + ", ".join(tied) + ".")
+    at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(best, k), metrics.get(k))} ms"
+          for k in ("ttft_sched_p90_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms") if r.interval(best, k)]
     if at:
         lines.append(("At the highest load: " if above else "At its capacity: ") + "; ".join(at) + ".")
-    cost = cost_per_million(r, rec.point)
+    cost = cost_per_million(r, best)
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
                      f"(at {r.study.gpu_hour_price:g} a GPU-hour).")
+    lines.append(statistic_sentence(r))
     return "\n".join(lines)
+
+
+def best_capacity(r: Run) -> str | None:
+    """The point with the highest capacity (records.point_capacity's value, or its bound
+    where it met the SLO at the highest load) among those whose every planned start
+    completed; None where every capacity is below its lowest load."""
+    found = []
+    for s in r.summaries:
+        pc = r.capacity(s.point) if s.status == "ok" else None
+        if pc is not None and pc.config.kind in ("value", "at_least"):
+            found.append((pc.config.value, s.point))
+    return max(found)[1] if found else None
+
+
+def statistic_sentence(r: Run) -> str:
+    """Which statistic the run's capacities were judged by (records.point_capacity)."""
+    from ..records import point_capacity
+    used: list[str] = []
+    for s in r.summaries:
+        pc = r.capacity(s.point)
+        used += pc.statistics if pc else []
+    keys = list(dict.fromkeys(used)) or ["highest met"]
+    how = "; ".join(point_capacity.STATISTICS[k] + (f" ({used.count(k)} of {len(used)} starts)" if len(keys) > 1
+                                                   else "") for k in keys)
+    pooled = next((pc.pooled_df for pc in r.capacities.values() if pc and pc.pooled_df), None)
+    spread = f", {point_capacity.POOLED.format(df=pooled)}" if pooled else ""
+    return f"Capacity: {how}; {point_capacity.COMBINED}{spread}."
+
+
+def _gain_words(g) -> str:
+    if g.kind == "at_least":
+        return f"at least {g.value:.2f} x"
+    if g.kind == "at_most":
+        return f"at most {g.value:.2f} x"
+    if g.kind == "unresolved" and g.value is None:
+        return "an unresolved multiple of"
+    lo = f"{g.low:.2f}" if g.low is not None else "open"
+    hi = f"{g.high:.2f}" if g.high is not None else "open"
+    return f"{g.value:.2f} x [{lo}, {hi}]"
+
+
+def _baseline_words(r: Run, best: str, base: str) -> str:
+    """The baseline's capacity and the best's gain over it (records.point_capacity.gain)."""
+    from ..records.point_capacity import gain
+    pb, pc = r.capacity(base), r.capacity(best)
+    g = gain(pc, pb)
+    verdict = ("a resolved gain" if g.resolved and (g.kind == "at_least" or (g.value or 0) > 1) else
+               "a resolved loss" if g.resolved else "not resolved by this study")
+    if g.kind == "unresolved" and g.value is None:
+        said = (f"the gain is not resolved ({best}'s interval reaches below every load measured, "
+                "and the baseline's capacity is a bound).")
+        return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said \
+            if pb.config.kind == "below" else f"The baseline {base} sustains {pb.cell()}: " + said
+    said = (f"{best} sustains {_gain_words(g)} the baseline's capacity"
+            + (" (a lower bound: the baseline's capacity is below the lowest load)" if g.kind == "at_least" else "")
+            + f", {verdict}.")
+    if pb.config.kind == "below":
+        return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said
+    unit = "req/s" if pb.rps_per_load else f"({r.study.capacity.over})"
+    return f"The baseline {base} sustains {pb.cell()} {unit}: " + said
+
+
+def _tied(r: Run, best: str) -> list[str]:
+    """The other measured points whose capacity the study does not tell apart from the best's."""
+    from ..records.point_capacity import gain
+    pc, out = r.capacity(best), []
+    for s in r.summaries:
+        other = r.capacity(s.point) if s.point != best else None
+        if other is not None and other.config.kind != "below" and not gain(pc, other).resolved:
+            out.append(s.point)
+    return out
 
 
 def cost_per_million(r: Run, point: str) -> str | None:
@@ -148,15 +222,10 @@ def _load_words(r: Run, load: float) -> str:
 
 
 def below_everywhere(r: Run, point: str) -> bool:
-    """A capacity study's point whose every completed start missed the SLO at the lowest
-    load: its capacity is a bound below that load, and there is nothing to run."""
-    return is_capacity_study(r) and _all_below(_completed_capacities(r, point))
-
-
-def _all_above(completed: list) -> bool:
-    """Every completed start of a point met the SLO at the search's highest load: its
-    capacity is at least that load, not that load."""
-    return bool(completed) and all(c.censored == "above" for c in completed)
+    """A capacity study's point whose capacity is a bound below its lowest load (every
+    completed start missed there): there is nothing to run."""
+    pc = r.capacity(point) if is_capacity_study(r) else None
+    return pc is not None and pc.config.kind == "below"
 
 
 def _baseline_below(r: Run, point: str) -> str | None:
@@ -172,25 +241,9 @@ def _baseline_below(r: Run, point: str) -> str | None:
             f"lowest, {words}: {why}.")
 
 
-def _gain_over_below(r: Run, best: str, base: str) -> str:
-    """The gain over a baseline below the bracket is a lower bound: the best point's
-    interval low less the lowest load's rate."""
-    words, lo_rps = _lowest_load(r, floor(r, base))
-    lower = _lower(r, base)
-    iv = r.interval(best, "capacity_rps")
-    if lo_rps is None or not iv or not np.isfinite(iv["ci_low"]):
-        return f" Its capacity is below {words}; {lower} to measure it."
-    more = iv["ci_low"] - lo_rps
-    if more <= 0:
-        return f" Its capacity is below {lo_rps:.2f} req/s; the gain is not resolved ({lower} to measure it)."
-    return (f" Its capacity is below {lo_rps:.2f} req/s, so {best} sustains at least {more:+.2f} req/s more "
-            f"({iv['ci_low'] / lo_rps:.1f} x or more: its interval's low end over that rate), a resolved gain.")
-
-
 def _all_below(completed: list) -> bool:
     """Every completed start of a point (_completed_capacities) missed the SLO at the
-    search's lowest load (its floor): its capacity is unmeasured below it (recorded as 0,
-    which it is not)."""
+    search's lowest load (its floor): its capacity is a bound below it, never 0."""
     return bool(completed) and all(c.censored == "below" for c in completed)
 
 
@@ -202,20 +255,15 @@ def lowest_load_rps(r: Run) -> float | None:
 def below_lowest_load(r: Run, point: str | None = None) -> str:
     """'below 3.08' (req/s: the floor), or the load in the search's own unit where no rate fixes it."""
     words, lo_rps = _lowest_load(r, floor(r, point))
-    return f"below {lo_rps:.2f}" if lo_rps else f"below {words}"
+    return f"< {lo_rps:.2f}" if lo_rps else f"< {words}"
 
 
-def capacity_cell(r: Run, point: str, completed: list | None = None) -> str:
-    """A point's capacity in req/s [95% interval] for a table, or 'below ...' where every
-    start missed at the lowest load, 'at least ...' where every start met at the highest
-    (`completed`: its _completed_capacities, if read)."""
-    completed = _completed_capacities(r, point) if completed is None else completed
-    if _all_below(completed):
-        return below_lowest_load(r, point)
-    if _all_above(completed):
-        words, hi_rps = _lowest_load(r, r.study.capacity.hi)
-        return f"at least {hi_rps:.2f}" if hi_rps else f"at least {words}"
-    return metrics.with_interval(r.interval(point, "capacity_rps"), metrics.get("capacity_rps"))
+def capacity_cell(r: Run, point: str, unit: str = "rps") -> str:
+    """A point's capacity for a table: '5.39 [4.80, 6.05]' (req/s, or `unit` "load": the
+    search's own), '< 0.77' where its starts missed even at their lowest load, '≥ 9.25'
+    where they met at the highest (records.point_capacity); '-' where none completed."""
+    pc = r.capacity(point)
+    return pc.cell(unit) if pc else "-"
 
 
 def search_trials(r: Run) -> pd.DataFrame | None:
@@ -238,13 +286,11 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
                              f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
                              f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
-        completed = [st.capacity for st in starts if st.status == "ok"]
-        below = _all_below(completed)
+        pc = r.capacity(s.point)
+        below = pc is not None and pc.config.kind == "below"
         row = {"point": s.point, "status": status_label(s),
-               "capacity (req/s)": capacity_cell(r, s.point, completed),
-               f"capacity ({over})": f"below {floor(r, s.point):g}" if below else
-               f"at least {r.study.capacity.hi:g}" if _all_above(completed) else
-               metrics.with_interval(r.interval(s.point, "capacity_load"), metrics.get("capacity_load")),
+               "capacity (req/s)": capacity_cell(r, s.point),
+               f"capacity ({over})": capacity_cell(r, s.point, "load"),
                f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
             # below lo there is no capacity to be at: its round is the lowest load's, which missed

@@ -104,6 +104,9 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
     same = same_workload(study_differences(ra, rb))
     rows = []
     for name in names:
+        if name == "capacity_rps" and ra.study.capacity and rb.study.capacity:
+            rows += _capacity_rows(ra, rb, same)
+            continue
         a = analysis.MetricData.from_rounds(ra.rounds, name)
         b = analysis.MetricData.from_rounds(rb.rounds, name)
         if a is None or b is None:
@@ -121,13 +124,51 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _capacity_rows(ra: report.Run, rb: report.Run, same: bool) -> list[dict]:
+    """Capacity, B over A, per point both measured: records.point_capacity's gain (a ratio
+    with its interval; a bound where either side's capacity is one), never a 0 for a
+    capacity below the lowest load."""
+    from ..records.point_capacity import gain
+    m, rows = metrics.get("capacity_rps"), []
+    for point in [s.point for s in ra.measured if s.point in {x.point for x in rb.measured}]:
+        pa, pb = ra.capacity(point), rb.capacity(point)
+        if pa is None or pb is None:
+            continue
+        g = gain(pb, pa)
+        less1 = lambda v: v - 1 if v is not None else np.nan  # noqa: E731
+        if g.kind == "unresolved" or not g.resolved:
+            verdict = "not resolved"
+        else:
+            up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
+            verdict = ("better" if up else "worse") if same else ("higher" if up else "lower")
+        value = lambda pc: pc.rps(pc.config.value) if pc.config.kind == "value" else np.nan  # noqa: E731
+        rows.append({"point": point, "metric": "capacity_rps", "A": value(pa), "B": value(pb),
+                     "change": less1(g.value), "low": less1(g.low), "high": less1(g.high), "relative": True,
+                     "verdict": verdict, "label": m.label, "workload": "same" if same else "different",
+                     "bound": {"at_least": ">=", "at_most": "<="}.get(g.kind, ""),
+                     "A_cell": pa.cell(), "B_cell": pb.cell()})
+    return rows
+
+
+def _bound(row) -> str:
+    """'>= ' where a capacity row's change is a lower bound, '<= ' an upper one, else ''."""
+    b = getattr(row, "bound", "")
+    return f"{b} " if isinstance(b, str) and b else ""
+
+
 def table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point, one column per metric: 'B vs A: +12% [+3%, +21%] worse'."""
     if df.empty:
         return df
     def cell(r):
         f = (lambda v: f"{v:+.1%}") if r.relative else (lambda v: f"{v:+.3g}")
-        ci = f" [{f(r.low)}, {f(r.high)}]" if np.isfinite(r.low) else ""
+        if _bound(r):   # a capacity beyond the loads measured: a bound on the change
+            return f"{_bound(r)}{f(r.change)} {r.verdict}"
+        if not np.isfinite(r.change):
+            return f"not measured apart ({getattr(r, 'A_cell', '')} -> {getattr(r, 'B_cell', '')})"
+        lo = f(r.low) if np.isfinite(r.low) else "open"
+        hi = f(r.high) if np.isfinite(r.high) else "open"
+        ci = f" [{lo}, {hi}]" if np.isfinite(r.low) or np.isfinite(r.high) else ""
         return f"{f(r.change)}{ci} {r.verdict}"
     out = df.assign(cell=df.apply(cell, axis=1)).pivot(index="point", columns="label", values="cell")
     return out
@@ -145,12 +186,13 @@ def verdict(df: pd.DataFrame) -> str:
     if moved.empty:
         return line
     return line + f"; {label}: " + ", ".join(
-        f"{r.point} {r.label} {r.change:+.0%} {r.verdict}" if r.relative else f"{r.point} {r.label} {r.verdict}"
+        f"{r.point} {r.label} {_bound(r)}{r.change:+.0%} {r.verdict}" if r.relative else
+        f"{r.point} {r.label} {r.verdict}"
         for r in moved.itertuples())
 
 
 def figure(df: pd.DataFrame, out: Path) -> Path | None:
-    rel = df[df["relative"]]
+    rel = df[df["relative"] & np.isfinite(df["change"].astype(float))]   # (a capacity bound on both sides: none)
     if rel.empty:
         return None
     labels = list(dict.fromkeys(rel["label"]))
@@ -160,8 +202,9 @@ def figure(df: pd.DataFrame, out: Path) -> Path | None:
         part = rel[rel["label"] == label].reset_index(drop=True)
         y = np.arange(len(part))
         colours = ["#2ca02c" if v == "better" else "#d62728" if v == "worse" else "#7f7f7f" for v in part["verdict"]]
-        ax.errorbar(part["change"] * 100, y, xerr=[(part["change"] - part["low"]) * 100,
-                                                   (part["high"] - part["change"]) * 100],
+        # an open end (a capacity bound) draws no bar on that side
+        ax.errorbar(part["change"] * 100, y, xerr=[((part["change"] - part["low"]) * 100).fillna(0),
+                                                   ((part["high"] - part["change"]) * 100).fillna(0)],
                     fmt="none", ecolor=colours)
         ax.scatter(part["change"] * 100, y, c=colours, zorder=3)
         ax.axvline(0, color="black", lw=0.8)

@@ -188,7 +188,9 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     rec = decision.recommend(r.rounds, r.intervals, slo)
     point = point or answer.best_point(r)
     if point is None:
-        why = rec.reason if rec.point is None else answer.answer_text(r).splitlines()[0]
+        # a capacity study's answer says why (e.g. every capacity is a bound below the lowest load)
+        why = rec.reason if rec.point is None and not capacity_section.is_capacity_study(r) else \
+            answer.answer_text(r).splitlines()[0]
         raise ValueError(f"no point to export: {why}")
     cfg = serve_config(r, point)
     out.mkdir(parents=True, exist_ok=True)
@@ -238,10 +240,11 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     lines += ["| metric | value [95% interval] |", "|---|---|"]
     for name in metrics.HEADLINE:
         iv = r.interval(point, name)
-        if iv is not None:
-            cell = capacity_section.capacity_cell(r, point) if name == "capacity_rps" else \
-                metrics.with_interval(iv, metrics.get(name))  # a censored capacity is a bound, never 0
-            lines.append(f"| {metrics.get(name).title} | {cell} |")
+        if name == "capacity_rps" and capacity_section.is_capacity_study(r):
+            # records.point_capacity's: a censored capacity is a bound, never 0
+            lines.append(f"| {metrics.get(name).title} | {capacity_section.capacity_cell(r, point)} |")
+        elif iv is not None:
+            lines.append(f"| {metrics.get(name).title} | {metrics.with_interval(iv, metrics.get(name))} |")
     return "\n".join(lines) + "\n"
 
 

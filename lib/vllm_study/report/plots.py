@@ -143,16 +143,38 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
-        _x_axis(ax, x, sub[x])
+        bound_at = _capacity_bounds(ax, r, n, x) if n in ("capacity_rps", "capacity_load") else []
+        _x_axis(ax, x, pd.concat([sub[x], pd.Series(bound_at, dtype=sub[x].dtype)]))
         ax.set_title(m.title)
         ax.set_ylabel(m.title)
-        if hue:
-            ax.legend(fontsize=8)
+        if hue or bound_at:
+            handles, labels = ax.get_legend_handles_labels()
+            seen = dict(zip(labels, handles))   # one entry per kind of bound
+            ax.legend(seen.values(), seen.keys(), fontsize=8)
     fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
         fig.savefig(out, dpi=110)
     return None
+
+
+def _capacity_bounds(ax, r: Run, name: str, x: str) -> list:
+    """A capacity that is a bound (records.point_capacity) has no value on the line: a
+    grey triangle at its bound, pointing down for "below the lowest load", up for "at or
+    above the highest"; never a point at 0. Returns the axis values it drew at."""
+    drawn = []
+    for s in r.summaries:
+        pc = r.capacity(s.point)
+        if pc is None or pc.config.kind not in ("below", "at_least") or x not in s.values:
+            continue
+        bound = pc.rps(pc.config.value) if name == "capacity_rps" else pc.config.value
+        if bound is None:
+            continue
+        down = pc.config.kind == "below"
+        ax.scatter([s.values[x]], [bound], marker="v" if down else "^", s=80, color="grey", zorder=3,
+                   label="< lowest load" if down else "≥ highest load")
+        drawn.append(s.values[x])
+    return drawn
 
 
 def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) -> str | None:

@@ -53,7 +53,9 @@ def _trace_line(t: TraceSpec) -> str:
 
 def headline_table(r: Run) -> pd.DataFrame:
     """Per point: status, startup, and each headline metric's value [95% interval]."""
-    names = [n for n in metrics.HEADLINE if n in set(r.intervals.get("metric", []))]
+    # a capacity study's capacity is shown for every point, a bound where it is one
+    names = [n for n in metrics.HEADLINE if n in set(r.intervals.get("metric", []))
+             or (n == "capacity_rps" and is_capacity_study(r))]
     rows = []
     for s in r.summaries:
         row = {"point": s.point, "status": status_label(s)}

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ..analysis import intervals as analysis
@@ -15,6 +16,7 @@ from ..define.search_space import Search
 from ..define.params import Study
 from ..define.schema import StudyError
 from ..define.study_file import study_from_dict
+from ..records.point_capacity import PointCapacity, point_capacities
 from ..records.results import Manifest, PointSummary, RunFolder
 
 
@@ -43,8 +45,32 @@ class Run:
             run.trial_rounds = rounds[rounds["block"] == TRIAL_BLOCK] if not rounds.empty else rounds
             run.rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
             run.summaries = [s for s in run.summaries if s.point in confirmed]
+        if run.study.capacity and not run.rounds.empty:
+            run.rounds = _censored_as_missing(run.rounds, folder)
         run.intervals = analysis.point_intervals(run.rounds)
+        if run.study.capacity:
+            run.intervals = _fitted_capacity(run)
         return run
+
+    def capacity(self, point: str) -> PointCapacity | None:
+        """The point's capacity over its completed searches (its confirmation starts, in a
+        search): records.point_capacity's fit, with its interval, or a bound."""
+        return self.capacities.get(point)
+
+    @cached_property
+    def capacities(self) -> dict[str, PointCapacity | None]:
+        """Every point's capacity (records.point_capacities: the spread pooled over them);
+        none outside a capacity study."""
+        if not self.study.capacity:
+            return {}
+        folders = {}
+        for s in self.summaries:
+            starts = None
+            if self.search:   # the confirmation's starts only, as the rounds are
+                rows = self.rounds[self.rounds["point"] == s.point] if not self.rounds.empty else self.rounds
+                starts = {int(k) for k in rows["start"].unique()} if len(rows) else set()
+            folders[s.point] = (self.folder.point(s.point), starts)
+        return point_capacities(folders, self.study.capacity.slo, self.study.capacity.lo)
 
     @cached_property
     def study(self) -> Study:
@@ -108,6 +134,49 @@ def parse_slo(text: str) -> dict[str, float]:
         return _check_slo(bounds)
     except ValueError as e:
         raise StudyError(f"--slo {text!r}: {e}") from None
+
+
+def _censored_as_missing(rounds: pd.DataFrame, folder: RunFolder) -> pd.DataFrame:
+    """A start that missed the SLO even at its lowest load has no capacity: runs written
+    before it was a bound recorded 0 in summary.csv; it is no value (records.point_capacity
+    states it as a bound)."""
+    if "at_capacity" not in rounds:
+        return rounds
+    rounds = rounds.copy()
+    for pid in rounds["point"].unique():
+        for st in folder.point(pid).starts():
+            if st.capacity and st.capacity.censored == "below":
+                at = (rounds["point"] == pid) & (rounds["start"] == st.start) & (rounds["at_capacity"] == True)  # noqa: E712
+                rounds.loc[at, [c for c in ("capacity_rps", "capacity_load") if c in rounds]] = np.nan
+    return rounds
+
+
+def _fitted_capacity(r: Run) -> pd.DataFrame:
+    """The intervals frame with each point's capacity (req/s and the search's unit) from
+    records.point_capacity: its value and 95% interval (an end beyond the loads measured
+    is open: nan); a point whose capacity is a bound has no row (the tables state it)."""
+    iv = r.intervals
+    keep = ~iv["metric"].isin(["capacity_rps", "capacity_load"]) if not iv.empty else []
+    rows = []
+    for pid in dict.fromkeys(r.rounds["point"]) if not r.rounds.empty else []:
+        pc = r.capacity(pid)
+        if pc is None or pc.config.kind != "value":
+            continue
+        c = pc.config
+        scales = {"capacity_load": lambda v: v}
+        if pc.rps_per_load:
+            scales["capacity_rps"] = pc.rps
+        elif not iv.empty:   # closed loop: req/s is the throughput measured at capacity, kept as it was
+            keep = keep | (iv["metric"] == "capacity_rps")
+        for name, f in scales.items():
+            rows.append({"point": pid, "metric": name, "value": f(c.value),
+                         "ci_low": f(c.low) if c.low is not None else np.nan,
+                         "ci_high": f(c.high) if c.high is not None else np.nan,
+                         "next_start_low": np.nan, "next_start_high": np.nan, "starts": c.starts,
+                         "rounds": c.starts, "scale": "log", "df": np.nan, "method": "capacity fit"})
+    out = iv[keep] if not iv.empty else iv
+    return pd.concat([out, pd.DataFrame(rows, columns=analysis.INTERVAL_COLUMNS)], ignore_index=True) \
+        if rows else out.reset_index(drop=True)
 
 
 def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:

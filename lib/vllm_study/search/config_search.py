@@ -142,10 +142,16 @@ def outcome_of(summary, study: Study) -> TrialOutcome:
         why = "; ".join(summary.reasons) if summary and summary.reasons else "the start recorded no outcome"
         return TrialOutcome(failed=why)
     est = summary.estimates.get(spec.objective)
+    if study.capacity:  # capacity is within the SLO by construction: infeasible where even the lowest load missed
+        if est is not None:
+            return TrialOutcome(est.median, {"slo_at_lowest_load": -1.0})
+        # missed at its lowest load: its value is that load, a bound above its capacity (never 0),
+        # and the trial is infeasible, so the sampler never ranks it among the measured ones
+        bounds = [b[spec.objective] for b in summary.capacity_below if b.get(spec.objective) is not None]
+        if bounds:
+            return TrialOutcome(max(bounds), {"slo_at_lowest_load": 1.0})
     if est is None:
         return TrialOutcome(failed=f"{spec.objective} was not measured")
-    if study.capacity:  # capacity is within the SLO by construction: infeasible where even the lowest load missed
-        return TrialOutcome(est.median, {"slo_at_lowest_load": 1.0 if est.median == 0 else -1.0})
     cons = {}
     for bound, limit in study.slo.items():
         e = summary.estimates.get(bound)

@@ -1,0 +1,149 @@
+"""A start that missed the SLO even at its lowest load has a capacity below that load: a
+bound in every table, answer, figure, comparison, export and search objective, never 0;
+a point's capacity is records.point_capacity's fit over its starts."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from synthetic_run import make_capacity_run
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Halving from lo = 2 down to floor 0.25: mbt=256 misses at the floor in start 1
+    (capacity 0.1) and sustains 0.7 in start 2; mbt=512 sustains 3 in both."""
+    return make_capacity_run(tmp_path_factory.mktemp("r"), {"mbt=256": (0.1, 0.7), "mbt=512": 3.0},
+                             lo=2.0, hi=8.0, floor=0.25)
+
+
+def test_the_rounds_and_summaries_hold_no_zero_for_a_censored_start(run):
+    df = run.rounds_table()
+    at = df[(df["group"] == "all") & (df["at_capacity"] == True)]  # noqa: E712
+    censored = at[(at["point"] == "mbt=256") & (at["start"] == 1)]
+    assert len(censored) == 1 and censored["capacity_rps"].isna().all() and censored["capacity_load"].isna().all()
+    assert (at["capacity_rps"].dropna() > 0).all()
+    s = run.point("mbt=256").summary()
+    est = s.estimates["capacity_rps"]
+    assert est.starts == 1 and 0.5 <= est.median <= 0.7        # the resolved start only (its highest met)
+    assert s.capacity_below == [{"start": 1, "capacity_load": 0.25, "capacity_rps": 0.25}]
+
+
+def test_a_run_saved_with_zeros_reads_them_as_no_value(run, tmp_path):
+    """summary.csv of runs written before: 0 for a start below its lowest load."""
+    import shutil
+
+    from vllm_study.report import report
+    copy = Path(shutil.copytree(run.path, tmp_path / run.path.name))
+    df = report.Run.load(copy).rounds
+    text = (copy / "summary.csv").read_text().replace(",,", ",0.0,")  # crude: a 0 where the CSV had none
+    assert "0.0" in text
+    old = df.copy()
+    old.loc[old["capacity_rps"].isna() & (old["at_capacity"] == True), ["capacity_rps", "capacity_load"]] = 0.0  # noqa: E712
+    old.to_csv(copy / "summary.csv", index=False)
+    again = report.Run.load(copy)
+    row = again.rounds[(again.rounds["point"] == "mbt=256") & (again.rounds["start"] == 1)
+                       & (again.rounds["at_capacity"] == True)]  # noqa: E712
+    assert row["capacity_rps"].isna().all()
+
+
+def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run, tmp_path, capsys):
+    from vllm_study.records import point_capacity
+    from vllm_study.report import answer, capacity_section, export, report
+    r = report.Run.load(run.path)
+    pc = r.capacity("mbt=256")
+    assert [s.kind for s in pc.starts] == ["below", "value"] and pc.starts[0].value == 0.25
+    assert pc.config.kind == "value" and pc.config.censored == 1 and pc.config.value > 0.25
+    # the margins' fit finds start 2's capacity itself (0.7), not the highest load that met
+    assert pc.starts[1].value == pytest.approx(0.7, rel=1e-6)
+    assert pc.statistics == ["margins", "margins"]
+    table = capacity_section.capacity_table(r)
+    short = report.short_table(run)
+    for t in (table, short, report.point_table(r) if hasattr(report, "point_table") else table):
+        for cell in t.astype(str).to_numpy().ravel():
+            assert not cell.startswith("0.00") and "[0.00" not in cell, t
+    assert table.loc["mbt=512", "capacity (req/s)"].startswith("3.00 [")
+    # the capacity rows of the intervals (what the heatmaps and trend lines draw) hold no 0
+    iv = r.intervals[r.intervals["metric"].isin(["capacity_rps", "capacity_load"])]
+    assert len(iv) == 4 and (iv["value"] > 0).all() and set(iv["method"]) == {"capacity fit"}
+    md = answer.answer_markdown(r)
+    assert "0.00" not in md and "Capacity: isotonic fit of each step's SLO margins as its round recorded" in md
+    note = export.export_point(run.path, "mbt=256", tmp_path / "o").notes.read_text()
+    assert "| capacity (req/s) | " + capacity_section.capacity_cell(r, "mbt=256") + " |" in note
+    assert "| capacity (req/s) | 0.00" not in note and "[0.00" not in note.split("capacity (req/s)")[1].split("\n")[0]
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import capacity_table
+    sys.argv = ["capacity_table.py", str(run.path)]
+    assert capacity_table.main() == 0
+    out = capsys.readouterr().out
+    assert " 0.00 " not in out and "[0.00" not in out
+    assert point_capacity.STATISTICS["margins"] in out
+
+
+def test_a_point_below_its_floor_everywhere_is_a_bound_in_tables_compare_export_and_the_objective(tmp_path):
+    from vllm_study.report import capacity_section, compare, export, report
+    from vllm_study.search.config_search import outcome_of
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    assert capacity_section.capacity_cell(r, "mbt=256") == "< 0.25"
+    assert capacity_section.capacity_cell(r, "mbt=256", "load") == "< 0.25"
+    assert r.interval("mbt=256", "capacity_rps") is None      # a bound is no value to draw
+    # the search's objective: the bound, infeasible (it was 0)
+    from types import SimpleNamespace
+    search = SimpleNamespace(search=SimpleNamespace(objective="capacity_rps"), capacity=r.study.capacity, slo={})
+    o = outcome_of(run.point("mbt=256").summary(), search)
+    assert o.value == 0.25 and o.constraints == {"slo_at_lowest_load": 1.0} and o.failed is None
+    # compare: B over A per point; a bound on either side is never a 0
+    df = compare._compare(r, r)
+    cap = df[df["metric"] == "capacity_rps"].set_index("point")
+    assert cap.loc["mbt=512", "verdict"] == "not resolved" and cap.loc["mbt=512", "change"] == pytest.approx(0)
+    assert math.isnan(cap.loc["mbt=256", "A"]) and cap.loc["mbt=256", "verdict"] == "not resolved"
+    cells = compare.table(df).astype(str).to_numpy().ravel()
+    assert any("< 0.25 -> < 0.25" in c for c in cells)
+    e = export.export_point(run.path, "mbt=256", tmp_path / "o")
+    assert "| capacity (req/s) | < 0.25 |" in e.notes.read_text()
+
+
+def test_the_gain_over_a_baseline_below_its_floor_is_a_lower_bound(tmp_path):
+    from vllm_study.records.point_capacity import gain
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    g = gain(r.capacity("mbt=512"), r.capacity("mbt=256"))
+    assert g.kind == "at_least" and g.resolved
+    assert g.value == pytest.approx(r.capacity("mbt=512").config.low / 0.25)
+    text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
+    assert f"sustains at least {g.value:.2f} x the baseline's capacity (a lower bound" in text
+    assert "a resolved gain" in text and np.isfinite(g.value)
+
+
+def test_the_trend_line_draws_a_capacity_below_the_floor_at_its_bound_not_at_0(tmp_path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllm_study.report import plots, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    assert plots.trend_vs_axis(r, ["capacity_rps"]) is None
+    ax = plt.gcf().axes[0]
+    below = [c for c in ax.collections if c.get_label() == "< lowest load"]
+    assert len(below) == 1 and [tuple(p) for p in below[0].get_offsets()] == [(256, 0.25)]
+    line = ax.get_lines()[0]
+    assert list(line.get_ydata()) == [pytest.approx(3.0, rel=0.01)] and 0 not in list(line.get_ydata())
+    plt.close("all")
+
+
+def test_the_answer_and_export_name_the_highest_fitted_capacity_not_the_highest_step_that_met(tmp_path):
+    """2.95 and 3.05 req/s: both searches' highest passing step is 2.83 (a tie the bracket
+    cannot break); the margins' fit finds each capacity, and the answer names 3.05's point."""
+    from vllm_study.report import answer, capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 2.95, "mbt=512": 3.05}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    assert {st.capacity.load for p in ("mbt=256", "mbt=512") for st in run.point(p).starts()} == {2.0 ** 1.5}
+    assert answer.best_point(r) == capacity_section.best_capacity(r) == "mbt=512"
+    assert capacity_section.capacity_answer(r).startswith("mbt=512 sustains 3.05 [")
