@@ -155,3 +155,47 @@ def test_a_targets_study_with_live_knobs_is_refused():
     with pytest.raises(ValueError, match="server.live_knobs: a targets study measures servers the kit does not launch"):
         study_from_dict({"name": "t", "targets": [{"name": "x", "base_url": "http://127.0.0.1:1", "model": "m"}],
                          "server": {"live_knobs": True}})
+
+
+def test_the_dry_run_shows_each_start_and_the_points_it_serves(tmp_path, capsys):
+    import yaml
+    from vllm_study.sweep import dry_run
+    study = tiny(grid={**GRID, "block_size": [16, 32]})
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(study, sort_keys=False))
+    dry_run([str(tmp_path / "s.yaml")], "cpu")
+    out = capsys.readouterr().out
+    assert "live knobs: 2 server start(s) a block serve the 8 points" in out
+    for bs in (16, 32):
+        assert (f"launches as mbt=512__mns=4__bs={bs} and serves: mbt=512__mns=4__bs={bs}, "
+                f"mbt=256__mns=2__bs={bs}") in out
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**study, "server": {"live_knobs": False}}, sort_keys=False))
+    dry_run([str(tmp_path / "s.yaml")], "cpu")
+    assert "live knobs: none shared (server.live_knobs: false); one server start a point" in capsys.readouterr().out
+
+
+def test_export_leaves_out_the_live_limits_scheduler_and_its_control_file(tmp_path):
+    """What let the kit lower the limits between rounds is no serving setting."""
+    import shlex
+
+    from synthetic_run import make_run
+    from vllm_study.launch import server
+    from vllm_study.measure.point import summarize
+    from vllm_study.prefix_budget.knobs import CONTROL_ENV
+    from vllm_study.report import export
+    point = "mbt=512__kv=16MiB"
+    run = make_run(tmp_path / "r", {p: {"output_throughput": 100.0, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0,
+                                        "itl_p90_ms": 25.0, "prefix_cache_hit_rate": 0.5}
+                                    for p in ("mbt=256__kv=16MiB", point)}, {})
+    folder = run.point(point)
+    (tmp_path / "tiny-qwen2").mkdir()
+    command = server.serve_command(str(tmp_path / "tiny-qwen2"), 40123, folder.plan().point.engine_args.cli(), "tiny",
+                                   True, ["--scheduler-cls", live_knobs.SCHEDULER_CLS])
+    for st in folder.starts():
+        st.launch = st.launch.model_copy(update={"command": command, "kit_env": {
+            CONTROL_ENV: "/x/limits.json", "VLLM_STUDY_PB_STATS": "/x/pb.json", "OMP_NUM_THREADS": "1"}})
+        st.save(folder.start_dir(st.start) / "start.json")
+    summarize(folder, folder.plan())
+    _, note = export.export(run.path, point=point, out=tmp_path / "out")
+    line = shlex.split(note.read_text().splitlines()[2])
+    assert "--scheduler-cls" not in line and live_knobs.SCHEDULER_CLS not in line
+    assert not any(w.startswith((CONTROL_ENV, "VLLM_STUDY_PB_STATS")) for w in line) and "OMP_NUM_THREADS=1" in line

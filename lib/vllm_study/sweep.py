@@ -455,9 +455,10 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if not study.search and not study.targets:
         print(live_label(study, engine, points))
-        for i, g in enumerate(groups, 1):
-            if len(g) > 1:
-                print(f"  start {i} launches as {g[0].id} and serves: {', '.join(p.id for p in g)}")
+        if any(len(g) > 1 for g in groups):
+            for i, g in enumerate(groups, 1):
+                print(f"  start {i} launches as {g[0].id}" + (f" and serves: {', '.join(p.id for p in g)}"
+                                                             if len(g) > 1 else ""))
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
         if p.prefix_budget:
