@@ -211,3 +211,11 @@ def test_the_ray_executor_refuses_a_run_whose_starts_serve_several_points(tmp_pa
     assert [len(u.serves) for u in run.manifest().order] == [4]
     with pytest.raises(StudyError, match="executor ray runs one point a server start.*server.live_knobs: false"):
         executors.make("ray", run, study, "cpu", points)
+
+
+def test_no_cap_on_one_requests_prefill_is_the_largest_long_prefill_threshold():
+    study, points = _points(grid={"max_num_batched_tokens": [256, 512], "long_prefill_token_threshold": [128, 0]})
+    (group,), _ = live_groups(study, "cpu", points)
+    assert group[0].id == "mbt=512__lpt=0" and len(group) == 4
+    assert "--long-prefill-token-threshold 0" in " ".join(group[0].engine_args.cli())
+    assert point_limits(next(p for p in points if p.id == "mbt=256__lpt=128"))["long_prefill_token_threshold"] == 128
