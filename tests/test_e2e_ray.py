@@ -16,16 +16,17 @@ import psutil
 import pytest
 import yaml
 
-from e2e_support import tiny, write
+from e2e_support import UNI, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder, StartRecord
 
 pytestmark = pytest.mark.e2e
+ONE_EACH = {"extra_cli_args": UNI, "live_knobs": False}  # a Ray task runs one point's start
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_two_point_study_runs_as_ray_tasks(tmp_path):
-    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1,
+    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=1,
                  workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
     params = tmp_path / "study.yaml"
     params.write_text(yaml.safe_dump(study, sort_keys=False))
@@ -91,7 +92,7 @@ def test_a_killed_ray_worker_is_a_failed_start_that_leaves_nothing_running(tmp_p
     the sweep died once its retries were spent). The start is failed with the reason; its
     papermill, kernel and server are stopped; the other point runs; the report and the
     hint come; no scratch folder is left."""
-    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=2,
+    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=2,
                  workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
     # the workers' scratch folders in a folder of their own (TMPDIR reaches the Ray workers
     # through the raylet); Ray keeps its own folder where it always is. Short: vLLM puts its
@@ -166,7 +167,7 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
     from vllm_study.define.study_file import study_from_dict
     from vllm_study.sweep import create_run, unit_finished
 
-    study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1))
+    study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=1))
     points = expand(study, "cpu")
     run = create_run(tmp_path / "results", study, "cpu", points)
     dies, raises = (u for u in run.manifest().order)

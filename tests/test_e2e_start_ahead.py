@@ -101,7 +101,7 @@ def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_
     # Rounds of ~25 s (Poisson, 0.25 req/s): the second server reaches its engine's init
     # while the first one still measures, on any CPU this runs on.
     study = tiny(grid={"max_num_batched_tokens": [256, 512]},
-                 server={"extra_cli_args": UNI, "start_ahead": True},
+                 server={"extra_cli_args": UNI, "start_ahead": True, "live_knobs": False},
                  workload={**tiny()["workload"], "requests_per_round": 6, "load": {"kind": "poisson", "rate": 0.25}})
     done = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report")
     assert done.returncode == 0, done.stderr[-3000:]

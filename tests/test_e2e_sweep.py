@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import pytest
 
-from e2e_support import REPO, kv_bytes, sweep, tiny, write
+from e2e_support import REPO, UNI, kv_bytes, sweep, tiny, write
 from procs import group_gone
 from vllm_study.launch.slots import SLOT_LOCKS
 from vllm_study.records.results import RunFolder, StartRecord
@@ -101,7 +101,7 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
     still renders a report that shows the failures and says why nothing could be drawn,
     and exits 1 without a traceback."""
     study = write(tmp_path, {**tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1),
-                             "server": {"startup_timeout_s": 2}})
+                             "server": {"startup_timeout_s": 2, "live_knobs": False}})  # a start each
     r = sweep(study, "--results", tmp_path / "results")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "the study failed: no point measured a round" in r.stdout
@@ -123,7 +123,8 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     (Finished starts surviving a stop: the budget test.)"""
     import psutil
 
-    study = tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]})
+    study = tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]},
+                 server={"extra_cli_args": UNI, "live_knobs": False})  # two starts, one slot
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)),
                              "--results", str(results)], cwd=REPO, stdout=subprocess.PIPE,

@@ -36,7 +36,8 @@ def test_every_point_axis_has_an_entry_or_the_plain_one_and_short_names_are_uniq
     assert {a.name: a.short for a in axes.AXES.values()} == {
         "max_num_batched_tokens": "mbt", "gpu_memory_utilization": "gmu", "kv_cache_memory_bytes": "kv",
         "max_num_seqs": "mns", "block_size": "bs", "enable_prefix_caching": "pc", "enable_chunked_prefill": "cp",
-        "max_model_len": "len", "enforce_eager": "eager", "tensor_parallel_size": "tp", "min_reuse_ratio": "mrr"}
+        "max_model_len": "len", "enforce_eager": "eager", "tensor_parallel_size": "tp", "min_reuse_ratio": "mrr",
+        "long_prefill_token_threshold": "lpt"}
 
 
 @pytest.mark.parametrize("axis, value, shown", [

@@ -41,6 +41,7 @@ block: int = 0  # the block of the run order this start belongs to (0: none)
 out_dir: str = ""  # this start's folder; empty: points/<id>/s<start> beside point_file, or a scratch folder
 gpus: str = ""  # GPU indices this start may use, e.g. "0,1"; empty: what CUDA_VISIBLE_DEVICES allows
 slot_lock: str = ""  # the sweep's lock for these GPUs: the server starts once the previous one has stopped
+serves: str = ""  # live knobs: the points this one start serves (this point first), comma-separated
 ''', tags=["parameters"]),
     code('''
 from vllm_study import point_notebook as pn
@@ -57,7 +58,7 @@ endpoint target is checked instead: it must answer `/v1/models` with the study's
 `/metrics` and the cache reset are used where it offers them.
 """),
     code('''
-run = pn.PointStart(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None)
+run = pn.make_start(plan, start_dir, start, block or None, pn.gpu_list(gpus), slot_lock or None, serves)
 run.launch()
 pn.show_launch(run)
 '''),
@@ -73,9 +74,12 @@ then start the clock and send them under the study's load model while sampling K
 usage and running requests (and the GPU through NVML), stop the clock, snapshot again.
 With `capacity:` in the study, each round is a step of the capacity search at its own
 load, judged against the SLO; the search and its bracket are recorded in `start.json`.
+A start that serves several points (live knobs) runs each point's rounds in turn, in a
+seeded order, and first sets that point's scheduler limits; each round records the
+limits the engine ran it under.
 """),
     code('''
-run.run_rounds(progress=pn.round_progress(plan.study.steps_per_start))
+run.run_rounds(progress=pn.round_progress(pn.planned_rounds(run)))
 pn.rounds_table(run)
 '''),
     md("""

@@ -17,7 +17,8 @@ warnings.filterwarnings("ignore", category=TqdmWarning)
 from .define.grid import PointPlan, expand  # noqa: E402
 from .define.schema import StudyError  # noqa: E402
 from .define.study_file import load_study  # noqa: E402
-from .measure.point import PointStart  # noqa: E402,F401  (the notebook makes one)
+from .measure.point import PointStart  # noqa: E402
+from .measure.live_start import SharedStart  # noqa: E402
 from .report.report import estimates_frame  # noqa: E402
 from .records.results import PointFolder, PointSummary  # noqa: E402
 
@@ -62,6 +63,28 @@ def gpu_list(gpus: str) -> list[int] | None:
     return [int(g) for g in gpus.split(",")] if gpus else None
 
 
+def make_start(plan: PointPlan, start_dir: Path, start: int, block: int | None, gpus: list[int] | None,
+               slot_lock: str | None, serves: str = "") -> PointStart | SharedStart:
+    """This point's start, or, with `serves` (live knobs), the one start that serves those
+    points: each measured into its own folder beside this one (points/<id>/s<start>)."""
+    ids = [p for p in serves.split(",") if p]
+    if len(ids) <= 1:
+        return PointStart(plan, start_dir, start, block, gpus, slot_lock)
+    if ids[0] != plan.point.id:
+        raise StudyError(f"serves must list this point ({plan.point.id}) first: the start launches as it; got {serves}")
+    points = Path(start_dir).resolve().parent.parent
+    plans = [plan] + [PointFolder(points / pid).plan() for pid in ids[1:]]
+    print(f"one server start serves {len(ids)} points, launched as {ids[0]} (their largest limits): "
+          + ", ".join(ids))
+    return SharedStart(plans, [Path(start_dir)] + [points / pid / Path(start_dir).name for pid in ids[1:]],
+                       start, block, gpus, slot_lock)
+
+
+def planned_rounds(run) -> int:
+    """The rounds this start will run: the study's, for each point it serves."""
+    return run.study.steps_per_start * len(getattr(run, "starts", [run]))
+
+
 def describe_point(plan: PointPlan, start: int) -> None:
     p = plan.point
     print(f"study {plan.study.name}, point {p.id}, server start {start} of {plan.planned_starts}, "
@@ -98,6 +121,11 @@ def round_progress(total: int):
     return lambda i: bar.update(1) or (bar.close() if i == total - 1 else None)
 
 
+def _limits_label(limits: dict) -> str:
+    return f"mbt={limits['max_num_batched_tokens']} mns={limits['max_num_seqs']}" + (
+        f" lpt={limits['long_prefill_token_threshold']}" if limits["long_prefill_token_threshold"] else "")
+
+
 SHOWN_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput",
                  "prefix_cache_hit_rate", "output_steps", "preemptions", "kv_usage_peak")
 
@@ -105,7 +133,8 @@ SHOWN_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "out
 def rounds_table(run: PointStart) -> pd.DataFrame:
     if not run.rounds:
         return pd.DataFrame({"status": [run.record.status], "reason": [run.record.reason]})
-    rows = [{"round": r.round, "status": r.status, "completed": r.metrics["completed"],
+    rows = [{"round": r.round, **({"point": r.point, "limits": _limits_label(r.limits)} if r.limits else {}),
+             "status": r.status, "completed": r.metrics["completed"],
              "failed": r.metrics["failed"], **{m: r.metrics.get(m) for m in SHOWN_METRICS}} for r in run.rounds]
     return pd.DataFrame(rows).set_index("round").round(3)
 

@@ -23,7 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from . import doctor, executors
-from .define.grid import Point, PointMaker, PointPlan, Unit, expand, run_order
+from .define.grid import Point, PointMaker, PointPlan, Unit, expand, live_groups, run_order
 from .launch.machine import cpu_dtype, describe, resolve_engine, versions
 from .define.search_space import FloatRange, IntRange
 from .define.params import Study
@@ -98,6 +98,7 @@ def _refuse(problems: list) -> None:
 
 def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
     git = git_state(REPO)
+    groups, _ = live_groups(study, engine, points)
     run = RunFolder.create(results, study.name, git)
     write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
     choice = cpu_dtype() if engine == "cpu" and study.engine_args.dtype is None and not study.targets else None
@@ -105,7 +106,7 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
              machine=describe(), cpu_dtype=choice.model_dump() if choice else None,
              points=[p.id for p in points],
              # a search's order grows as its trials are proposed (config_search.TrialSource)
-             order=[] if study.search else run_order(points, study.replicates, study.order_seed),
+             order=[] if study.search else run_order(points, study.replicates, study.order_seed, groups),
              warnings={p.id: p.warnings for p in points if p.warnings},
              params=study.model_dump(mode="json")).save(run.manifest_path)
     for p in points:
@@ -114,10 +115,11 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
 
 
 def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> bool:
-    rec = run.point(unit.point).start(unit.start)
-    if rec is None or rec.status == "running":
+    """Every point the unit's start serves has its start's outcome (with retry_failed: a good one)."""
+    recs = [run.point(p).start(unit.start) for p in unit.points]
+    if any(rec is None or rec.status == "running" for rec in recs):
         return False
-    return not (retry_failed and rec.status == "failed")
+    return not (retry_failed and any(rec.status == "failed" for rec in recs))
 
 
 # -- the study ----------------------------------------------------------------------
@@ -167,6 +169,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
     print(f"run: {run.path}\n{plan_label(study, points)} x {rounds_label(study)}, engine {engine}; "
           f"{len(order) - len(todo)} of {len(order)} starts already finished")
+    print(live_label(study, engine, points))
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
@@ -258,7 +261,9 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
     on_done(unit, summary) is told each unit's result as it ends."""
     # miniters=1: redraw on every round (tqdm's adaptive miniters would otherwise wait for
     # several rounds after a fast first one, and the bar would sit still for minutes).
-    with tqdm(total=len(todo) * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
+    # a start that serves several points (live knobs) runs the rounds of each
+    served = sum(len(u.points) for u in todo) if isinstance(todo, list) else len(todo)
+    with tqdm(total=served * study.steps_per_start, unit="round", dynamic_ncols=True, miniters=1) as bar:
         lock = threading.Lock()
         failed = []
 
@@ -269,21 +274,22 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
             s = runner(u, slot, bar, release)
             if on_done:
                 on_done(u, s)
-            rec = run.point(u.point).start(u.start)
+            recs = {p: run.point(p).start(u.start) for p in u.points}
             with lock:
                 # the watcher counted the rounds that landed here; a Ray task's arrive at once
-                on_disk = len(read_rounds(run.point(u.point).start_dir(u.start) / ROUNDS))
+                on_disk = sum(len(read_rounds(run.point(p).start_dir(u.start) / ROUNDS)) for p in u.points)
                 if not runner.rounds_live:
                     bar.update(on_disk)
                 # rounds that never ran (a capacity search that stopped short of max_steps, a failed
                 # start) leave the total: the bar counts the rounds measured, and still ends at 100%
-                bar.total -= max(0, study.steps_per_start - on_disk)
+                bar.total -= max(0, study.steps_per_start * len(u.points) - on_disk)
                 bar.refresh()
-                if rec is not None and rec.status == "failed":
-                    tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
-                elif s.status == "failed":
+                bad = {p: rec for p, rec in recs.items() if rec is not None and rec.status == "failed"}
+                for p, rec in bad.items():
+                    tqdm.write(f"  {p} start {u.start}: FAILED: {rec.reason}")
+                if not bad and s.status == "failed":
                     tqdm.write(f"  {u.point}: FAILED: {'; '.join(s.reasons)}")
-                if (rec is not None and rec.status == "failed") or s.status == "failed":
+                if bad or s.status == "failed":
                     # its rounds that never ran left the total; the postfix says how many starts failed
                     failed.append(u)
                     bar.set_postfix_str(f"{len(failed)} of {len(todo)} starts FAILED", refresh=True)
@@ -307,6 +313,8 @@ def record_overlaps(run: RunFolder, executor: str) -> None:
     spans = []
     for pid in run.point_ids():
         for s in run.point(pid).starts():
+            if s.served_by:  # measured on another point's start: that one's span is the server's
+                continue
             t = s.timeline
             if "spawn" in t and "stopped" in t:
                 spans.append((s, dt.datetime.fromtimestamp(on_gpu(t), dt.timezone.utc),
@@ -418,6 +426,20 @@ def plan_label(study: Study, points: list[Point]) -> str:
     return f"{len(points)} points x {study.replicates} server start(s)"
 
 
+def live_label(study: Study, engine: str, points: list[Point]) -> str:
+    """How many server starts a block has, and why where live knobs share none."""
+    groups, why = live_groups(study, engine, points)
+    shared = [g for g in groups if len(g) > 1]
+    if not shared:
+        if not why:
+            why = ("server.live_knobs: false" if study.server.live_knobs is False
+                   else f"off by default on the {engine} engine" if not study.server.live_on(engine)
+                   else "no two points differ only in live limits")
+        return f"live knobs: none shared ({why}); one server start a point"
+    return (f"live knobs: {len(groups)} server start(s) a block serve the {len(points)} points; each shared start is "
+            "launched at its points' largest limits and lowers them between rounds (docs/live-knobs.md)")
+
+
 def rounds_label(study: Study) -> str:
     c = study.capacity
     if c:
@@ -444,13 +466,20 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     points = expand(study, engine)
     lines = windows_statements(study, points)  # (before the estimate: it reads the first window)
     gpus = describe().gpus
-    minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100")
+    groups, _ = live_groups(study, engine, points) if not study.search else ([[p] for p in points], None)
+    minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100", len(groups))
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.confirm:
         print(f"  {study.confirm_plan}")
+    if not study.search and not study.targets:
+        print(live_label(study, engine, points))
+        if any(len(g) > 1 for g in groups):
+            for i, g in enumerate(groups, 1):
+                print(f"  start {i} launches as {g[0].id}" + (f" and serves: {', '.join(p.id for p in g)}"
+                                                             if len(g) > 1 else ""))
     for p in points:
         print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
         if p.prefix_budget:

@@ -8,7 +8,9 @@ the point notebook reads that, so nothing re-expands the grid.
 
 The run order: `replicates` blocks, each holding every point once, shuffled with a
 seed per block, so drift over time or a change of machine spreads over all points
-instead of lining up with a grid axis.
+instead of lining up with a grid axis. With live knobs (server.live_knobs), points that
+differ only in the scheduler limits vLLM reads at every step form a group, and one start
+serves the whole group (`live_groups`): the blocks then shuffle groups.
 """
 from __future__ import annotations
 
@@ -22,8 +24,9 @@ from pydantic import BaseModel, ValidationError
 from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
+from ..prefix_budget.knobs import KNOBS as LIVE_AXES
 from .schema import EngineArgs, StudyError, parse_flags
-from .params import Study, Target
+from .params import Study, Target, live_knobs_unsupported
 from .study_file import _explain
 from .models import max_positions
 from .traces import TraceError, read_history, read_trace, read_whole
@@ -70,10 +73,18 @@ class PointPlan(BaseModel):
 
 
 class Unit(BaseModel):
-    """One server start of one point: what the sweep runs and the notebook measures."""
+    """One server start of one point: what the sweep runs and the notebook measures. With
+    live knobs, one start of a group: `point` is the one it is launched as (the group's
+    largest limits; its s<start>/ holds the launch and the server log) and `serves` every
+    point of the group, `point` first, each measured into its own s<start>/."""
     point: str
     start: int    # 1-based replicate number
     block: int    # 1-based block of the randomized order
+    serves: list[str] = []
+
+    @property
+    def points(self) -> list[str]:
+        return self.serves or [self.point]
 
 
 def _check_point(study: Study, args: EngineArgs, engine: str,
@@ -320,12 +331,74 @@ def expand(study: Study, engine: str) -> list[Point]:
     return points
 
 
-def run_order(points: list[Point], replicates: int, seed: int) -> list[Unit]:
-    """`replicates` blocks; each block holds every point once, in an order shuffled by
-    its own seeded generator (so adding a block never reorders the earlier ones)."""
+def point_limits(point: Point) -> dict[str, int | None]:
+    """The live limits a point's rounds run under (None: the launch value, which the
+    point shares with its group's launch)."""
+    e = point.effective
+    return {"max_num_batched_tokens": e.max_num_batched_tokens, "max_num_seqs": e.max_num_seqs,
+            "long_prefill_token_threshold": point.engine_args.long_prefill_token_threshold}
+
+
+def _live_axes(point: Point) -> set[str]:
+    # without chunked prefill vLLM cannot lower the chunk below a prompt: a restart axis there
+    return set(LIVE_AXES) - ({"max_num_batched_tokens"} if point.engine_args.enable_chunked_prefill is False else set())
+
+
+def _largest(points: list[Point]) -> Point | None:
+    """The point at every live limit's largest value in `points` (lpt 0, no cap, is the
+    largest), or None where no point is."""
+    def key(p: Point, axis: str) -> float:
+        v = point_limits(p)[axis]
+        return float("inf") if axis == "long_prefill_token_threshold" and not v else (v or 0)
+    return next((p for p in points if all(key(p, a) == max(key(q, a) for q in points) for a in LIVE_AXES)), None)
+
+
+def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[list[Point]], str | None]:
+    """The points as the starts will serve them: groups of points that differ only in
+    live limits, each led by its point at the group's largest limits (the start is
+    launched as that point), else one point a start. With the reason live knobs are off
+    where the study leaves server.live_knobs to the default (None where on, or asked off)."""
+    singles = [[p] for p in points]
+    if not study.server.live_on(engine):
+        return singles, None
+    why = live_knobs_unsupported(study)
+    if why:  # live_knobs: true is refused there when the study is read
+        return singles, f"server.live_knobs is on by default on the {engine} engine, but {why}: one start a point"
+    groups: dict[tuple, list[Point]] = {}
+    for p in points:
+        fixed = tuple((a, repr(v)) for a, v in p.values.items() if a not in _live_axes(p))
+        groups.setdefault(fixed, []).append(p)
+    out = []
+    for members in groups.values():
+        lead = _largest(members)
+        if lead is None:  # a grid is a full product: its largest limits are one of its points
+            out += [[p] for p in members]
+            continue
+        out.append([lead, *(p for p in members if p is not lead)])
+    return out, None
+
+
+def run_order(points: list[Point], replicates: int, seed: int,
+              groups: list[list[Point]] | None = None) -> list[Unit]:
+    """`replicates` blocks; each block holds every point (or group) once, in an order
+    shuffled by its own seeded generator (so adding a block never reorders the earlier ones)."""
+    groups = groups or [[p] for p in points]
     units = []
     for block in range(1, replicates + 1):
-        order = [p.id for p in points]
+        order = list(range(len(groups)))
         random.Random(f"{seed}/{block}").shuffle(order)
-        units += [Unit(point=pid, start=block, block=block) for pid in order]
+        units += [Unit(point=groups[i][0].id, start=block, block=block,
+                       serves=[p.id for p in groups[i]] if len(groups[i]) > 1 else []) for i in order]
     return units
+
+
+def round_order(point_ids: list[str], rounds: int, seed: int, block: int) -> list[tuple[int, str]]:
+    """A shared start's rounds: `rounds` passes over its points, each pass in its own
+    seeded order, so the points' rounds interleave and drift over the start spreads over
+    all of them. (round index within the point, point id) in the order run."""
+    out = []
+    for r in range(rounds):
+        order = list(point_ids)
+        random.Random(f"{seed}/{block}/round {r}").shuffle(order)
+        out += [(r, pid) for pid in order]
+    return out

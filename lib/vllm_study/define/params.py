@@ -248,8 +248,19 @@ class Server(_Strict):
     # resolved amount (docs/scale-out.md, "Start-ahead"); off on the CPU engine, where those
     # imports take the cores the measured server runs on.
     start_ahead: bool | None = None
+    # One start serves every point of a group that differs only in the scheduler limits
+    # vLLM reads at each step (max_num_batched_tokens, max_num_seqs,
+    # long_prefill_token_threshold): launched at the group's largest values, lowered
+    # between rounds through the kit's scheduler plugin (docs/live-knobs.md). null (the
+    # default): on for the CPU engine; off for the GPU engine until the equivalence
+    # benchmark on one H200 shows a lowered start measures as a fresh one does.
+    live_knobs: bool | None = None
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
+
+    def live_on(self, engine: str) -> bool:
+        """Whether points that differ only in live scheduler limits share a start on `engine`."""
+        return engine == "cpu" if self.live_knobs is None else self.live_knobs
 
     def ahead_on(self, engine: str) -> bool:
         """Whether a slot's next start is spawned ahead on `engine` ("cpu" or "gpu")."""
@@ -409,6 +420,21 @@ class Capacity(_Strict):
         return self
 
 
+def live_knobs_unsupported(study) -> str | None:
+    """Why a study's points cannot share server starts through live scheduler limits, or None."""
+    if study.targets:
+        return "a targets study measures servers the kit does not launch"
+    if study.capacity or study.search:
+        # not yet: a capacity bracket's steps and a search's trials are planned one start each
+        return "capacity searches and search: trials run one server start each"
+    if study.precision:
+        return "precision adds starts of single points, which a shared start cannot be compared with"
+    if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
+        return ("server.extra_cli_args sets --scheduler-cls: the limits change through the kit's own "
+                "scheduler plugin, which that class replaces")
+    return None
+
+
 class Study(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
@@ -457,6 +483,8 @@ class Study(_Strict):
             self._check_capacity()
         if self.confirm:
             self._check_confirm()
+        if self.server.live_knobs:
+            self._check_live_knobs()
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise ValueError(f"target names repeat: {names}")
@@ -521,6 +549,12 @@ class Study(_Strict):
                 f"per shuffled block, until the best's gain over {base} and over the runner-up are resolved "
                 f"(95% interval excludes 1) or each has {self.confirm.max_starts} starts: at most {more} more "
                 "starts (not in the estimate). Planned only: the sweep does not run it yet")
+    def _check_live_knobs(self) -> None:
+        """server.live_knobs: true where the kit cannot keep it (null falls back to restarts there)."""
+        why = live_knobs_unsupported(self)
+        if why:
+            raise ValueError(f"server.live_knobs: {why}; set server.live_knobs: false (or leave it out: "
+                             "the kit then restarts the server for every point)")
 
     def _check_capacity(self) -> None:
         """What a capacity search needs of the study: an SLO, and a load it can turn."""

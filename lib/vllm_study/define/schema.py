@@ -31,6 +31,8 @@ class EngineArgs(_Strict):
     enforce_eager: bool | None = None
     tensor_parallel_size: int | None = Field(None, ge=1)
     seed: int | None = None
+    # the most prompt tokens one request gets in a step (0: no cap); a live knob (docs/live-knobs.md)
+    long_prefill_token_threshold: int | None = Field(None, ge=0)
 
     def cli(self) -> list[str]:
         args = []

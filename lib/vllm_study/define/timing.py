@@ -87,7 +87,10 @@ def round_s(study: Study, latency_s: float) -> float:
     return math.ceil(n / w.concurrency) * latency_s
 
 
-def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | None = None) -> float:
+def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | None = None,
+                     n_starts: int | None = None) -> float:
+    """n_starts: server starts a block launches where fewer than its points (live knobs:
+    a start serves several points, one warm-up and one start-up for all of them)."""
     latency = request_latency_s(study, engine, gpu_name)
     if engine == "gpu":
         cfg = models.local_config(study.model) or {}
@@ -99,7 +102,10 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
         start = 0.0
     measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
-    starts, new = n_points * study.replicates, n_points  # new: configurations the compile cache has not seen
+    launched = n_starts or n_points
+    starts, new = launched * study.replicates, launched  # new: configurations the compile cache has not seen
+    # a shared start's rounds for each point it serves
+    measure += (n_points / launched - 1) * study.steps_per_start * round_s(study, latency)
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
         starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
         new = study.search.trials + 1

@@ -13,6 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..define.grid import Unit
+from ..define.schema import StudyError
 from ..measure.point import summarize
 from ..records.results import RunFolder, now_utc, resume_hint
 from ..measure.unit import run_unit
@@ -29,6 +30,10 @@ class RayExecutor(Executor):
     def __init__(self, run, study, engine, points, ray_address=None, parallel=None):
         import ray
         super().__init__(run, study, engine, points)
+        if any(u.serves for u in run.manifest().order):  # a task ships one point's folder, not a group's
+            raise StudyError("executor ray runs one point a server start, and this run shares starts between "
+                             "points (server.live_knobs): set server.live_knobs: false in the study, or use "
+                             "--executor local or gpus")
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
         have = ray.cluster_resources()
         tp = self.tp

@@ -102,9 +102,10 @@ def long_prefills(before: dict, after: dict, max_num_batched_tokens: int) -> dic
     return {"long_prefills": n, "long_prefill_edge_tokens": edge}
 
 
-def budget_buckets(max_num_batched_tokens: int) -> dict[str, list[int]]:
-    """Histogram bounds (vLLM's --custom-histogram-buckets) that make long_prefills exact."""
-    return {"request_tokens": [max_num_batched_tokens]}
+def budget_buckets(*max_num_batched_tokens: int) -> dict[str, list[int]]:
+    """Histogram bounds (vLLM's --custom-histogram-buckets) that make long_prefills exact
+    at each chunk size given (a start that serves several lowers it between rounds)."""
+    return {"request_tokens": sorted(set(max_num_batched_tokens))}
 
 
 # vLLM's own work estimates (--enable-mfu-metrics), per GPU.

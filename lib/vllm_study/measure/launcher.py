@@ -16,6 +16,7 @@ from . import client, counters
 from ..define import models
 from ..launch.machine import vllm_accepts
 from ..records.results import LOG, now_utc, read_log
+from ..prefix_budget.knobs import CONTROL_ENV
 from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from ..launch.slots import compile_cache_env
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
@@ -25,6 +26,7 @@ from ..define.traces import read_trace
 from ..workload import windows
 from ..workload.build_workload import make_workload
 from ..workload.trace_workload import TraceWorkload
+from .live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from .start_record import StartWriter, _step
 
 
@@ -38,14 +40,16 @@ def _non_default_args(log_text: str) -> dict | None:
 
 
 # What _start_server sets for this start's place, not for the engine: its slot's GPUs and
-# compile cache, the plugin's counter file, a start ahead's ready timeout. Recorded in
-# launch.kit_env with the rest; an exported config leaves them out (export.py).
-PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, "VLLM_ENGINE_READY_TIMEOUT_S"})
+# compile cache, the plugin's counter file and control file, a start ahead's ready timeout.
+# Recorded in launch.kit_env with the rest; an exported config leaves them out (export.py).
+PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV,
+                       "VLLM_ENGINE_READY_TIMEOUT_S"})
 
 
 class Launcher(StartWriter):
     """The launch steps of a PointStart: sets the server (or target) and `self.url`,
     `self.model_name`, `self.api_key`, `self.proxy`, `self.tokenizer`, `self.workload`."""
+    served_chunks: tuple[int, ...] = ()  # live knobs: every chunk size this start's rounds run at
 
     @_step
     def launch(self) -> None:
@@ -187,6 +191,8 @@ class Launcher(StartWriter):
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
             env[PB_STATS_ENV] = str(self.pb_stats_path)
+        if self.live:  # the plugin's control file, and its counters file that answers it
+            env.update(self.live.env())
         if s.server.ahead_on(self.plan.engine):
             # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
             # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
@@ -220,6 +226,8 @@ class Launcher(StartWriter):
         self.record.launch.server_pgid = self.server.proc.pid
         self.record.launch.startup_s = self.server.startup_s
         self.url, self.model_name = self.server.url, s.model.served_name
+        if self.live:  # the control channel (live knobs) talks to this server
+            self.live.url = self.url
         self.record.launch.cache_config = counters.cache_config(counters.scrape(self.server.url))
         client.check_endpoint(self.server.url, s.model.served_name)
 
@@ -234,9 +242,11 @@ class Launcher(StartWriter):
             flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
                       json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
                                                     "max_defer_ms": pb.max_defer_ms}})]
+        elif self.live:  # the Prefix Reuse Budget scheduler above takes the control file too
+            flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
         mbt = self.point.effective.max_num_batched_tokens
         if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
-            flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt))]
+            flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt, *self.served_chunks))]
         if (self.plan.engine == "gpu" and "--enable-mfu-metrics" not in given
                 and vllm_accepts("--enable-mfu-metrics")):
             flags.append("--enable-mfu-metrics")

@@ -27,7 +27,7 @@ from ..prefix_budget.knobs import CONTROL_ENV, KNOBS, Limits, Refused, check_mes
 SCHEDULER_CLS = "vllm_study.prefix_budget.LiveLimitsScheduler"
 POLL_S = 0.05
 __all__ = ["SCHEDULER_CLS", "KnobsError", "Refused", "launch_env", "knobs_state", "wait_drained",
-           "send_message", "set_limits", "limits_used"]
+           "send_message", "set_limits", "limits_used", "Channel"]
 
 
 class KnobsError(RuntimeError):
@@ -138,3 +138,25 @@ def limits_used(stats_path: str | os.PathLike, seq: int) -> dict:
                          f"is in force, the round started under message {seq}")
     return {"seq": seq, **state["in_force"], "steps": state["steps"],
             "peak_step_tokens": state["peak_step_tokens"], "peak_running": state["peak_running"]}
+
+
+class Channel:
+    """The control channel of one server start that serves several points (the sweep's
+    live knobs): before each round its point's limits, in force; after it, the limits
+    the engine ran it under. `url` (and `api_key`) are the server's, once it is up."""
+
+    def __init__(self, stats_path: str | os.PathLike, control_path: str | os.PathLike):
+        self.stats, self.control = Path(stats_path), Path(control_path)
+        self.url: str | None = None
+        self.api_key: str | None = None
+
+    def env(self) -> dict[str, str]:
+        return launch_env(self.control, self.stats)
+
+    def enter(self, limits: dict[str, int | None]) -> dict:
+        """Set `limits` (None: the launch value) for the next round; raises Refused or
+        KnobsError rather than let a round run under other limits."""
+        return set_limits(self.url, self.stats, self.control, api_key=self.api_key, **limits)
+
+    def used(self, entered: dict) -> dict:
+        return limits_used(self.stats, entered["seq"])

@@ -17,6 +17,7 @@ from . import client, counters, stats
 from ..launch import machine
 from ..workload import loads
 from ..define import models
+from ..define.grid import point_limits
 from ..records.results import (RoundRecord, append_round,
                                now_utc, read_log)
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
@@ -27,6 +28,7 @@ from .start_record import StartWriter, _step
 
 class RoundProtocol(StartWriter):
     """The measuring steps of a PointStart, on the server its Launcher started."""
+    live = None  # live_knobs.Channel where this start's server serves several points
 
     windows = None  # trace.windows: the whole trace, its windows and their workloads (set at launch)
 
@@ -103,6 +105,8 @@ class RoundProtocol(StartWriter):
     def run_round(self, index: int, load: float | None = None) -> RoundRecord | None:
         """One measured round; `load`: a capacity step's load (judged against the SLO)."""
         launch = self.record.launch
+        # a shared start (live knobs): this point's limits in force first, or no round (live_start.py)
+        limits = self.live.enter(point_limits(self.point)) if self.live else None
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
         trace = self.study.workload.kind == "trace"
@@ -132,7 +136,8 @@ class RoundProtocol(StartWriter):
         ok = not died and values["completed"] > 0
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
-                          metrics=values, groups=stats.group_records(results), load=load)
+                          metrics=values, groups=stats.group_records(results), load=load,
+                          limits=self.live.used(limits) if self.live else None)
         if self.windows:
             w = self.windows.plan.windows[k]
             rec.window, rec.window_first, rec.window_last = k + 1, w.start, w.stop - 1

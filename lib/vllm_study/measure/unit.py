@@ -31,19 +31,21 @@ def notebook(name: str) -> Path:
         return REPO / "notebooks" / name
 
 
-POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus", "slot_lock"}  # what point_params gives
+POINT_PARAMS = {"point_file", "start", "block", "out_dir", "gpus", "slot_lock", "serves"}  # what point_params gives
 
 
-def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event, label: str = "") -> None:
+def _watch_start(start_dir: Path, bar: tqdm | None, on_started, stop: threading.Event, label: str = "",
+                 served: tuple[Path, ...] = ()) -> None:
     """Follow the point notebook (another process) through its files: advance the bar as
     rounds land, and name this start on it once it measures (with start-ahead, the slot's
     next start prepares meanwhile: the bar names the one measuring); call on_started once
     its server is spawned and has the slot (a server started ahead: once it is let go at
-    its engine's init; an endpoint target: once its rounds are over), or once it has ended."""
+    its engine's init; an endpoint target: once its rounds are over), or once it has ended.
+    `served`: the other points' folders of a start that serves several (live knobs)."""
     seen, named = 0, False
     while not stop.wait(0.5):
         if bar is not None:
-            n = len(read_rounds(start_dir / ROUNDS))
+            n = sum(len(read_rounds(d / ROUNDS)) for d in (start_dir, *served))
             if n > seen:
                 bar.update(n - seen)
                 seen = n
@@ -83,7 +85,7 @@ def point_params(plan: Path, sdir: Path, unit: Unit, gpus: list[int] | None, slo
     folder (the kernel's cwd): the executed notebook then names no machine's folders."""
     return {"point_file": os.path.relpath(plan, nbdir), "start": unit.start, "block": unit.block,
             "out_dir": os.path.relpath(sdir, nbdir), "gpus": ",".join(map(str, gpus)) if gpus else "",
-            "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else ""}
+            "slot_lock": os.path.relpath(slot_lock, nbdir) if slot_lock else "", "serves": ",".join(unit.serves)}
 
 
 def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqdm | None = None,
@@ -106,8 +108,10 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     params = point_params(folder.plan_path, sdir, unit, gpus, slot_lock, nbdir)
     out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
-    label = f"{unit.point} #{unit.start}" + (f" on GPUs {gpus}" if gpus else "")
-    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop, label),
+    label = f"{unit.point} #{unit.start}" + (f" (+{len(unit.serves) - 1} live)" if unit.serves else "") \
+        + (f" on GPUs {gpus}" if gpus else "")
+    served = tuple(run.point(p).start_dir(unit.start).resolve() for p in unit.serves[1:])
+    watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop, label, served),
                                daemon=True) if bar is not None or on_started is not None else None
     if watcher:
         watcher.start()
@@ -117,11 +121,14 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
                                "--parameters_yaml", yaml.safe_dump(params)], capture_output=True, text=True,
                               # a terminal's Ctrl-C reaches the sweep alone, which stops the unit
                               start_new_session=True)
-        rec = StartRecord.load_if(sdir / START)
-        if done.returncode != 0 and rec is not None and rec.status == "running" and not STOPPING.is_set():
-            # the notebook died before recording an outcome: its error is the outcome
-            rec.status, rec.reason = "failed", f"notebook error: {_notebook_error(out, done.stderr)}"[:500]
-            rec.save(sdir / START)
+        for d in (sdir, *served):
+            rec = StartRecord.load_if(d / START)
+            if done.returncode != 0 and rec is not None and rec.status == "running" and not STOPPING.is_set():
+                # the notebook died before recording an outcome: its error is the outcome
+                rec.status, rec.reason = "failed", f"notebook error: {_notebook_error(out, done.stderr)}"[:500]
+                rec.save(d / START)
+                if d != sdir:
+                    summarize(run.point(d.parent.name), run.point(d.parent.name).plan())
     finally:
         stop.set()
         if watcher:

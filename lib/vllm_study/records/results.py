@@ -104,6 +104,9 @@ class RoundRecord(BaseModel):
     window: int | None = None
     window_first: int | None = None
     window_last: int | None = None
+    # a start that served several points (live knobs): the limits the engine ran this
+    # round under, as it reported them (measure/live_knobs.py limits_used)
+    limits: dict[str, int] | None = None
 
     _check = field_validator("metrics")(_known_metrics)
 
@@ -161,6 +164,11 @@ class StartRecord(_Record):
     capacity: CapacityRecord | None = None      # the capacity search, where the study asks for one
     trace: dict[str, Any] | None = None         # a replayed trace: source, window, requests kept and dropped
     warnings: list[str] = []
+    # live knobs: the start that launched the server lists every point it served (itself
+    # first); each other point's record names that start (points/<id>/s<k>), where its
+    # launch, start-up time, timeline and server log are, recorded once
+    serves: list[str] = []
+    served_by: str | None = None
     # Unix times of this start's steps (TIMELINE): what the kit spends between them is
     # its own overhead (benchmarks/point_overhead.py); spawn..stopped is the server's life.
     timeline: dict[str, float] = {}

@@ -31,6 +31,7 @@ from ..launch import server
 from ..define.params import Load, ModelSpec
 from ..define.schema import parse_flags
 from ..measure.launcher import PLACE_ENV
+from ..measure.live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from ..records.results import RunFolder
 
 # The real checkpoints whose architectures the kit's cards stand for (dummy weights).
@@ -108,7 +109,9 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
                                    plan.study.server.extra_cli_args)
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
-    argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg))
+    argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg)
+                       # the live-limits scheduler only let the kit lower limits between rounds
+                       | ({"scheduler-cls"} if LIVE_SCHEDULER_CLS in cmd else set()))
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
 
 

@@ -66,6 +66,8 @@ AXES: dict[str, Axis] = {a.name: a for a in (
     Axis("enable_chunked_prefill", "cp", "enable_chunked_prefill", "", "category", _both(True)),
     # None: the model's context length; log2: context lengths are swept in doublings
     Axis("max_model_len", "len", "max_model_len", "tokens", "log2"),
+    # 0 (vLLM's default with one partial prefill at a time): no cap on one request's chunk
+    Axis("long_prefill_token_threshold", "lpt", "long_prefill_token_threshold", "tokens", "log2", _both(0)),
     Axis("enforce_eager", "eager", "enforce_eager", "", "category", _both(False)),
     Axis("tensor_parallel_size", "tp", "tensor_parallel_size", "GPUs", "linear", _both(1)),
     # "off" (vLLM's own scheduler) beside ratios: categories; off unless a study asks for it
