@@ -22,10 +22,9 @@ from ..launch.slots import compile_cache_env
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
                              serve_command, stop_group_from_file)
 from ..define.schema import parse_flags
-from ..define.traces import read_trace
 from ..workload import windows
 from ..workload.build_workload import make_workload
-from ..workload.trace_workload import TraceWorkload
+from ..workload.trace_workload import window_workload
 from .live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from .start_record import StartWriter, _step
 
@@ -134,14 +133,7 @@ class Launcher(StartWriter):
         if w.trace.windows:  # one workload a window; the first is the start's until a round picks its own
             self.windows, self.record.trace = windows.build(self.tokenizer, w, limit)
             return self.windows.workloads[0]
-        trace = read_trace(w.trace)
-        kept, dropped = trace.fit(limit) if limit else (trace, 0)
-        wl = TraceWorkload(self.tokenizer, api=w.api, seed=w.seed, trace=kept)
-        self.record.trace = {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
-                             "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
-                             "max_model_len": limit, "skipped": kept.skipped, "inexact": wl.inexact,
-                             "prompt_floor": wl.prompt_floor,
-                             "rate": kept.rate, "duration_s": kept.duration_s}
+        wl, self.record.trace = window_workload(self.tokenizer, w, limit)
         return wl
 
     def _expected_hit_rate(self, kv_block: int) -> float | None:

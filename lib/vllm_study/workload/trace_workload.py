@@ -14,7 +14,7 @@ from __future__ import annotations
 from itertools import islice
 from typing import NamedTuple
 
-from ..define.traces import Trace, TraceRequest
+from ..define.traces import Trace, TraceRequest, read_trace
 from .workload import Request, TemplateError, _Base
 
 WARMUP_MAX_INPUT = 1024  # warmup prompts: the trace's first lengths, capped to keep warmup short
@@ -228,3 +228,16 @@ class TraceWorkload(_Base):
         return {"trace_prompt_tokens": want if ok else None,
                 "prompt_tokens_vs_trace": sent / want - 1 if want else None}
 
+
+
+def window_workload(tokenizer, w, max_model_len: int | None) -> tuple[TraceWorkload, dict]:
+    """params.Workload `w`'s one trace window, less the requests longer than the server
+    allows, as a TraceWorkload, and the start's trace record (windows.build does the same
+    for trace.windows)."""
+    trace = read_trace(w.trace)
+    kept, dropped = trace.fit(max_model_len) if max_model_len else (trace, 0)
+    wl = TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=kept)
+    return wl, {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
+                "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
+                "max_model_len": max_model_len, "skipped": kept.skipped, "inexact": wl.inexact,
+                "prompt_floor": wl.prompt_floor, "rate": kept.rate, "duration_s": kept.duration_s}
