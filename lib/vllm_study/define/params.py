@@ -137,9 +137,11 @@ class TraceSpec(_Strict):
                                      "Mooncake's are 512")
     max_output_tokens: int | None = Field(None, ge=1, description="caps each request's output at this many "
                                           "tokens (the trace's own where shorter): long outputs take minutes on a CPU")
-    prime: Literal["none", "history"] = Field("none", description="history: before each measured round, send "
-                                              "the traffic that preceded the window (as much as the server's "
-                                              "prefix cache holds) unmeasured, prefill-only; none: a cold cache")
+    prime: Literal["none", "history"] | None = Field(
+        None, description="history: before each measured round, send the traffic that preceded the window (as "
+        "much as the server's prefix cache holds) unmeasured, prefill-only; none: a cold cache. Left out: "
+        "history for a Mooncake trace replayed from past its first request (trace.windows, or start_s > 0), "
+        "none otherwise (a head window has no history; Azure and BurstGPT rows have no prefix ids)")
     windows: int | None = Field(None, ge=1, description="K windows from across the whole trace (a shipped "
                                 "name's full original, or the whole file), one per equal time stratum at a "
                                 "position seeded by workload.seed, each `requests` or `duration_s` long; "
@@ -162,6 +164,8 @@ class TraceSpec(_Strict):
                 raise ValueError(f"trace.format is needed for {self.file!r} (not a shipped window: "
                                  f"{', '.join(SHIPPED)}); one of {', '.join(TRACE_FORMATS)}")
             self.format = SHIPPED[self.file].format
+        if self.prime is None:  # production traffic meets a warm cache: prime wherever there is history to send
+            self.prime = "history" if self.format == "mooncake" and (self.windows or self.start_s > 0) else "none"
         if self.file not in SHIPPED:
             # the point notebook runs in another folder: a path relative to where the study was
             # loaded must still name the same file there
