@@ -34,6 +34,7 @@ from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
 from .measure.point import summarize
+from .measure.primer import model_departure
 from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
 from .analysis.intervals import point_intervals, relative_width
 from .define.timing import estimate_minutes
@@ -276,6 +277,8 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
                 # start) leave the total: the bar counts the rounds measured, and still ends at 100%
                 bar.total -= max(0, study.steps_per_start - on_disk)
                 bar.refresh()
+                for flag in model_flags(run.point(u.point).start_dir(u.start) / ROUNDS):
+                    tqdm.write(f"  {u.point} start {u.start}: {flag}")
                 if rec is not None and rec.status == "failed":
                     tqdm.write(f"  {u.point} start {u.start}: FAILED: {rec.reason}")
                 elif s.status == "failed":
@@ -293,6 +296,17 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
                 f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
         return SweepOutcome(run, left, note, lengths)
     return SweepOutcome(run, 0, lengths=lengths)
+
+
+def model_flags(rounds_path: Path) -> list[str]:
+    """A trace start's rounds whose measured prefix-cache hit rate departs from the cache
+    model's by more than primer.MODEL_TOLERANCE, in words."""
+    out = []
+    for r in read_rounds(rounds_path):
+        flag = model_departure(r.metrics, f"round {r.round + 1}" + (f" (window {r.window})" if r.window else ""))
+        if flag:
+            out.append(flag)
+    return out
 
 
 def record_overlaps(run: RunFolder, executor: str) -> None:

@@ -21,7 +21,7 @@ from ..records.results import (RoundRecord, append_round,
                                now_utc, read_log)
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..launch.server import failure_reason
-from .primer import Primer
+from .primer import Primer, model_departure
 from .start_record import StartWriter, _step
 
 
@@ -130,6 +130,9 @@ class RoundProtocol(StartWriter):
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())
         ok = not died and values["completed"] > 0
+        flag = model_departure(values, f"round {index + 1}" + (f" (window {k + 1})" if self.windows else ""))
+        if flag:  # said where the start's warnings are, and by the sweep's console (sweep.model_flags)
+            self.record.warnings.append(flag)
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
                           metrics=values, groups=stats.group_records(results), load=load)
