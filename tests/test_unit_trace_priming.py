@@ -369,3 +369,59 @@ def test_a_round_is_flagged_only_where_both_hit_rates_are_known_and_depart_by_mo
         "(more than 0.03)")
     assert model_departure({"prefix_cache_hit_rate": 0.10}, "r") is None
     assert model_departure({"prefix_cache_hit_rate": float("nan"), "model_prefix_hit_rate": 0.5}, "r") is None
+
+
+# ---------------------------------------------------------------- the report: windows and the cache-size curve
+
+def _report_run(tmp_path, trace: dict, kv_blocks: int | None = 40):
+    from synthetic_run import make_run
+
+    from vllm_study import notebook_support as ns
+    study = {"grid": {"max_num_batched_tokens": [512]}, "workload": {"kind": "trace", "trace": trace}}
+    run = make_run(tmp_path / "r", {"mbt=512": {"ttft_p90_ms": 300.0}}, study_over=study)
+    if kv_blocks:
+        for start in run.path.glob("points/*/s*/start.json"):
+            rec = json.loads(start.read_text())
+            rec["launch"]["cache_config"] = {"num_gpu_blocks": str(kv_blocks), "block_size": "16"}
+            start.write_text(json.dumps(rec))
+    return ns, ns.load_run(run, quiet=True)
+
+
+def _rows(n=60):
+    return [{"t_s": i * 0.5, "input_tokens": 96 + 32 * (i % 3), "output_tokens": 3 + i % 5,
+             "prefix": [i % 4, 100 + i, 200 + i] + ([300 + i] if i % 3 else []) + ([400 + i] if i % 3 == 2 else [])}
+            for i in range(n)]
+
+
+def test_the_report_shows_each_window_against_the_whole_trace_and_the_hit_rate_by_cache_size(tmp_path):
+    from vllm_study.workload import windows
+    trace = {"file": _jsonl(tmp_path, _rows()), "format": "jsonl", "block_tokens": 32, "windows": 3,
+             "requests": 6, "prime": "history"}
+    ns, r = _report_run(tmp_path, trace)
+    table = ns.trace_windows(r)
+    whole, plan = windows.for_study(r.study.workload.trace, r.study.workload.seed)
+    want = windows.summary(whole, plan)
+    assert list(table.index) == ["whole trace", "window 1", "window 2", "window 3"]
+    assert table["requests"].tolist() == [60, 6, 6, 6]
+    assert table["reuse_with_history"].tolist() == pytest.approx(want["reuse_with_history"].tolist(), abs=5e-4)
+    assert table["input_p90"].tolist() == [round(x) for x in want["input_p90"]]
+    # the curve: the model over the whole trace at sizes around this server's 640 tokens, and never evicting
+    curve, kv, unbounded, block = ns.trace_section.hit_rate_curve(r)
+    assert block == 32 and kv == 640 and 640 in curve["kv_tokens"].tolist()
+    assert curve["hit_rate"].is_monotonic_increasing and curve["hit_rate"].iloc[-1] == pytest.approx(unbounded)
+    assert unbounded == pytest.approx(pcm.simulate(whole.requests, block_tokens=32, kv_tokens=None,
+                                                   block_size=32).hit_rate)
+    ns.draw_cache_curve(r)
+    assert (r.folder.figures / "hit_rate_by_cache_size.png").stat().st_size > 10_000
+
+
+def test_the_windows_section_is_for_windowed_or_primed_traces_only(tmp_path):
+    rows = _rows()
+    plain = {"file": _jsonl(tmp_path, rows), "format": "jsonl", "block_tokens": 32, "requests": 6}
+    ns, r = _report_run(tmp_path / "plain", plain)
+    assert ns.trace_windows(r) is None and ns.trace_section.hit_rate_curve(r) is None
+    # one window primed with its history: the window's place in its file, against the whole file
+    ns, r = _report_run(tmp_path / "primed", {**plain, "start_s": 10.0, "prime": "history"}, kv_blocks=None)
+    table = ns.trace_windows(r)
+    assert list(table.index) == ["whole trace", "window 1"] and table.loc["window 1", "start_s"] == 10.0
+    assert ns.trace_section.hit_rate_curve(r) is None  # no KV size recorded: no curve
