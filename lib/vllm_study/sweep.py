@@ -444,8 +444,10 @@ FRAME_BOUND = 256
 
 
 def _shortest_prompt(study: Study) -> int:
-    from .define.traces import read_trace
-    return min((r.input_tokens for r in read_trace(study.workload.trace).requests if r.prompt is None),
+    from .define.traces import read_trace, read_whole
+    spec = study.workload.trace  # (windows: the whole trace's, which holds every window's)
+    return min((r.input_tokens for r in (read_whole(spec) if spec.windows else read_trace(spec)).requests
+                if r.prompt is None),
                default=FRAME_BOUND)
 
 
