@@ -305,16 +305,36 @@ def test_a_cold_windowed_start_sends_no_history_and_models_each_window_cold(tmp_
             timing=pcm.Timing(0.005, 0.0025)).hit_rate)
 
 
-def test_a_capacity_search_rotates_the_windows_across_its_steps(tmp_path, tok, monkeypatch):
+def test_a_capacity_step_measures_every_window_at_its_load_and_judges_them_pooled(tmp_path, tok, monkeypatch):
+    from vllm_study.measure import client
     calls = _fake_server(monkeypatch)
+    faster = client.run_open_loop
+    measured = []
+
+    async def window_2_fails_fast(url, model, api, requests, arrivals_s, **k):
+        res = await faster(url, model, api, requests, [9.0] * len(requests), **k)  # (no miss of its own)
+        measured.append(arrivals_s[-1])
+        if len(measured) % 3 == 2 and arrivals_s[-1] < 1.5:  # window 2, sent faster than it keeps up with
+            res[0].error = "timeout"
+        return res
+    monkeypatch.setattr(client, "run_open_loop", window_2_fails_fast)
     ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000},
                          capacity={"over": "speed", "lo": 0.5, "hi": 4, "precision": 0.15, "max_steps": 4})
+    assert ps.study.steps_per_start == 3 * (4 + 3)  # (4 steps + 3 halvings to the default floor) x 3 windows
     ps.run_rounds()
     assert not ps.failed, ps.record.reason
     steps = ps.record.capacity.steps
-    assert len(steps) >= 3 and [r.window for r in ps.rounds] == [i % 3 + 1 for i in range(len(steps))]
-    assert [r.load for r in ps.rounds] == [s["load"] for s in steps]
-    assert [kind for kind, _ in calls] == ["prime", "measured"] * len(steps)
+    assert len(steps) >= 2 and len(ps.rounds) == 3 * len(steps)
+    assert [r.window for r in ps.rounds] == [1, 2, 3] * len(steps)
+    assert [r.load for r in ps.rounds] == [s["load"] for s in steps for _ in range(3)]
+    assert [kind for kind, _ in calls] == ["prime", "measured"] * len(ps.rounds)
+    for i, step in enumerate(steps):
+        one, two, three = ps.rounds[3 * i:3 * i + 3]
+        assert step["round"] == one.round and one.slo_met and three.slo_met  # windows 1 and 3 met alone
+        # the step's verdict is the three windows' requests together: window 2's failure misses it
+        assert step["met"] == bool(two.slo_met)
+        assert step["met"] or "1 of 18 requests failed" in step["why"]
+    assert any(not s["met"] for s in steps) and any(s["met"] for s in steps)
     # the capacity in req/s: the speed times the windows' pooled rate (5 gaps of 0.5 s each)
     assert ps.record.trace["rate"] == pytest.approx(2.0)
     assert ps.record.capacity.requests_per_s == pytest.approx(ps.record.capacity.load * 2.0)
