@@ -23,7 +23,10 @@ def steps_table(r: report.Run) -> pd.DataFrame:
             rounds = {x.round: x for x in r.folder.point(s.point).rounds() if x.start == st.start}
             for k, x in sorted(rounds.items()):
                 m = x.metrics
+                # (trace.windows: a step is K rounds, one a window; each row is a round, its verdict its window's
+                # alone; the step's pooled verdict is in start.json's capacity.steps)
                 rows.append({"point": s.point, "start": st.start, "step": k + 1, "load": x.load, "met": x.slo_met,
+                             **({"window": x.window} if x.window is not None else {}),
                              "TTFT P90 from schedule (ms)": m.get("ttft_sched_p90_ms"),
                              "ITL P99 (ms)": m.get("itl_p99_ms"),
                              "round (s)": m.get("duration_s"), "why missed": x.slo_why or ""})

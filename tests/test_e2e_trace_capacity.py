@@ -218,3 +218,30 @@ def test_a_primed_mooncake_window_hits_what_the_cache_model_predicts(tmp_path):
         assert m["model_prefix_hit_rate"] > m["expected_prefix_hit_rate"]  # the history's blocks are hit
     assert not run.record.warnings or not any("runs off" in w for w in run.record.warnings)
     assert group_gone(run.record.launch.server_pgid)
+
+
+@pytest.mark.e2e
+def test_windows_from_across_the_mooncake_hour_each_primed_with_its_own_history(tmp_path):
+    """trace.windows: 2 on the whole Mooncake conversation trace, primed, on a KV cache of
+    16k tokens: round r replays window r % 2, primed with that window's history, and
+    vLLM's measured hit rate is the cache model's for that window."""
+    study = tiny(workload={"kind": "trace", "warmup_requests": 1, "concurrency": 1,
+                           "trace": {"file": "mooncake_conversation", "windows": 2, "requests": 12,
+                                     "max_output_tokens": 4, "prime": "history"}},
+                 engine_args={**tiny()["engine_args"], "max_model_len": 8192, "kv_cache_memory_bytes": kv_bytes(16384)},
+                 grid={"max_num_batched_tokens": [2048]}, rounds=2)
+    run, summary = measure(plan_of(study), tmp_path / "s1")
+    assert summary.status == "ok", summary.reasons
+    windows = run.record.trace["windows"]
+    assert [w["window"] for w in windows] == [1, 2] and windows[0]["last"] < windows[1]["first"]
+    assert [rec.window for rec in run.rounds] == [1, 2]
+    for rec, w in zip(run.rounds, windows):
+        m = rec.metrics
+        assert (rec.window_first, rec.window_last) == (w["first"], w["last"])
+        assert m["trace_prompt_tokens"] > 0 and m["prompt_tokens_vs_trace"] == 0.0
+        assert m["prime_requests"] > 0 and m["prime_errors"] == 0 and m["prime_prompt_tokens"] > 16384
+        assert m["prefix_cache_queries"] == m["trace_prompt_tokens"]  # the window's prompts alone
+        assert abs(m["prefix_cache_hit_rate"] - m["model_prefix_hit_rate"]) <= 0.05, (rec.window, m)
+    # the two windows are different traffic: their prompts differ
+    assert run.rounds[0].metrics["trace_prompt_tokens"] != run.rounds[1].metrics["trace_prompt_tokens"]
+    assert group_gone(run.record.launch.server_pgid)

@@ -260,3 +260,15 @@ def test_a_window_none_of_whose_requests_fits_is_refused_and_the_dry_run_states_
     assert "rounds 3 is not a multiple of trace.windows 2: windows 1 to 1 get one round more" in out
     # the head window's history statement (start_s 0: "no history") is not made for windows
     assert "has no history" not in out
+
+
+def test_the_dry_run_checks_the_floor_on_every_window_not_the_head(tmp_path, capsys):
+    from vllm_study.sweep import dry_run
+    # the head is long prompts; the second half of the trace has short ones
+    f = _jsonl(tmp_path, [json.dumps({"t_s": t, "input_tokens": 400 if t < 20 else 5, "output_tokens": 2})
+                          for t in range(40)])
+    study = tmp_path / "s.yaml"
+    study.write_text(json.dumps(_study({"file": f, "format": "jsonl", "windows": 2, "requests": 4})))
+    dry_run([str(study)], "cpu")
+    out = capsys.readouterr().out
+    assert "[warn] chat template: 4 of 8 trace prompts are shorter than the chat template's floor of " in out

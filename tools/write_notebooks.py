@@ -153,6 +153,18 @@ shows this beside its answer.
 """, **DETAILS),
     code("ns.fidelity(r)", **CHECK),
     md("""
+### The windows against the whole trace
+A trace study that replays windows from across the trace (`trace.windows`) or primes a
+window with its history (`trace.prime: history`): each window beside the whole trace, its
+arrival rate, input and output length quantiles (tokens), and the share of its prompt
+tokens a never-evicting cache would reuse, within the window alone and with all the
+traffic before it. Then the cache model's hit rate over the whole trace against the
+cache size, this server's KV size marked: what a larger cache (e.g. vLLM's CPU KV
+offloading) would buy on this traffic.
+""", **DETAILS),
+    code("ns.trace_windows(r)", **CHECK),
+    code("ns.draw_cache_curve(r)"),
+    md("""
 ### Each point, with 95% intervals
 Each cell: the point's value (each server start's median round, averaged over the
 point's starts; on a log scale for metrics that are always positive), and in brackets

@@ -18,7 +18,7 @@ from .report import answer as report_answer, binding as report_binding, capacity
 from .point_notebook import display_options
 from .records.results import RunFolder
 from .analysis import decision
-from .report import compare
+from .report import compare, trace_section
 
 display_options()
 
@@ -263,6 +263,22 @@ def fidelity(r: report.Run) -> pd.DataFrame | None:
     """A trace run's replay against its trace (report.fidelity_table); nothing for other
     workloads, nor for a capacity study, whose answer (`recommendation`) shows it."""
     return None if capacity_section.is_capacity_study(r) else report_answer.fidelity_table(r)
+
+
+def trace_windows(r: report.Run) -> pd.DataFrame | None:
+    """A windowed or primed trace run's windows against the whole trace
+    (trace_section.window_table); nothing for other runs."""
+    return trace_section.window_table(r)
+
+
+def draw_cache_curve(r: report.Run) -> None:
+    """The cache model's hit rate over the whole trace against cache size, this server's
+    KV size marked (trace_section.hit_rate_curve); nothing for other runs."""
+    got = trace_section.hit_rate_curve(r)
+    if got is not None:
+        curve, kv, unbounded, block = got
+        _show(plots.cache_size_curve(curve, kv, unbounded, r.study.workload.trace.file.split("/")[-1], block,
+                                     out=r.folder.figures / "hit_rate_by_cache_size.png"))
 
 
 def _pareto_table(r: report.Run) -> pd.DataFrame:

@@ -34,6 +34,7 @@ from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
 from .measure.point import summarize
+from .measure.primer import model_departure
 from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
 from .analysis.intervals import point_intervals, relative_width
 from .define.timing import estimate_minutes
@@ -284,6 +285,9 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
                 # start) leave the total: the bar counts the rounds measured, and still ends at 100%
                 bar.total -= max(0, study.steps_per_start * len(u.points) - on_disk)
                 bar.refresh()
+                for p in u.points:
+                    for flag in model_flags(run.point(p).start_dir(u.start) / ROUNDS):
+                        tqdm.write(f"  {p} start {u.start}: {flag}")
                 bad = {p: rec for p, rec in recs.items() if rec is not None and rec.status == "failed"}
                 for p, rec in bad.items():
                     tqdm.write(f"  {p} start {u.start}: FAILED: {rec.reason}")
@@ -302,6 +306,17 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
                 f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
         return SweepOutcome(run, left, note, lengths)
     return SweepOutcome(run, 0, lengths=lengths)
+
+
+def model_flags(rounds_path: Path) -> list[str]:
+    """A trace start's rounds whose measured prefix-cache hit rate departs from the cache
+    model's by more than primer.MODEL_TOLERANCE, in words."""
+    out = []
+    for r in read_rounds(rounds_path):
+        flag = model_departure(r.metrics, f"round {r.round + 1}" + (f" (window {r.window})" if r.window else ""))
+        if flag:
+            out.append(flag)
+    return out
 
 
 def record_overlaps(run: RunFolder, executor: str) -> None:
@@ -455,8 +470,10 @@ FRAME_BOUND = 256
 
 
 def _shortest_prompt(study: Study) -> int:
-    from .define.traces import read_trace
-    return min((r.input_tokens for r in read_trace(study.workload.trace).requests if r.prompt is None),
+    from .define.traces import read_trace, read_whole
+    spec = study.workload.trace  # (windows: the whole trace's, which holds every window's)
+    return min((r.input_tokens for r in (read_whole(spec) if spec.windows else read_trace(spec)).requests
+                if r.prompt is None),
                default=FRAME_BOUND)
 
 

@@ -580,8 +580,10 @@ class Study(_Strict):
 
     @property
     def steps_per_start(self) -> int:
-        """Measured rounds a start runs at most: the rounds, or the capacity search's steps."""
+        """Measured rounds a start runs at most: the rounds, or the capacity search's steps
+        (with trace.windows, K rounds a step: every window at the step's load)."""
         if not self.capacity:
             return self.rounds
         c = self.capacity
-        return c.max_steps + halvings(c.lo, c.floor, c.over == "concurrency")
+        windows = (self.workload.trace.windows or 1) if self.workload.kind == "trace" else 1
+        return (c.max_steps + halvings(c.lo, c.floor, c.over == "concurrency")) * windows

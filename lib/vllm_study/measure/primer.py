@@ -13,6 +13,23 @@ from ..define.traces import read_history
 from ..workload import prefix_cache_model as pcm, priming
 
 
+# How far vLLM's measured prefix-cache hit rate may sit from the cache model's (absolute)
+# before a round is flagged: the model's stated accuracy on one H200 (docs/workloads.md).
+MODEL_TOLERANCE = 0.03
+
+
+def model_departure(values: dict, where: str) -> str | None:
+    """The flag for a round (`where` names it) whose measured hit rate departs from the
+    model's by more than MODEL_TOLERANCE, with both numbers; None otherwise."""
+    measured, model = values.get("prefix_cache_hit_rate"), values.get("model_prefix_hit_rate")
+    if measured is None or model is None or measured != measured or model != model:  # (NaN: a CSV's blank)
+        return None
+    if abs(measured - model) <= MODEL_TOLERANCE:
+        return None
+    return (f"{where}: vLLM's measured prefix-cache hit rate {measured:.3f} departs from the cache model's "
+            f"{model:.3f} by {measured - model:+.3f} (more than {MODEL_TOLERANCE:g})")
+
+
 @dataclass
 class _Slot:
     """One window's workload, its history (None: not primed) and the requests priming sends."""

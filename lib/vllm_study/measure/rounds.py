@@ -2,8 +2,8 @@
 snapshot the server's counters -> send the round's requests -> snapshot again -> the
 round's figures, and, for a capacity step, judged against the SLO. Warm-up runs before
 the first round; a capacity study runs its bracket one round a step. With
-trace.windows, round r replays window r % K (a capacity step is one round: the windows
-rotate across steps). What a round
+trace.windows, round r replays window r % K; a capacity step measures every window at
+its load (K rounds) and judges their requests pooled. What a round
 should do to the server first (prime a cache, set a live knob) goes in `run_round`,
 before its first snapshot."""
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..records.results import (RoundRecord, append_round,
                                now_utc, read_log)
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..launch.server import failure_reason
-from .primer import Primer
+from .primer import Primer, model_departure
 from .start_record import StartWriter, _step
 
 
@@ -134,6 +134,9 @@ class RoundProtocol(StartWriter):
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())
         ok = not died and values["completed"] > 0
+        flag = model_departure(values, f"round {index + 1}" + (f" (window {k + 1})" if self.windows else ""))
+        if flag:  # said where the start's warnings are, and by the sweep's console (sweep.model_flags)
+            self.record.warnings.append(flag)
         rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
                           metrics=values, groups=stats.group_records(results), load=load,
@@ -145,6 +148,7 @@ class RoundProtocol(StartWriter):
             rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo,
                                                       None if ok else "the server died" if died else "round failed")
         self.rounds.append(rec)
+        self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
         if died:
             # rounds are numbered from 0 in the records, from 1 in words
@@ -156,9 +160,9 @@ class RoundProtocol(StartWriter):
         return rec
 
     def _pick_window(self, index: int) -> int:
-        """trace.windows: round `index` replays window index % K (a capacity search's
-        rounds are its steps, so the windows rotate across steps); its workload becomes
-        the start's for the round. 0 without windows."""
+        """trace.windows: round `index` replays window index % K (a capacity step runs K
+        rounds: every window once); its workload becomes the start's for the round. 0
+        without windows."""
         if not self.windows:
             return 0
         k = self.windows.pick(index)
@@ -193,14 +197,21 @@ class RoundProtocol(StartWriter):
         def measure(load: float) -> capacity.Step:
             if self.failed:
                 return capacity.Step(load, False, f"start failed: {self.record.reason}")
-            i = len(self.rounds)
-            rec = self.run_round(i, load)
-            if progress:
-                progress(i)
-            if rec is None:
-                return capacity.Step(load, False, self.record.reason or "round failed")
-            return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round,
-                                 capacity.margins(rec.metrics, c.slo))
+            recs, pooled = [], []
+            for _ in range(len(self.windows.workloads) if self.windows else 1):
+                # trace.windows: every window at this load, one round each (round i replays window i % K)
+                i = len(self.rounds)
+                rec = self.run_round(i, load)
+                if progress:
+                    progress(i)
+                if rec is None:
+                    return capacity.Step(load, False, self.record.reason or "round failed")
+                recs.append(rec)
+                pooled += self._last_results
+            if len(recs) == 1:
+                return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round,
+                                     capacity.margins(rec.metrics, c.slo))
+            return _pooled_step(load, recs, pooled, c.slo)
         result = bracket.run(measure)
         result.requests_per_s = self._requests_per_s(result)
         self.record.capacity = result
@@ -217,6 +228,15 @@ class RoundProtocol(StartWriter):
             return result.load
         at = next((r for r in self.rounds if r.round == result.at_round), None)
         return at.metrics.get("request_throughput") if at else None
+
+
+def _pooled_step(load: float, recs: list[RoundRecord], results: list[dict], slo: dict) -> capacity.Step:
+    """trace.windows: a capacity step over its windows' rounds, judged on their requests
+    pooled; any failed round is a miss. Its round is the first window's."""
+    values = stats.round_metrics(results, sum(r.metrics.get("duration_s") or 0.0 for r in recs), slo)
+    bad = next((r for r in recs if r.status != "ok"), None)
+    ok, why = capacity.judge(values, slo, f"window {bad.window}'s round failed" if bad else None)
+    return capacity.Step(load, ok, why, recs[0].round, capacity.margins(values, slo))
 
 
 def _send_to_finish(results: list[dict]) -> float | None:

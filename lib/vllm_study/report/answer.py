@@ -11,6 +11,7 @@ from ..define.traces import floor_warning
 from ..vocab import metrics
 from .capacity_section import _trace_info, below_everywhere, capacity_answer, is_capacity_study
 from .run import Run, _per_start
+from ..measure.primer import model_departure
 
 
 FIDELITY = ("prompt_tokens_vs_trace", "expected_prefix_hit_rate", "model_prefix_hit_rate", "prefix_cache_hit_rate",
@@ -40,6 +41,9 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
                 m = metrics.get(k)
                 row[m.title] = f"{m.format(g[k].median())} ({m.format(g[k].min())} to {m.format(g[k].max())})"
         rows.append(row)
+    flags = [model_departure(row, f"{row['point']} start {int(row['start'])} round {int(row['round']) + 1}"
+                             + (f" (window {int(row['window'])})" if len(keys) > 1 else ""))
+             for row in df.to_dict("records")]
     note = (f"trace {trace['source']}: {trace['requests']} requests kept, {trace['dropped_over_max_model_len']} "
             f"longer than max_model_len={trace['max_model_len']} left out; real rate {trace['rate']:.2f} req/s")
     for w in trace.get("windows") or ():
@@ -51,6 +55,8 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
         print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
               if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
               "chat template allows and were sent longer than the trace says")
+    for flag in filter(None, flags):
+        print(f"flag: {flag}")
     return pd.DataFrame(rows).set_index(keys) if rows else None
 
 

@@ -199,6 +199,29 @@ def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) ->
     return None
 
 
+def cache_size_curve(curve: pd.DataFrame, kv_tokens: int, unbounded: float, label: str, block_tokens: int,
+                     out: Path | None = None) -> str | None:
+    """The cache model's hit rate over the whole trace against the cache size (log x),
+    the never-evicting rate as a ceiling, this server's KV size marked."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(curve["kv_tokens"], curve["hit_rate"], marker="o",
+            label=f"the cache model (vLLM's LRU, {block_tokens}-token blocks)")
+    ax.axhline(unbounded, color="grey", linestyle="--", label=f"never evicting: {unbounded:.3f}")
+    at = curve.loc[curve["kv_tokens"] == kv_tokens, "hit_rate"]
+    ax.axvline(kv_tokens, color="C3", linestyle=":",
+               label=f"this server's KV cache: {kv_tokens:,} tokens" + (f" ({at.iloc[0]:.3f})" if len(at) else ""))
+    ax.set_xscale("log")
+    ax.set_xlabel("prefix cache size (tokens of KV)")
+    ax.set_ylabel("token hit rate over the whole trace")
+    ax.set_ylim(0, max(unbounded, curve["hit_rate"].max()) * 1.1 or 1)
+    ax.set_title(f"Hit rate against cache size: {label}", fontsize=10)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    if out:
+        fig.savefig(out, dpi=110)
+    return None
+
+
 def _spread(wanted: list[float], gap: float, lo: float = 0.0, hi: float = 1.0) -> list[float]:
     """Positions as near the wanted ones (sorted ascending) as can be with every two at
     least `gap` apart, all within [lo + gap/2, hi - gap/2]: a forward pass pushes each up

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from .trace_workload import TraceWorkload
-from ..define.traces import floor_warning, read_trace
+from ..define.traces import Trace, floor_warning, read_trace
 from .workload import (MixedWorkload, MultiTurnWorkload, RandomWorkload, SharedPrefixWorkload, TemplateError,
                        random_text)
 
@@ -24,6 +24,12 @@ def make_workload(tokenizer, w):
     if w.kind == "multi_turn":
         return MultiTurnWorkload(tokenizer, turns=w.turns, **shared)
     if w.kind == "trace":  # the whole window; the point leaves out what its server cannot take (Trace.fit)
+        if w.trace.windows:  # every window's requests, in one (what the checks of its prompts read)
+            from . import windows
+            whole, plan = windows.for_study(w.trace, w.seed)
+            trace = Trace([r for x in plan.windows for r in x.trace(whole).requests], whole.block_tokens,
+                          f"{whole.source}, {len(plan.windows)} windows")
+            return TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=trace)
         return TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=read_trace(w.trace))
     return RandomWorkload(tokenizer, input_tokens=w.input_tokens, output_tokens=w.output_tokens, **common)
 

@@ -269,8 +269,8 @@ def study_statements(study, max_model_lens, kv_tokens: int | None = None) -> lis
     if kv_tokens is not None:
         lines += plan.notes
     if study.capacity:
-        lines.append(f"capacity: the bracket's step j measures window j % {k} (the windows rotate across steps: "
-                     "a step's verdict rests on one window, not on all of them; docs/capacity.md)")
+        lines.append(f"capacity: each step of the bracket measures all {k} windows at its load, one round each "
+                     f"({k} rounds a step), and judges their requests pooled (docs/capacity.md)")
     elif study.rounds % k:
         lines.append(f"rounds {study.rounds} is not a multiple of trace.windows {k}: windows 1 to "
                      f"{study.rounds % k} get one round more than the others")
