@@ -8,10 +8,11 @@ so that round k of both replays the same window:
     python benchmarks/primed_vs_cold.py COLD_RUN PRIMED_RUN [--json OUT]
 
 Intervals: the ratio primed / cold of a round's TTFT quantile, 95% BCa bootstrap
-(scipy.stats.bootstrap) resampling each round's requests independently. The two rounds
-come from two server starts, so the interval holds the request-to-request spread only,
-not the start-to-start spread: it says whether the rounds differ, not by how much every
-start would.
+(scipy.stats.bootstrap) over the window's requests, paired: both rounds send the same
+requests, so a resample draws request i's TTFT from both. The two rounds come from two
+server starts, so the interval holds the request-to-request spread only, not the
+start-to-start spread: it says whether the rounds differ, not by how much every start
+would.
 """
 from __future__ import annotations
 
@@ -35,22 +36,23 @@ def _start_dirs(run: RunFolder) -> list[Path]:
 
 
 def _rounds(run: RunFolder) -> dict[int, tuple]:
-    """window (1-based) -> (round record, its successful requests' TTFT in ms)."""
+    """window (1-based) -> (round record, {request index in the window: TTFT ms} of its
+    successful requests)."""
     out = {}
     for d in _start_dirs(run):
         reqs = [json.loads(line) for line in gzip.open(d / REQUESTS, "rt")]
         for rec in read_rounds(d / "rounds.jsonl"):
             if rec.status != "ok" or rec.window is None:
                 continue
-            ttft = np.array([r["ttft_s"] * 1000 for r in reqs
-                             if r["round"] == rec.round and r["start"] == rec.start and r["error"] is None])
+            ttft = {r["index"]: r["ttft_s"] * 1000 for r in reqs
+                    if r["round"] == rec.round and r["start"] == rec.start and r["error"] is None}
             out[rec.window] = (rec, ttft)
     return out
 
 
 def _ratio(cold: np.ndarray, primed: np.ndarray, q: float, seed: int) -> tuple[float, float, float]:
     stat = lambda c, p, axis=-1: np.quantile(p, q, axis=axis) / np.quantile(c, q, axis=axis)  # noqa: E731
-    ci = sps.bootstrap((cold, primed), stat, paired=False, n_resamples=4000, method="BCa",
+    ci = sps.bootstrap((cold, primed), stat, paired=True, n_resamples=4000, method="BCa",
                        rng=np.random.default_rng(seed)).confidence_interval
     return float(stat(cold, primed)), float(ci.low), float(ci.high)
 
@@ -74,7 +76,9 @@ def compare(cold_path: Path, primed_path: Path, seed: int = 0) -> dict:
     cold, primed = _rounds(cold_run), _rounds(primed_run)
     rows = []
     for w in sorted(set(cold) & set(primed)):
-        (c_rec, c_ttft), (p_rec, p_ttft) = cold[w], primed[w]
+        (c_rec, c_by), (p_rec, p_by) = cold[w], primed[w]
+        both = sorted(set(c_by) & set(p_by))  # the requests that completed in both rounds
+        c_ttft, p_ttft = np.array([c_by[i] for i in both]), np.array([p_by[i] for i in both])
         c, p = c_rec.metrics, p_rec.metrics
         if (c_rec.window_first, c_rec.window_last) != (p_rec.window_first, p_rec.window_last):
             raise SystemExit(f"window {w} is not the same requests in both runs: "
@@ -86,7 +90,7 @@ def compare(cold_path: Path, primed_path: Path, seed: int = 0) -> dict:
                "model_primed": p.get("model_prefix_hit_rate"), "bound_alone": alone,
                "bound_with_history": with_history, "block_size": block_size, "max_model_len": max_model_len,
                "prime_s": p.get("prime_s"), "prime_prompt_tokens": p.get("prime_prompt_tokens"),
-               "requests_cold": len(c_ttft), "requests_primed": len(p_ttft)}
+               "requests": len(both)}
         row["model_gap"] = (None if row["model_primed"] is None
                             else row["hit_primed"] - row["model_primed"])
         for q in (0.5, 0.9):
@@ -115,14 +119,14 @@ def show(result: dict) -> None:
     if gaps:
         print(f"model within {MODEL_TOLERANCE} of vLLM's measured rate on every primed window: "
               f"{'yes' if max(gaps) <= MODEL_TOLERANCE else 'no'} (largest gap {max(gaps):.4f})")
-    print("\nTTFT, primed over cold (95% BCa bootstrap over each round's requests; two starts, so the "
+    print("\nTTFT, primed over cold (95% BCa bootstrap over the window's requests, paired; two starts, so the "
           "start-to-start spread is not in it)")
     for r in result["windows"]:
         for q in ("p50", "p90"):
             print(f"  window {r['window']} TTFT {q.upper()}: cold {r[f'ttft_{q}_cold_ms']:7.0f} ms, "
                   f"primed {r[f'ttft_{q}_primed_ms']:7.0f} ms: {100 * (r[f'ttft_{q}_ratio'] - 1):+6.1f}% "
                   f"[{100 * (r[f'ttft_{q}_lo'] - 1):+.1f}%, {100 * (r[f'ttft_{q}_hi'] - 1):+.1f}%] "
-                  f"({r['requests_cold']} and {r['requests_primed']} requests)")
+                  f"({r['requests']} requests)")
 
 
 def main() -> None:

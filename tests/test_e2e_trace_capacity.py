@@ -49,7 +49,9 @@ def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
 
     # every step is a round on disk with its load and verdict, and the verdict follows the SLO
     assert [s["load"] for s in cap.steps] == [r.load for r in rounds]
-    assert 2 <= len(rounds) <= 5 and rounds[0].load == 64 and not rounds[0].slo_met
+    # max_steps 5, and where lo (0.5) misses on a loaded machine, up to 3 halvings to the floor (lo / 8)
+    below_lo = any(r.load < 0.5 for r in rounds)
+    assert 2 <= len(rounds) <= 5 + (3 if below_lo else 0) and rounds[0].load == 64 and not rounds[0].slo_met
     for rec in rounds:
         met, _ = capacity.judge(rec.metrics, SLO)
         assert rec.slo_met == met, (rec.load, rec.slo_why)

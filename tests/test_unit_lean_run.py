@@ -118,6 +118,18 @@ def test_lean_run_keeps_the_requests_of_a_capacity_or_search_run(tmp_path):
     assert starts and all((s / "requests.jsonl.gz").exists() for s in starts)
 
 
+def test_lean_run_keeps_the_requests_of_a_trace_windows_run(tmp_path):
+    lean_run = _lean_module()
+    run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p90_ms": 100.0}}).path
+    _dress(run)
+    manifest = json.loads((run / "manifest.json").read_text())
+    manifest["params"]["workload"] = {"kind": "trace", "trace": {"file": "mooncake_conversation", "windows": 3}}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    lean_run.lean(run)
+    starts = _starts(run)
+    assert starts and all((s / "requests.jsonl.gz").exists() for s in starts)
+
+
 def test_lean_run_refuses_a_folder_that_is_not_a_run(tmp_path):
     lean_run = _lean_module()
     with pytest.raises(SystemExit, match="not a run folder.*results/<run>"):

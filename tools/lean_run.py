@@ -13,7 +13,7 @@ In place; a second pass changes nothing but, at most, a few bytes of a PNG:
   with the start's folder as parameters; its figures are in start.json, rounds.jsonl
   and summary.json.
 - points/*/s*/requests.jsonl.gz: removed, unless the study has `capacity` or `search`
-  (their statistics are re-derived from the requests).
+  (their statistics are re-derived from the requests) or `trace.windows`.
 - point.json, summary.json, start.json: written without indentation (same values).
 - every *.png: re-encoded losslessly (RGBA without transparency as RGB, then oxipng);
   a re-encoding that changes a pixel or is not smaller is not kept.
@@ -77,9 +77,11 @@ def _rewrite(path: Path, change) -> None:
 
 
 def keeps_requests(run: Path) -> bool:
-    """Capacity and search runs re-derive their statistics from the requests."""
+    """Capacity and search runs re-derive their statistics from the requests; a study of
+    trace windows keeps them for benchmarks/primed_vs_cold.py's request-level intervals."""
     study = json.loads((run / "manifest.json").read_text()).get("params") or {}
-    return bool(study.get("capacity") or study.get("search"))
+    trace = (study.get("workload") or {}).get("trace") or {}
+    return bool(study.get("capacity") or study.get("search") or trace.get("windows"))
 
 
 def optimise_png(path: Path) -> None:

@@ -213,21 +213,26 @@ class RoundProtocol(StartWriter):
                                      capacity.margins(rec.metrics, c.slo))
             return _pooled_step(load, recs, pooled, c.slo)
         result = bracket.run(measure)
-        result.requests_per_s = self._requests_per_s(result)
+        # (trace.windows: their pooled rate, the start's trace record's)
+        rate = (self.record.trace["rate"] if self.windows else self.workload.trace.rate) if c.over == "speed" else None
+        result.requests_per_s = _requests_per_s(result, rate, self.rounds)
         self.record.capacity = result
         self._mark("measured", save=True)
 
-    def _requests_per_s(self, result: capacity.CapacityRecord) -> float | None:
-        """The capacity in requests/s: the offered rate of an open-loop search, the measured
-        throughput at the capacity of a closed-loop one."""
-        if result.load is None:
-            return None
-        if result.over == "speed":  # (trace.windows: their pooled rate, the start's trace record's)
-            return result.load * (self.record.trace["rate"] if self.windows else self.workload.trace.rate)
-        if result.over == "rate":
-            return result.load
-        at = next((r for r in self.rounds if r.round == result.at_round), None)
-        return at.metrics.get("request_throughput") if at else None
+
+
+def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,
+                    rounds: list[RoundRecord]) -> float | None:
+    """The capacity in requests/s: the offered rate of an open-loop search (over speed: times
+    the trace's real rate), the measured throughput at the capacity of a closed-loop one."""
+    if result.load is None:
+        return None
+    if result.over == "speed":
+        return result.load * trace_rate
+    if result.over == "rate":
+        return result.load
+    at = next((r for r in rounds if r.round == result.at_round), None)
+    return at.metrics.get("request_throughput") if at else None
 
 
 def _pooled_step(load: float, recs: list[RoundRecord], results: list[dict], slo: dict) -> capacity.Step:

@@ -48,7 +48,10 @@ def describe(r: Run) -> str:
 
 def _trace_line(t: TraceSpec) -> str:
     window = f"{t.requests} requests" if t.requests else f"{t.duration_s:g} s" if t.duration_s else "the whole file"
-    return f"trace {t.file} ({t.format}), {window} from {t.start_s:g} s, speed {t.speed:g}"
+    where = (f"{t.windows} windows of {window} from across the whole trace" if t.windows
+             else f"{window} from {t.start_s:g} s")
+    prime = ", each round primed with its window's history" if t.prime == "history" else ""
+    return f"trace {t.file} ({t.format}), {where}, speed {t.speed:g}{prime}"
 
 
 def headline_table(r: Run) -> pd.DataFrame:
