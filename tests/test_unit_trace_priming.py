@@ -445,3 +445,13 @@ def test_the_windows_section_is_for_windowed_or_primed_traces_only(tmp_path):
     table = ns.trace_windows(r)
     assert list(table.index) == ["whole trace", "window 1"] and table.loc["window 1", "start_s"] == 10.0
     assert ns.trace_section.hit_rate_curve(r) is None  # no KV size recorded: no curve
+
+
+def test_prime_left_out_is_history_where_a_mooncake_window_has_traffic_before_it():
+    from vllm_study.define.params import TraceSpec
+    assert TraceSpec(file="mooncake_conversation", windows=3, requests=10).prime == "history"
+    assert TraceSpec(file="mooncake_conversation", start_s=60, requests=10).prime == "history"
+    # the head has no history; Azure rows have no prefix ids; an explicit choice stands
+    assert TraceSpec(file="mooncake_conversation", requests=10).prime == "none"
+    assert TraceSpec(file="azure_code", start_s=60, requests=10).prime == "none"
+    assert TraceSpec(file="mooncake_conversation", windows=3, requests=10, prime="none").prime == "none"
