@@ -448,7 +448,6 @@ def test_the_windows_section_is_for_windowed_or_primed_traces_only(tmp_path):
 
 
 def test_prime_left_out_is_history_where_a_mooncake_window_has_traffic_before_it():
-    from vllm_study.define.params import TraceSpec
     assert TraceSpec(file="mooncake_conversation", windows=3, requests=10).prime == "history"
     assert TraceSpec(file="mooncake_conversation", start_s=60, requests=10).prime == "history"
     # the head has no history; Azure rows have no prefix ids; an explicit choice stands
