@@ -79,8 +79,19 @@ def capacity_answer(r: Run) -> str | None:
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
                      f"(at {r.study.gpu_hour_price:g} a GPU-hour).")
+    confirmed = confirmation_words(r)
+    if confirmed:
+        lines.append(confirmed)
     lines.append(statistic_sentence(r))
     return "\n".join(lines)
+
+
+def confirmation_words(r: Run) -> str | None:
+    """Which comparisons confirmation until resolved resolved, and why it stopped
+    (records/confirmation.py); None for a run without its record."""
+    from ..records import confirmation
+    rec = confirmation.read(r.folder.path)
+    return confirmation.stop_words(rec) if rec else None
 
 
 def best_capacity(r: Run) -> str | None:
