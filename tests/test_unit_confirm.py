@@ -129,3 +129,17 @@ def test_confirm_after_a_search_is_refused_with_the_way_out(tmp_path):
     with pytest.raises(StudyError, match="after a search's confirmation it is not run yet"):
         sweep([str(f)], tmp_path / "results", "cpu")
     assert not (tmp_path / "results").exists()
+
+
+def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path):
+    from vllm_study.report.capacity_section import capacity_answer
+    from vllm_study.report.run import Run
+    low = {"mbt=256": [0.2, 0.3], "mbt=512": [0.3, 0.2], "mbt=1024": [0.25, 0.3]}
+    run, study = _run(tmp_path, low, max_starts=6)
+    before = run.manifest().order
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(low))
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.NOTHING) and "below its lowest load" in rec.stop
+    assert run.manifest().order == before
+    assert "Confirmation until resolved stopped: nothing to confirm: every point's capacity is below" \
+        in capacity_answer(Run.load(run))

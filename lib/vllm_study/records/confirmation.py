@@ -36,6 +36,7 @@ class Verdict(BaseModel):
     starts: dict[str, int]                 # each of the three's completed starts
     over_baseline: str | None = None       # the gain, in words (capacity.fit.Gain)
     over_runner_up: str | None = None
+    best_below: bool = False               # the best's capacity is below its lowest load: every point's is
     baseline_resolved: bool = False
     runner_up_resolved: bool = False
 
@@ -83,6 +84,7 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
     v = Verdict(block=block, best=best, runner_up=runner, baseline=base, starts=starts)
     if best is None:
         return v
+    v.best_below = caps[best].config.kind == "below"
     if caps.get(base) is not None and base != best:
         g = gain(caps[best], caps[base])
         v.over_baseline, v.baseline_resolved = str(g), g.resolved
@@ -101,6 +103,8 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
         return RESOLVED
     if v.best is None or v.runner_up is None:
         return f"{NOTHING}: fewer than two points have a capacity"
+    if v.best_below:   # more starts would only repeat "below the lowest load": lower the floor instead
+        return f"{NOTHING}: every point's capacity is below its lowest load (capacity.floor)"
     if v.over_baseline is None:
         return f"{NOTHING}: the baseline {v.baseline} has no capacity (no start completed)"
     manifest = run.manifest()
@@ -123,7 +127,7 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
 def stop_words(rec: ConfirmRecord) -> str | None:
     """The report's sentence: which comparisons were resolved, and why confirmation stopped."""
     v = rec.last
-    if v is None or v.best is None:
+    if v is None or v.best is None or v.best_below:
         return f"Confirmation until resolved stopped: {rec.stop or 'not run'}." if rec.stop else None
     blocks = v.block - rec.planned_blocks
     parts = []
