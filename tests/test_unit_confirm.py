@@ -143,3 +143,22 @@ def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_pat
     assert run.manifest().order == before
     assert "Confirmation until resolved stopped: nothing to confirm: every point's capacity is below" \
         in capacity_answer(Run.load(run))
+
+
+def test_the_blocks_run_through_the_sweeps_dispatcher(tmp_path):
+    """The appended units go through sweep._run_units and an executor, as a sweep runs them."""
+    from vllm_study import executors, sweep
+
+    class Measures(executors.Executor):   # each start meets the SLO up to the test's k-th capacity
+        rounds_live = False
+
+        def __call__(self, unit, slot, bar, release=None):
+            add_capacity_start(self.run, unit.point, unit.start, RESOLVES[unit.point][unit.start - 1])
+            return self.run.point(unit.point).summary()
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    runner = Measures(run, study, "cpu", [])
+    out = confirm_until_resolved(run, study, SweepOutcome(run, 0), lambda units, o: sweep._run_units(
+        run, units, study, 0.0, None, runner, o.lengths))
+    assert out.stop_note is None and confirmation.read(run.path).stop == confirmation.RESOLVED
+    assert all(unit_finished(run, u) for u in run.manifest().order)
+    assert max(u.start for u in run.manifest().order) > study.replicates
