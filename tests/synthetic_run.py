@@ -100,52 +100,59 @@ def make_run(root: Path, values: dict[str, dict[str, float]], study_over: dict |
     return run
 
 
-def make_capacity_run(root: Path, capacity_rps: dict[str, float | tuple[float, float]], lo: float = 2.0,
-                      hi: float = 8.0, bound_ms: float = 400.0, floor: float | None = None) -> RunFolder:
+def make_capacity_run(root: Path, capacity_rps: dict[str, float | tuple[float, ...]], lo: float = 2.0,
+                      hi: float = 8.0, bound_ms: float = 400.0, floor: float | None = None,
+                      study_over: dict | None = None) -> RunFolder:
     """A capacity study over the Poisson rate (lo to hi req/s, two starts a point) whose
-    point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p] (a pair: start 1's
-    and start 2's): each step's round
-    records TTFT P90 = bound_ms x load / capacity, and each start its search, as
-    point.search_capacity does. `floor`: halve below lo down to it (None: stop at lo, as
-    runs searched before the floor did)."""
-    from vllm_study.capacity import bracket as capacity
+    point p meets ttft_p90_ms <= bound_ms exactly up to capacity_rps[p] (a tuple: start
+    k's is its k-th): each step's round records TTFT P90 = bound_ms x load / capacity, and
+    each start its search, as point.search_capacity does (add_capacity_start). `floor`:
+    halve below lo down to it (None: stop at lo, as runs searched before the floor did);
+    `study_over`: more of the study (a grid, baseline, confirm)."""
     over = {"grid": {"max_num_batched_tokens": [256, 512]}, "rounds": 1, "slo": {"ttft_p90_ms": bound_ms},
             "workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
                          "load": {"kind": "poisson", "rate": 2}},
             "capacity": {"over": "rate", "lo": lo, "hi": hi, "precision": 0.1, "max_steps": 6,
-                         "floor": floor if floor is not None else lo}}
+                         "floor": floor if floor is not None else lo}, **(study_over or {})}
     s = study_from_dict(study(**over))
     points = expand(s, "cpu")
     run = _new_run(root, s, points)
     for p in points:
-        folder = run.point(p.id)
-        plan = PointPlan(study=s, point=p, engine="cpu")
-        folder.save_plan(plan)
+        run.point(p.id).save_plan(PointPlan(study=s, point=p, engine="cpu"))
         for k in range(1, s.replicates + 1):
-            sdir = folder.start_dir(k)
-            sdir.mkdir(parents=True)
-            rounds: list[RoundRecord] = []
-
             cap = capacity_rps[p.id][k - 1] if isinstance(capacity_rps[p.id], tuple) else capacity_rps[p.id]
-
-            def measure(load: float, cap=cap) -> capacity.Step:
-                ttft = bound_ms * load / cap
-                m = {"requests": 16.0, "completed": 16.0, "failed": 0.0, "ttft_p90_ms": ttft,
-                     "tpot_p50_ms": 20.0, "output_throughput": 16.0 * load, "request_throughput": load}
-                met, why = capacity.judge(m, s.capacity.slo, None)
-                rec = RoundRecord(point=p.id, start=k, round=len(rounds), block=k, status="ok",
-                                  utc="2026-01-01T00:00:00", metrics=m, load=load, slo_met=met, slo_why=why)
-                rounds.append(rec)
-                with open(sdir / "rounds.jsonl", "a") as f:
-                    f.write(rec.model_dump_json() + "\n")
-                return capacity.Step(load, met, why or "", rec.round, capacity.margins(m, s.capacity.slo))
-            c = s.capacity
-            result = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps,
-                                      floor=floor).run(measure)
-            result.requests_per_s = result.load
-            StartRecord(point=p.id, start=k, block=k, status="ok", started_utc="x", host="test",
-                        launch=Launch(startup_s=30.0), rounds_planned=s.steps_per_start, rounds_ok=len(rounds),
-                        capacity=result).save(sdir / "start.json")
-        summarize(folder, plan)
+            add_capacity_start(run, p.id, k, cap, bound_ms, floor)
     run.write_summary_csv()
     return run
+
+
+def add_capacity_start(run: RunFolder, point: str, k: int, cap: float, bound_ms: float = 400.0,
+                       floor: float | None = None) -> None:
+    """Start k of `point` in a make_capacity_run run, meeting the SLO exactly up to `cap`
+    req/s; the point's summary is written again, as a finished start leaves it."""
+    from vllm_study.capacity import bracket as capacity
+    folder = run.point(point)
+    plan = folder.plan()
+    s = plan.study
+    sdir = folder.start_dir(k)
+    sdir.mkdir(parents=True)
+    rounds: list[RoundRecord] = []
+
+    def measure(load: float) -> capacity.Step:
+        ttft = bound_ms * load / cap
+        m = {"requests": 16.0, "completed": 16.0, "failed": 0.0, "ttft_p90_ms": ttft,
+             "tpot_p50_ms": 20.0, "output_throughput": 16.0 * load, "request_throughput": load}
+        met, why = capacity.judge(m, s.capacity.slo, None)
+        rec = RoundRecord(point=point, start=k, round=len(rounds), block=k, status="ok",
+                          utc="2026-01-01T00:00:00", metrics=m, load=load, slo_met=met, slo_why=why)
+        rounds.append(rec)
+        with open(sdir / "rounds.jsonl", "a") as f:
+            f.write(rec.model_dump_json() + "\n")
+        return capacity.Step(load, met, why or "", rec.round, capacity.margins(m, s.capacity.slo))
+    c = s.capacity
+    result = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=floor).run(measure)
+    result.requests_per_s = result.load
+    StartRecord(point=point, start=k, block=k, status="ok", started_utc="x", host="test",
+                launch=Launch(startup_s=30.0), rounds_planned=s.steps_per_start, rounds_ok=len(rounds),
+                capacity=result).save(sdir / "start.json")
+    summarize(folder, plan)

@@ -30,6 +30,7 @@ from .define.params import Study
 from .define.schema import StudyError
 from .define.study_file import load_study
 from .define.traces import TraceError
+from .records import confirmation
 from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
                               resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
@@ -157,9 +158,10 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         engine = engine or run.manifest().engine
     else:
         study = load_study(*params_files)
-    if study.confirm:   # planned (--dry-run shows it), not run: refused before anything starts
-        raise StudyError("confirm: (confirmation until resolved) is planned but this kit does not run it yet: "
-                         "see it with --dry-run, and leave it out of the study to run it")
+    if study.confirm and study.search:   # refused before anything starts
+        raise StudyError("confirm: (confirmation until resolved) runs after a grid's planned starts; after a "
+                         "search's confirmation it is not run yet: leave confirm out of a search:, or give the "
+                         "search's top configs and vLLM's defaults as a grid with baseline: and confirm:")
     engine = study_engine(study, engine)
     points = prepare(study, engine)  # raises StudyError before anything starts
     if not resume:
@@ -191,6 +193,9 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
                 break
             print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
             outcome = _run_units(run, extra, study, t0, max_minutes, runner, outcome.lengths)
+        if study.confirm:
+            outcome = confirm_until_resolved(run, study, outcome, lambda units, o: _run_units(
+                run, units, study, t0, max_minutes, runner, o.lengths))
     except KeyboardInterrupt:
         STOPPING.set()
         _stop_children()
@@ -370,6 +375,44 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     manifest.order += extra
     manifest.save(run.manifest_path)
     return extra
+
+
+def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, run_block) -> SweepOutcome:
+    """`confirm:` after the planned starts: judge the run, append one shuffled block of the
+    best, the runner-up and the baseline (records.confirmation.next_block), run it with
+    run_block(units, outcome), and judge again, until resolved or stopped. Each verdict and
+    the reason it stopped go to confirm.json. A block is appended only once every unit in
+    the manifest has run, so --resume finishes an appended block before judging again."""
+    rec = confirmation.read(run.path)
+    if outcome.stop_note and rec is None:   # the planned starts are not done: no confirmation yet
+        return outcome
+    order = run.manifest().order
+    rec = rec or confirmation.ConfirmRecord(planned_blocks=max(u.block for u in order))
+    while True:
+        order = run.manifest().order
+        last = max(u.block for u in order)
+        if outcome.stop_note:
+            rec.stop = f"{confirmation.BUDGET}: {outcome.stop_note}"
+            break
+        bad = [f"{p}#s{u.start}" for u in order if u.block == last > rec.planned_blocks for p in u.points
+               if (s := run.point(p).start(u.start)) is not None and s.status == "failed"]
+        if bad:
+            rec.stop = f"{confirmation.FAILED}: {', '.join(bad)} (--resume --retry-failed starts it again)"
+            break
+        v = confirmation.judge(run, study, last)
+        rec.record(v)
+        print(f"confirm: best {v.best}; over {v.baseline} {v.over_baseline}; over {v.runner_up} {v.over_runner_up}")
+        step = confirmation.next_block(run, study, v)
+        if isinstance(step, str):
+            rec.stop = step
+            break
+        rec.stop = None
+        rec.save(run)
+        print(f"confirm: block {step[0].block}: {', '.join(f'{u.point}#s{u.start}' for u in step)}")
+        outcome = run_block(step, outcome)
+    rec.save(run)
+    print(f"confirm: stopped: {rec.stop}")
+    return outcome
 
 
 def report_folder(run: RunFolder, overwrite: bool = False) -> RunFolder:

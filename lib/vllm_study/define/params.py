@@ -382,7 +382,8 @@ class Confirm(_Strict):
     in a search) again, one fresh start each per shuffled block, until the best's gain
     over the baseline and over the runner-up are both resolved (the ratio's 95% interval,
     or its bound, excludes 1: records.point_capacity.gain) or each of the three has
-    `max_starts` starts. Planned and shown by --dry-run; the sweep does not run it yet."""
+    `max_starts` starts (sweep.confirm_until_resolved; records/confirmation.py). A grid
+    study runs it; after a search's confirmation it is shown by --dry-run, not run yet."""
     until: Literal["resolved"] = "resolved"
     max_starts: int = Field(ge=2)
 
@@ -552,7 +553,8 @@ class Study(_Strict):
         return (f"confirm until resolved: then the best, the runner-up and {base} again, one fresh start each "
                 f"per shuffled block, until the best's gain over {base} and over the runner-up are resolved "
                 f"(95% interval excludes 1) or each has {self.confirm.max_starts} starts: at most {more} more "
-                "starts (not in the estimate). Planned only: the sweep does not run it yet")
+                "starts (not in the estimate)" + (". Planned only: a search's sweep does not run it yet"
+                                                   if self.search else ""))
     def _check_live_knobs(self) -> None:
         """server.live_knobs: true where the kit cannot keep it (null falls back to restarts there)."""
         why = live_knobs_unsupported(self)

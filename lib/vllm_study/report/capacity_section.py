@@ -37,15 +37,17 @@ def capacity_answer(r: Run) -> str | None:
     rec = decision.recommend(r.rounds, r.intervals, {})
     best = best_capacity(r)
     pc = r.capacity(best) if best else None
+    words = confirmation_words(r)
+    confirmed = words + "\n" if words else ""
     if pc is None:
         below = [p for p in (s.point for s in r.summaries) if r.capacity(p) is not None]
         if below and all(r.capacity(p).config.kind == "below" for p in below):  # every point below its floor
             return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
-                    f"missed at every load measured; {_lower(r)}.\n{statistic_sentence(r)}")
-        return f"No capacity was measured: {rec.reason}."
+                    f"missed at every load measured; {_lower(r)}.\n{confirmed}{statistic_sentence(r)}")
+        return f"No capacity was measured: {rec.reason}." + (f"\n{confirmed.strip()}" if confirmed else "")
     if pc.config.kind == "below":  # the best is below the floor: so is every point
         return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
-                f"missed at every load measured; {_lower(r)}.\n{statistic_sentence(r)}")
+                f"missed at every load measured; {_lower(r)}.\n{confirmed}{statistic_sentence(r)}")
     trace = _trace_info(r)
     c = pc.config
     value_rps = pc.rps(c.value)
@@ -79,8 +81,18 @@ def capacity_answer(r: Run) -> str | None:
     if cost:
         lines.append(f"Cost at capacity: {cost} per million output tokens "
                      f"(at {r.study.gpu_hour_price:g} a GPU-hour).")
+    if confirmed:
+        lines.append(confirmed.strip())
     lines.append(statistic_sentence(r))
     return "\n".join(lines)
+
+
+def confirmation_words(r: Run) -> str | None:
+    """Which comparisons confirmation until resolved resolved, and why it stopped
+    (records/confirmation.py); None for a run without its record."""
+    from ..records import confirmation
+    rec = confirmation.read(r.folder.path)
+    return confirmation.stop_words(rec) if rec else None
 
 
 def best_capacity(r: Run) -> str | None:

@@ -1,0 +1,142 @@
+"""Confirmation until resolved (the study's `confirm:`), as the run folder records it:
+after the planned starts, the best config, the runner-up and the baseline get one fresh
+start each per shuffled block, judged again after every block, until the best's gain
+over the baseline and over the runner-up are both resolved (point_capacity.gain: the
+ratio's 95% interval, or its bound, excludes 1) or confirmation stops for another reason.
+
+confirm.json in the run folder keeps each block's verdict and the reason it stopped; a
+run made without `confirm:` has none, and loads as before.
+"""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from ..define.grid import Unit
+from ..define.params import Study
+from .point_capacity import gain, point_capacities
+from .results import RunFolder
+
+CONFIRM = "confirm.json"
+RESOLVED = "resolved"
+MAX_STARTS = "max starts reached"
+BUDGET = "--max-minutes budget"
+FAILED = "a start failed"
+NOTHING = "nothing to confirm"
+
+
+class Verdict(BaseModel):
+    """The run judged after a block (`block`: the manifest's last block then)."""
+    block: int
+    best: str | None
+    runner_up: str | None
+    baseline: str
+    starts: dict[str, int]                 # each of the three's completed starts
+    over_baseline: str | None = None       # the gain, in words (capacity.fit.Gain)
+    over_runner_up: str | None = None
+    best_below: bool = False               # the best's capacity is below its lowest load: every point's is
+    baseline_resolved: bool = False
+    runner_up_resolved: bool = False
+
+    @property
+    def resolved(self) -> bool:
+        return self.baseline_resolved and self.runner_up_resolved
+
+
+class ConfirmRecord(BaseModel):
+    planned_blocks: int              # the manifest's blocks before confirmation: later ones are its own
+    verdicts: list[Verdict] = []
+    stop: str | None = None          # one of the reasons above, with its detail after ": "
+
+    def save(self, run: RunFolder) -> None:
+        (run.path / CONFIRM).write_text(self.model_dump_json(indent=2) + "\n")
+
+    @property
+    def last(self) -> Verdict | None:
+        return self.verdicts[-1] if self.verdicts else None
+
+    def record(self, v: Verdict) -> None:
+        """Keep one verdict per block (a resumed run judges a block again: the later stands)."""
+        self.verdicts = [x for x in self.verdicts if x.block != v.block] + [v]
+
+
+def read(path: Path) -> ConfirmRecord | None:
+    """The run's confirmation record; None for a run without one."""
+    f = Path(path) / CONFIRM
+    return ConfirmRecord.model_validate_json(f.read_text()) if f.exists() else None
+
+
+def judge(run: RunFolder, study: Study, block: int) -> Verdict:
+    """Every point's capacity over all its completed starts (as the report reads a grid
+    run), ranked: the best is the highest (a bound where it met at the highest load), the
+    runner-up the next; each gain as point_capacity.gain states it."""
+    base = study.baseline
+    caps = point_capacities({p: (run.point(p), None) for p in run.point_ids()}, study.capacity.slo,
+                            study.capacity.lo)
+    # a capacity below the lowest load ranks under every measured one; its bound orders the rest
+    ranked = sorted((pid for pid, pc in caps.items() if pc is not None),
+                    key=lambda pid: (caps[pid].config.kind != "below", caps[pid].config.value or 0.0), reverse=True)
+    best = ranked[0] if ranked else None
+    runner = ranked[1] if len(ranked) > 1 else None
+    starts = {p: len(caps[p].starts) if caps.get(p) else 0 for p in {best, runner, base} if p}
+    v = Verdict(block=block, best=best, runner_up=runner, baseline=base, starts=starts)
+    if best is None:
+        return v
+    v.best_below = caps[best].config.kind == "below"
+    if caps.get(base) is not None and base != best:
+        g = gain(caps[best], caps[base])
+        v.over_baseline, v.baseline_resolved = str(g), g.resolved
+    elif base == best:   # the baseline is the best: only the runner-up is left to tell apart
+        v.over_baseline, v.baseline_resolved = "the best is the baseline", True
+    if runner is not None:
+        g = gain(caps[best], caps[runner])
+        v.over_runner_up, v.runner_up_resolved = str(g), g.resolved
+    return v
+
+
+def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
+    """One shuffled block of fresh starts of the best, the runner-up and the baseline,
+    appended to the manifest's order (so --resume runs it too); or the reason to stop."""
+    if v.resolved:
+        return RESOLVED
+    if v.best is None or v.runner_up is None:
+        return f"{NOTHING}: fewer than two points have a capacity"
+    if v.best_below:   # more starts would only repeat "below the lowest load": lower the floor instead
+        return f"{NOTHING}: every point's capacity is below its lowest load (capacity.floor)"
+    if v.over_baseline is None:
+        return f"{NOTHING}: the baseline {v.baseline} has no capacity (no start completed)"
+    manifest = run.manifest()
+    starts: dict[str, int] = {}
+    for u in manifest.order:
+        starts[u.point] = max(starts.get(u.point, 0), u.start)
+    points = list(dict.fromkeys([v.best, v.runner_up, v.baseline]))
+    full = [p for p in points if starts.get(p, 0) >= study.confirm.max_starts]
+    if full:
+        return f"{MAX_STARTS}: {', '.join(full)} {'has' if len(full) == 1 else 'have'} " \
+               f"{study.confirm.max_starts} starts (confirm.max_starts)"
+    block = max(u.block for u in manifest.order) + 1
+    random.Random(f"{study.order_seed}/{block}").shuffle(points)
+    extra = [Unit(point=p, start=starts.get(p, 0) + 1, block=block) for p in points]
+    manifest.order += extra
+    manifest.save(run.manifest_path)
+    return extra
+
+
+def stop_words(rec: ConfirmRecord) -> str | None:
+    """The report's sentence: which comparisons were resolved, and why confirmation stopped."""
+    v = rec.last
+    if v is None or v.best is None or v.best_below:
+        return f"Confirmation until resolved stopped: {rec.stop or 'not run'}." if rec.stop else None
+    blocks = v.block - rec.planned_blocks
+    parts = []
+    if v.baseline != v.best:
+        parts.append(f"over the baseline {v.baseline} {'resolved' if v.baseline_resolved else 'not resolved'} "
+                     f"({v.over_baseline or 'no capacity'})")
+    if v.runner_up:
+        parts.append(f"over the runner-up {v.runner_up} {'resolved' if v.runner_up_resolved else 'not resolved'} "
+                     f"({v.over_runner_up})")
+    each = ", ".join(f"{p} {n}" for p, n in v.starts.items())
+    return (f"Confirmation until resolved ran {blocks} block(s) (starts: {each}): the best {v.best}'s gain "
+            + "; ".join(parts) + f". It stopped: {rec.stop or 'not finished (--resume goes on)'}.")

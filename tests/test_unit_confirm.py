@@ -1,0 +1,164 @@
+"""Confirmation until resolved (`confirm:`) on fake capacity runs: blocks of the best, the
+runner-up and the baseline are added until both gains are resolved or the cap is reached,
+a resumed run adds no block twice, and the stop reason is recorded and shown."""
+from __future__ import annotations
+
+import pytest
+from synthetic_run import add_capacity_start, make_capacity_run
+
+from vllm_study.records import confirmation
+from vllm_study.sweep import SweepOutcome, confirm_until_resolved, unit_finished
+
+GRID = {"grid": {"max_num_batched_tokens": [256, 512, 1024]}, "baseline": "mbt=256", "replicates": 2}
+
+
+def _run(tmp_path, caps: dict[str, list[float]], max_starts: int):
+    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in caps.items()}, lo=1.0, hi=16.0,
+                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": max_starts}})
+    from vllm_study.report.run import Run
+    return run, Run.load(run).study
+
+
+def _blocks(caps):
+    """A fake run_block: each unit's start meets the SLO up to the test's k-th capacity."""
+    def run_block(units, outcome):
+        for u in units:
+            add_capacity_start(outcome.run, u.point, u.start, caps[u.point][u.start - 1])
+        return SweepOutcome(outcome.run, 0)
+    return run_block
+
+
+# the best (1024) about 1.2 x the runner-up and 2.3 x the baseline, with start-to-start spread
+# wide enough that two starts each leave best-vs-runner-up unresolved
+RESOLVES = {"mbt=256": [2.5, 2.8, 2.6, 2.7, 2.55, 2.75, 2.65, 2.6],
+            "mbt=512": [4.8, 6.2, 5.2, 5.4, 5.1, 5.5, 5.3, 5.25],
+            "mbt=1024": [5.6, 7.2, 6.3, 6.5, 6.2, 6.6, 6.4, 6.35]}
+
+
+def test_blocks_are_added_until_both_gains_are_resolved(tmp_path):
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    planned = max(u.block for u in run.manifest().order)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
+    rec = confirmation.read(run.path)
+    assert not rec.verdicts[0].resolved and rec.verdicts[0].baseline_resolved   # the runner-up was not told apart
+    assert rec.stop == confirmation.RESOLVED and rec.last.resolved
+    assert rec.last.best == "mbt=1024" and rec.last.runner_up == "mbt=512"
+    added = [u for u in run.manifest().order if u.block > planned]
+    assert len(added) >= 3 and len(added) % 3 == 0
+    for b in {u.block for u in added}:   # one fresh start each of the three per block
+        assert sorted(u.point for u in added if u.block == b) == ["mbt=1024", "mbt=256", "mbt=512"]
+    assert [v.block for v in rec.verdicts] == list(range(planned, max(u.block for u in added) + 1))
+    assert not any(v.resolved for v in rec.verdicts[:-1])   # no block after it was resolved
+
+
+def test_confirmation_stops_at_max_starts_when_the_best_and_runner_up_tie(tmp_path):
+    tie = {"mbt=256": [2.5, 2.8, 2.6, 2.7], "mbt=512": [5.0, 6.0, 5.5, 5.2], "mbt=1024": [6.0, 5.0, 5.2, 5.5]}
+    run, study = _run(tmp_path, tie, max_starts=4)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(tie))
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.MAX_STARTS) and "4 starts" in rec.stop
+    assert not rec.last.runner_up_resolved and rec.last.baseline_resolved
+    assert {u.start for u in run.manifest().order} == {1, 2, 3, 4}
+    assert rec.last.starts == {"mbt=256": 4, "mbt=512": 4, "mbt=1024": 4}
+
+
+def test_a_resumed_run_finishes_its_block_and_adds_none_twice(tmp_path):
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    planned = max(u.block for u in run.manifest().order)
+    full = _blocks(RESOLVES)
+
+    def budget_spent(units, outcome):   # the first start of the block ran, then the budget ended
+        full(units[:1], outcome)
+        return SweepOutcome(outcome.run, 2, "stopped after 1.0 of 1 minutes")
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), budget_spent)
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.BUDGET)
+    order = run.manifest().order
+    assert max(u.block for u in order) == planned + 1
+    # --resume: the sweep runs the manifest's unfinished units, then confirms again
+    todo = [u for u in order if not unit_finished(run, u)]
+    assert len(todo) == 2
+    outcome = full(todo, SweepOutcome(run, 0))
+    confirm_until_resolved(run, study, outcome, full)
+    order = run.manifest().order
+    keys = [(u.point, u.start) for u in order]
+    assert len(keys) == len(set(keys))   # no start appended twice
+    assert sum(1 for u in order if u.block == planned + 1) == 3
+    assert confirmation.read(run.path).stop == confirmation.RESOLVED
+
+
+def test_the_report_says_what_was_resolved_and_why_it_stopped_only_where_recorded(tmp_path):
+    from vllm_study.report.capacity_section import capacity_answer
+    from vllm_study.report.run import Run
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    assert "Confirmation" not in capacity_answer(Run.load(run))   # a run without the record reads as before
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
+    answer = capacity_answer(Run.load(run))
+    assert "Confirmation until resolved ran" in answer
+    assert "over the baseline mbt=256 resolved" in answer and "over the runner-up mbt=512 resolved" in answer
+    assert "It stopped: resolved." in answer
+
+
+def test_a_failed_start_stops_confirmation_and_says_which(tmp_path):
+    from vllm_study.records.results import StartRecord
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+
+    def fails(units, outcome):
+        u = units[0]
+        d = run.point(u.point).start_dir(u.start)
+        d.mkdir(parents=True)
+        StartRecord(point=u.point, start=u.start, block=u.block, status="failed", reason="server did not start",
+                    rounds_planned=1, started_utc="x", host="test").save(d / "start.json")
+        _blocks(RESOLVES)(units[1:], outcome)
+        return SweepOutcome(run, 0)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), fails)
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.FAILED) and f"{run.manifest().order[-3].point}#s3" in rec.stop
+
+
+def test_confirm_after_a_search_is_refused_with_the_way_out(tmp_path):
+    import json
+
+    from vllm_study.define.schema import StudyError
+    from vllm_study.sweep import sweep
+    study = {"name": "s", "slo": {"ttft_p90_ms": 2000}, "workload": {"load": {"kind": "poisson", "rate": 2}},
+             "capacity": {"over": "rate", "lo": 1, "hi": 8}, "confirm": {"max_starts": 4},
+             "search": {"space": {"max_num_seqs": [8, 32]}, "objective": "capacity_rps", "trials": 4}}
+    f = tmp_path / "s.yaml"
+    f.write_text(json.dumps(study))
+    with pytest.raises(StudyError, match="after a search's confirmation it is not run yet"):
+        sweep([str(f)], tmp_path / "results", "cpu")
+    assert not (tmp_path / "results").exists()
+
+
+def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path):
+    from vllm_study.report.capacity_section import capacity_answer
+    from vllm_study.report.run import Run
+    low = {"mbt=256": [0.2, 0.3], "mbt=512": [0.3, 0.2], "mbt=1024": [0.25, 0.3]}
+    run, study = _run(tmp_path, low, max_starts=6)
+    before = run.manifest().order
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(low))
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.NOTHING) and "below its lowest load" in rec.stop
+    assert run.manifest().order == before
+    assert "Confirmation until resolved stopped: nothing to confirm: every point's capacity is below" \
+        in capacity_answer(Run.load(run))
+
+
+def test_the_blocks_run_through_the_sweeps_dispatcher(tmp_path):
+    """The appended units go through sweep._run_units and an executor, as a sweep runs them."""
+    from vllm_study import executors, sweep
+
+    class Measures(executors.Executor):   # each start meets the SLO up to the test's k-th capacity
+        rounds_live = False
+
+        def __call__(self, unit, slot, bar, release=None):
+            add_capacity_start(self.run, unit.point, unit.start, RESOLVES[unit.point][unit.start - 1])
+            return self.run.point(unit.point).summary()
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    runner = Measures(run, study, "cpu", [])
+    out = confirm_until_resolved(run, study, SweepOutcome(run, 0), lambda units, o: sweep._run_units(
+        run, units, study, 0.0, None, runner, o.lengths))
+    assert out.stop_note is None and confirmation.read(run.path).stop == confirmation.RESOLVED
+    assert all(unit_finished(run, u) for u in run.manifest().order)
+    assert max(u.start for u in run.manifest().order) > study.replicates
