@@ -90,4 +90,87 @@ def test_a_study_the_two_tools_cannot_run_alike_is_refused_with_its_fix():
     found = mod.problems(bad)
     assert any("api must be completions" in p for p in found)
     assert any("output_tokens must be one number" in p for p in found)
-    assert any("one server start a point" in p for p in found)
+    assert any("the same points and runs in both tools" in p for p in found)
+
+
+def _kit_run(root: Path):
+    """A kit run of 2 points that shared one start (live knobs): mbt=512 launched the
+    server and served mbt=256 too; each point has its own rounds."""
+    from synthetic_run import _new_run, study
+    from vllm_study.define.grid import expand
+    from vllm_study.define.study_file import study_from_dict
+    from vllm_study.records.results import Launch, RoundRecord, StartRecord, append_round
+    s = study_from_dict(study(grid={"max_num_batched_tokens": [256, 512]}, replicates=1))
+    run = _new_run(root, s, expand(s, "cpu"))
+    for pid, served_by, timeline, ttfts in (
+            ("mbt=512", None, {"spawn": 0.0, "warmup": 100.0, "measured": 160.0}, (200.0, 210.0)),
+            ("mbt=256", "mbt=512/s1", {"measured": 160.0}, (300.0, 330.0))):
+        d = run.point(pid).start_dir(1)
+        d.mkdir(parents=True)
+        StartRecord(point=pid, start=1, status="ok", started_utc="x", host="h", launch=Launch(), rounds_planned=2,
+                    serves=["mbt=512", "mbt=256"] if served_by is None else [], served_by=served_by,
+                    timeline=timeline).save(d / "start.json")
+        for i, ttft in enumerate(ttfts):
+            append_round(d, RoundRecord(point=pid, start=1, round=i, status="ok", utc="x",
+                                        metrics={"ttft_p50_ms": ttft, "tpot_p50_ms": 20.0,
+                                                 "output_throughput": 500.0}), [])
+        if served_by is None:  # the shared server's log is in the launching start's folder only
+            with gzip.open(d / "server.log.gz", "wt") as f:
+                f.write(GPU_026)
+    return run
+
+
+def test_the_kits_limit_counts_the_starts_it_launched_not_its_points(tmp_path):
+    mod = _sweep_speed()
+    run = _kit_run(tmp_path / "kit")
+    (start,) = mod.kit_starts(run)  # one start served both points
+    assert start["start"] == "mbt=512/s1" and start["serves"] == ["mbt=512", "mbt=256"]
+    assert start["gpu_startup_s"] == pytest.approx(23.140827) and start["measure_s"] == 60.0
+    points = mod.kit_points(run)
+    assert points["mbt=256"]["served_by"] == "mbt=512/s1"
+    assert points["mbt=256"]["gpu_startup_s"] is None and points["mbt=256"]["measure_s"] is None
+    assert [r["ttft_p50_ms"] for r in points["mbt=256"]["runs"]] == [300.0, 330.0]
+
+
+def test_the_summary_sets_the_kit_against_its_own_plan_and_vllm_bench_one_start_a_point(tmp_path, capsys):
+    mod = _sweep_speed()
+    _kit_run(tmp_path / "kit")
+    points = {"mbt=256": {"max_num_batched_tokens": 256}, "mbt=512": {"max_num_batched_tokens": 512}}
+    exp = tmp_path / "bench" / "sweep"
+    for mbt in (256, 512):
+        for i in range(2):
+            _write(exp / f"SERVE--max_num_batched_tokens={mbt}" / f"run={i}.json",
+                   {"max_num_batched_tokens": mbt, "duration": 20.0, "median_ttft_ms": 250.0,
+                    "median_tpot_ms": 20.0, "output_throughput": 500.0})
+    with gzip.open(tmp_path / "bench" / "bench.log.gz", "wt") as f:  # two servers: 23.14 s and 44.6 s
+        f.write("[BEGIN SERVER]\n" + GPU_026 + "[END SERVER]\n[BEGIN SERVER]\n" + GPU_032 + "[END SERVER]\n")
+    _write(tmp_path / "sweep_speed.json", {"runs": 2, "order": ["kit", "vllm_bench"], "points": points,
+                                           "wall_s": {"kit": 100.0, "vllm_bench": 400.0}})
+    got = mod.summarize(tmp_path, ratio_target=0.25, limit_target=1.3)
+    assert got["starts"] == {"kit": 1, "vllm_bench": 2}
+    # the kit's limit: its one start's start-up (23.14 s) and its measuring (60 s), not per point
+    assert got["limit_s"] == pytest.approx(83.140827)
+    assert got["kit_over_limit"] == pytest.approx(100.0 / 83.140827)
+    assert got["vllm_bench_plan_s"] == {"gpu_startup_s": pytest.approx(67.740827), "measure_s": 80.0}
+    assert got["targets_met"] == {"ratio": True, "limit": True}
+    out = capsys.readouterr().out
+    assert "1 server start(s)" in out and "2 server start(s)" in out
+
+
+def test_a_study_with_live_knobs_is_one_both_tools_can_run():
+    mod = _sweep_speed()
+    live = {"name": "s", "grid": {"max_num_batched_tokens": [256, 512], "max_num_seqs": [2, 4]},
+            "workload": {"kind": "shared_prefix", "api": "completions", "output_tokens": 16},
+            "server": {"live_knobs": True}}
+    assert mod.problems(Study.model_validate(live)) == []
+
+
+def test_the_h200_study_runs_its_4_points_in_one_kit_start_and_alike_in_both_tools():
+    from vllm_study.define.grid import expand, live_groups
+    from vllm_study.define.study_file import load_study
+    mod = _sweep_speed()
+    study = load_study(BENCHMARKS.parent / "params" / "h200-sweep-speed.yaml")
+    assert mod.problems(study) == [] and study.rounds == 3
+    points = expand(study, "gpu")
+    groups, _ = live_groups(study, "gpu", points)
+    assert len(points) == 4 and len(groups) == 1 and groups[0][0].id == "mbt=2048__mns=32"
