@@ -68,12 +68,13 @@ class Primer:
                 block_size=self.kv[1], max_model_len=(record.trace or {}).get("max_model_len"))
             slot.requests = priming.prime_requests(tokenizer, api=study.workload.api, seed=study.workload.seed,
                                                    history=slot.history, block_tokens=trace.block_tokens)
-            note = slot.history.note()
+            if windows is None:
+                note = slot.history.note()
+            else:
+                note = slot.history.note("its window is early in the trace")
+                note = note and f"window {k + 1}: {note}"
             if note:
-                record.warnings.append(note if windows is None else
-                                       f"window {k + 1}: " + note.replace("(move trace.start_s later for a full "
-                                                                          "history)", "(its window is early in "
-                                                                          "the trace)"))
+                record.warnings.append(note)
 
     @property
     def history(self) -> priming.History | None:

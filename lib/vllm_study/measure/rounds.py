@@ -213,12 +213,11 @@ class RoundProtocol(StartWriter):
                                      capacity.margins(rec.metrics, c.slo))
             return _pooled_step(load, recs, pooled, c.slo)
         result = bracket.run(measure)
-        # (trace.windows: their pooled rate, the start's trace record's)
-        rate = (self.record.trace["rate"] if self.windows else self.workload.trace.rate) if c.over == "speed" else None
+        # the start's trace record's rate: its window's, or with trace.windows theirs pooled
+        rate = self.record.trace["rate"] if c.over == "speed" else None
         result.requests_per_s = _requests_per_s(result, rate, self.rounds)
         self.record.capacity = result
         self._mark("measured", save=True)
-
 
 
 def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,

@@ -29,14 +29,13 @@ class History:
     def prompt_tokens(self) -> int:
         return sum(r.input_tokens for r in self.requests)
 
-    def note(self) -> str | None:
+    def note(self, fix: str = "move trace.start_s later for a full history") -> str | None:
         """A statement (not an error) where the history runs off the trace's start."""
         if self.full:
             return None
         return (f"trace.prime: history: the window's history runs off the trace's start: {self.available} requests, "
                 f"{self.available_tokens:,} prompt tokens before it, fewer distinct blocks than the server's "
-                f"{self.kv_tokens:,}-token KV cache holds; each round starts part cold (move trace.start_s later "
-                "for a full history)")
+                f"{self.kv_tokens:,}-token KV cache holds; each round starts part cold ({fix})")
 
 
 def select_history(before: Sequence[TraceRequest], window: Sequence[TraceRequest], *, block_tokens: int,

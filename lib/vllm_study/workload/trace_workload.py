@@ -230,14 +230,18 @@ class TraceWorkload(_Base):
 
 
 
-def window_workload(tokenizer, w, max_model_len: int | None) -> tuple[TraceWorkload, dict]:
-    """params.Workload `w`'s one trace window, less the requests longer than the server
-    allows, as a TraceWorkload, and the start's trace record (windows.build does the same
-    for trace.windows)."""
-    trace = read_trace(w.trace)
+def fitted_workload(tokenizer, w, trace: Trace, max_model_len: int | None) -> tuple[TraceWorkload, dict]:
+    """`trace`, less the requests longer than the server allows, as a TraceWorkload of
+    params.Workload `w`, and what its start records of it (windows.build lists one a window)."""
     kept, dropped = trace.fit(max_model_len) if max_model_len else (trace, 0)
     wl = TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=kept)
-    return wl, {"source": trace.source, "format": w.trace.format, "start_s": w.trace.start_s,
-                "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
-                "max_model_len": max_model_len, "skipped": kept.skipped, "inexact": wl.inexact,
-                "prompt_floor": wl.prompt_floor, "rate": kept.rate, "duration_s": kept.duration_s}
+    return wl, {"source": trace.source, "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
+                "inexact": wl.inexact, "rate": kept.rate, "duration_s": kept.duration_s}
+
+
+def window_workload(tokenizer, w, max_model_len: int | None) -> tuple[TraceWorkload, dict]:
+    """params.Workload `w`'s one trace window as a fitted workload, and the start's trace
+    record (windows.build does the same for trace.windows)."""
+    wl, fitted = fitted_workload(tokenizer, w, read_trace(w.trace), max_model_len)
+    return wl, {**fitted, "format": w.trace.format, "start_s": w.trace.start_s, "max_model_len": max_model_len,
+                "skipped": wl.trace.skipped, "prompt_floor": wl.prompt_floor}

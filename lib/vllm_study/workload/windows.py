@@ -25,7 +25,7 @@ import numpy as np
 import pandas as pd
 
 from . import prefix_cache_model as pcm
-from .trace_workload import TraceWorkload
+from .trace_workload import fitted_workload
 from ..define.params import TraceSpec
 from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_trace, read_whole
 
@@ -183,17 +183,11 @@ class WindowSet:
         return sum(rates) / len(rates) if None not in rates else None
 
 
-def whole_of(spec: TraceSpec) -> Trace:
-    """The whole trace a study's `trace.windows` cuts from: a shipped name's full
-    original, else the whole file; outputs capped as the study says."""
-    return read_whole(spec)
-
-
 def for_study(spec: TraceSpec, seed: int, *, kv_tokens: int | None = None,
               block_size: int = pcm.DEFAULT_BLOCK_SIZE) -> tuple[Trace, Plan]:
     """The whole trace and the study's windows of it (spec.windows of them, seeded by
     workload.seed)."""
-    whole = whole_of(spec)
+    whole = read_whole(spec)  # a shipped name's full original, else the whole file
     return whole, plan_windows(whole, spec.windows, seed=seed, requests=spec.requests, duration_s=spec.duration_s,
                                prime=spec.prime, kv_tokens=kv_tokens, block_size=block_size)
 
@@ -205,13 +199,9 @@ def build(tokenizer, w, max_model_len: int | None) -> tuple[WindowSet, dict]:
     whole, plan = for_study(w.trace, w.seed)
     loads, rows = [], []
     for x in plan.windows:
-        trace = x.trace(whole)
-        kept, dropped = trace.fit(max_model_len) if max_model_len else (trace, 0)
-        wl = TraceWorkload(tokenizer, api=w.api, seed=w.seed, trace=kept)
+        wl, fitted = fitted_workload(tokenizer, w, x.trace(whole), max_model_len)
         loads.append(wl)
-        rows.append({"window": x.index + 1, "first": x.start, "last": x.stop - 1, "source": trace.source,
-                     "requests": len(kept.requests), "dropped_over_max_model_len": dropped,
-                     "inexact": wl.inexact, "rate": kept.rate, "duration_s": kept.duration_s})
+        rows.append({"window": x.index + 1, "first": x.start, "last": x.stop - 1, **fitted})
     gaps, span = sum(r["requests"] - 1 for r in rows), sum(r["duration_s"] for r in rows)
     record = {"source": f"{whole.source}, {len(rows)} windows", "format": w.trace.format, "start_s": 0.0,
               "requests": sum(r["requests"] for r in rows),
