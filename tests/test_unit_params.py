@@ -3,14 +3,13 @@ vLLM rules, run order."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
 import yaml
 
 from vllm_study.vocab import axes
-from vllm_study.define import grid, models
+from vllm_study.define import grid, grid_spec, models
 from vllm_study.launch import machine
 from vllm_study.define.grid import Effective, Point, expand, point_id, run_order
 from vllm_study.define.schema import EngineArgs, StudyError
@@ -95,8 +94,8 @@ def test_every_committed_study_loads_and_expands(path):
     s = load_study(path)
     points = expand(s, engine="gpu" if s.server.engine == "gpu" else "cpu")
     assert points and len({p.id for p in points}) == len(points)
-    if s.grid:  # every grid cell is a point (other axes, e.g. the scheduler's, multiply them)
-        assert len(points) >= math.prod(len(values) for values in s.grid.values())
+    if s.grid:  # every grid cell (or listed point) is a point (other axes, e.g. the scheduler's, multiply them)
+        assert len(points) >= len(grid_spec.combos(s.grid))
 
 
 def test_repo_default_yaml_loads_and_expands_to_four_points():
@@ -760,3 +759,24 @@ def test_an_unknown_key_inside_a_list_or_mapping_lists_the_keys_allowed_there(ov
     line = next(ln for ln in str(ei.value).splitlines() if where in ln)
     assert line.strip().startswith(f"{where}: unknown key")
     assert line.endswith(allowed)
+
+
+def test_a_grid_may_list_its_points_instead_of_crossing_axes(tmp_path):
+    """vLLM's defaults against a searched best with and without caching: three points, not
+    the eight of their product; the axes are the union, in the order first given."""
+    from vllm_study.define.params import Study
+    pts = [{"max_num_batched_tokens": 8192, "max_num_seqs": 1024, "enable_prefix_caching": True},
+           {"max_num_batched_tokens": 4096, "max_num_seqs": 64, "enable_prefix_caching": False},
+           {"max_num_batched_tokens": 4096, "max_num_seqs": 64, "enable_prefix_caching": True}]
+    s = Study(name="x", grid=pts, baseline="mbt=8192__mns=1024__pc=on")
+    points = expand(s, engine="gpu")
+    assert [p.id for p in points] == ["mbt=8192__mns=1024__pc=on", "mbt=4096__mns=64__pc=off",
+                                      "mbt=4096__mns=64__pc=on"]
+    assert grid_spec.axes(s.grid) == {"max_num_batched_tokens": [8192, 4096], "max_num_seqs": [1024, 64],
+                                      "enable_prefix_caching": [True, False]}
+    with pytest.raises(ValueError, match="grid point 2 .* give every point every axis"):
+        Study(name="x", grid=[pts[0], {"max_num_batched_tokens": 4096}])
+    with pytest.raises(ValueError, match="grid points 1 and 2 are the same configuration"):
+        Study(name="x", grid=[pts[0], dict(pts[0])])
+    with pytest.raises(ValueError, match="max_num_seqs is both a grid axis and fixed in engine_args"):
+        Study(name="x", grid=pts, engine_args={"max_num_seqs": 8})

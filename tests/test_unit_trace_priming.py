@@ -169,6 +169,19 @@ def test_the_round_records_priming_and_the_models_hit_rate(monkeypatch):
     assert record.warnings == []
 
 
+def test_a_server_without_prefix_caching_is_neither_primed_nor_modelled(monkeypatch):
+    monkeypatch.setattr(priming, "prime_requests", lambda *a, history, **k: list(history.requests))
+    spec = TraceSpec(file="mooncake_conversation", start_s=100, requests=20, prime="history")
+    window = read_trace(spec)
+    primer, record = _primer(spec, window, kv_blocks=20000)
+    record.launch.cache_config["enable_prefix_caching"] = "False"   # vLLM's label: str(bool)
+    off = Primer(primer.study, SimpleNamespace(trace=window), None, record)
+    assert off.prime(lambda reqs: pytest.fail("nothing outlives a request: no history to send")) == {}
+    assert off.model_hit_rate({"ttft_p50_ms": 200.0, "tpot_p50_ms": 20.0}, None) == {}
+    assert record.trace["prime"].startswith("none: prefix caching is off")
+    assert primer.prime(lambda reqs: [{"error": None}] * len(reqs))["prime_requests"] > 0  # "True": primed
+
+
 def test_a_window_whose_history_runs_off_the_start_says_so_in_the_starts_record(monkeypatch):
     monkeypatch.setattr(priming, "prime_requests", lambda *a, history, **k: list(history.requests))
     spec = TraceSpec(file="mooncake_conversation", start_s=5, requests=20, prime="history")

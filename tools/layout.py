@@ -101,12 +101,13 @@ def knob_forms(knob: str, study_file: Path) -> list[tuple[str, str]]:
     """(where, the value as it stands there) for one grid knob of `study_file`'s first point.
     Each step is the kit's own code: the study is loaded and expanded as a sweep does, the
     argv is the point's EngineArgs.cli(), the config key is what export writes."""
+    from vllm_study.define import grid_spec
     from vllm_study.define.grid import expand
     from vllm_study.define.study_file import load_study
     from vllm_study.vocab import axes
     study = load_study(study_file)
-    if knob not in study.grid:
-        raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(study.grid)}")
+    if knob not in grid_spec.axes(study.grid):
+        raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(grid_spec.axes(study.grid))}")
     point = expand(study, "cpu")[0]
     yaml_line = next(ln.strip() for ln in study_file.read_text().splitlines() if ln.strip().startswith(f"{knob}:"))
     argv = point.engine_args.cli()

@@ -14,7 +14,6 @@ serves the whole group (`live_groups`): the blocks then shuffle groups.
 """
 from __future__ import annotations
 
-import itertools
 import os
 import random
 from typing import Any
@@ -25,6 +24,7 @@ from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
 from ..prefix_budget.knobs import KNOBS as LIVE_AXES
+from . import grid_spec
 from .schema import EngineArgs, StudyError, parse_flags
 from .params import Study, Target, live_knobs_unsupported
 from .study_file import _explain
@@ -209,7 +209,7 @@ def cpu_kv_default(study: Study, engine: str, available: int | None = None,
     if engine != "cpu" or study.targets:
         return None
     searched = study.search.space if study.search and not ignore_space else {}
-    if any(k in study.grid or k in searched or getattr(study.engine_args, k) is not None
+    if any(k in grid_spec.axes(study.grid) or k in searched or getattr(study.engine_args, k) is not None
            for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
         return None
     if any(f"--{k}".replace("_", "-") in CPU_KV_FLAGS for k in parse_flags(study.server.extra_cli_args)):
@@ -307,11 +307,10 @@ def expand(study: Study, engine: str) -> list[Point]:
         return [point]
     # the scheduler's min_reuse_ratio is an axis of its own when it lists several values
     ratios = study.scheduler.ratios
-    columns = {**study.grid, **({SCHEDULER_AXIS: ratios} if len(ratios) > 1 else {})}
-    names = list(columns)
+    combos = [{**c, SCHEDULER_AXIS: r} for c in grid_spec.combos(study.grid) for r in ratios] if len(ratios) > 1 \
+        else grid_spec.combos(study.grid)
     points, problems = [], []
-    for combo in itertools.product(*(columns[a] for a in names)):
-        values = dict(zip(names, combo))
+    for values in combos:
         pid = point_id(values)
         twin = next((p for p in points if p.id == pid), None)
         if twin:  # two points in one folder: the second would be skipped as finished

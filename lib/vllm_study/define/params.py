@@ -23,6 +23,7 @@ from .models import CARDS
 from .traces import SHIPPED
 from .schema import EngineArgs, _Strict, _did_you_mean, parse_flags
 from .search_space import Search
+from . import grid_spec
 
 
 class ModelSpec(_Strict):
@@ -445,8 +446,9 @@ class Study(_Strict):
     description: str = ""
     model: ModelSpec = ModelSpec()
     engine_args: EngineArgs = EngineArgs()
-    # a file that extends a grid study may drop its grid with `grid: null` (e.g. to search instead)
-    grid: Annotated[dict[str, list[Any]], BeforeValidator(lambda v: {} if v is None else v)] = {}
+    # axes crossed, or a list of points (grid_spec.py); a file that extends a grid study may
+    # drop its grid with `grid: null` (e.g. to search instead)
+    grid: Annotated[grid_spec.Grid, BeforeValidator(lambda v: {} if v is None else v)] = {}
     targets: list[Target] = []  # instead of a grid: measure running endpoints
     search: Search | None = None  # instead of a grid: search a space (config_search.py)
     workload: Workload = Workload()
@@ -493,18 +495,7 @@ class Study(_Strict):
         names = [t.name for t in self.targets]
         if len(set(names)) != len(names):
             raise ValueError(f"target names repeat: {names}")
-        known = set(EngineArgs.model_fields)
-        for axis, values in self.grid.items():
-            if axis not in known:
-                raise ValueError(f"grid axis {axis!r} is not an engine argument the kit "
-                                 f"knows{_did_you_mean(axis, known)}; axes: {', '.join(sorted(known))}")
-            if getattr(self.engine_args, axis) is not None:
-                raise ValueError(f"{axis} is both a grid axis and fixed in engine_args; "
-                                 "remove one of them")
-            if not values:
-                raise ValueError(f"grid axis {axis!r} has no values")
-            if len(set(map(repr, values))) != len(values):
-                raise ValueError(f"grid axis {axis!r} repeats a value: {values}")
+        grid_spec.check(self.grid, self.engine_args)
         return self
 
     def _check_search(self) -> None:

@@ -53,7 +53,13 @@ class Primer:
         self.kv = ((int(c["num_gpu_blocks"]) * int(c["block_size"]), int(c["block_size"]))
                    if c.get("num_gpu_blocks") and c.get("block_size") else None)
         self.slots = ([_Slot(wl) for wl in windows.workloads] if windows is not None else [_Slot(workload)])
+        # prefix caching off: no block outlives its request, so history primes nothing and
+        # the model (an LRU of reused blocks) does not apply; the label is vLLM's str(bool)
+        self.caching = str(c.get("enable_prefix_caching", True)).lower() != "false"
         if self.spec.prime != "history":
+            return
+        if not self.caching:
+            record.trace = {**(record.trace or {}), "prime": "none: prefix caching is off, nothing to prime"}
             return
         if self.kv is None:
             record.warnings.append("workload.trace.prime: history: the server reports no KV cache size "
@@ -100,7 +106,7 @@ class Primer:
         long a request holds its blocks, primed with the history the round was primed with."""
         slot = self.slots[window]
         trace = slot.workload.trace
-        if trace.block_tokens is None or self.kv is None:
+        if trace.block_tokens is None or self.kv is None or not self.caching:
             return {}
         over = self.study.capacity.over if load is not None else None
         speed = capacity.trace_speed(over, load, trace.rate, self.spec.speed)

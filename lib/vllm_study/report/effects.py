@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from ..analysis import intervals as analysis
+from ..define import grid_spec
 from ..vocab import axes, metrics
 from ..vocab.axes import SCHEDULER_AXIS
 from .binding import _same, scheduler_binding
@@ -20,8 +21,9 @@ WHOLE_ROUND_EFFECTS = ("output_throughput", "prefix_cache_hit_rate")  # the whol
 def axis_values(r: Run, axis: str) -> list:
     """An axis's values in the order the study lists them."""
     study = r.study
-    if axis in study.grid:
-        return list(study.grid[axis])
+    grid = grid_spec.axes(study.grid)
+    if axis in grid:
+        return list(grid[axis])
     if axis == SCHEDULER_AXIS:
         return study.scheduler.ratios
     return list(dict.fromkeys(s.values[axis] for s in r.summaries if axis in s.values))

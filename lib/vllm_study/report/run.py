@@ -12,6 +12,7 @@ import pandas as pd
 
 from ..analysis import intervals as analysis
 from ..vocab.axes import SCHEDULER_AXIS
+from ..define import grid_spec
 from ..define.search_space import Search
 from ..define.params import Study
 from ..define.schema import StudyError
@@ -100,7 +101,7 @@ class Run:
     def axes(self) -> list[str]:
         """The grid's axes as the points have them: the study's grid, and the scheduler axis
         that grid.expand adds where a study sweeps the Prefix Reuse Budget's ratios."""
-        grid = list(self.study.grid or (self.search.space if self.search else {}))
+        grid = list(grid_spec.axes(self.study.grid) or (self.search.space if self.search else {}))
         return grid + [SCHEDULER_AXIS] if any(SCHEDULER_AXIS in s.values for s in self.summaries) else grid
 
     @property
