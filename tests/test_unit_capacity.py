@@ -349,3 +349,21 @@ def test_confirm_until_resolved_is_shown_by_the_dry_run(tmp_path, capsys):
 def test_bad_confirm_settings_are_refused_with_the_fix(change, message):
     with pytest.raises((StudyError, ValueError), match=message.replace("(", r"\(").replace(")", r"\)")):
         study_from_dict(_study(**change))
+
+
+def test_probing_lo_first_ends_a_start_that_misses_everywhere_in_one_step_and_finds_the_same_bracket():
+    log: list[float] = []
+    below = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4, probe="lo").run(_measure(0.5, log))
+    assert log == [1.0] and below.censored == "below" and below.load is None and below.bracket == (0.0, 1.0)
+    log.clear()
+    lower = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4, floor=0.25, probe="lo").run(_measure(0.6, log))
+    assert log[:2] == [1.0, 0.5] and lower.censored is None and len(log) <= 4 + 2
+    assert lower.bracket[0] <= 0.6 < lower.bracket[1] <= 1.0   # halved below lo, then bisected
+    log.clear()
+    inside = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4, probe="lo").run(_measure(1.7, log))
+    assert log[:2] == [1.0, 3.0] and len(log) == 4   # lo met, hi missed, then the bisection
+    hi_first = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4).run(_measure(1.7, []))
+    assert inside.bracket[0] <= 1.7 < inside.bracket[1] and hi_first.bracket[0] <= 1.7 < hi_first.bracket[1]
+    log.clear()
+    above = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4, probe="lo").run(_measure(9.0, log))
+    assert log == [1.0, 3.0] and above.censored == "above"

@@ -62,6 +62,7 @@ class Bracket:
     precision: float
     max_steps: int
     floor: float | None = None   # halve below lo down to this where lo misses (None: stop at lo)
+    probe: Literal["hi", "lo"] = "hi"   # where the search begins (run's docstring)
     steps: list[Step] = field(default_factory=list)
 
     def __post_init__(self):
@@ -90,7 +91,19 @@ class Bracket:
         highest pass and the lowest miss; lo is measured only if no step above it met
         (a miss there: the capacity is below the bracket). hi goes first because a
         step's round takes about its window's span / load: the low loads are the slow
-        steps, and a bisection that finds a pass never needs lo itself."""
+        steps, and a bisection that finds a pass never needs lo itself.
+
+        probe="lo" turns that round for studies with configs that may miss at every load:
+        lo first, and a miss there goes straight below it (one step, where hi-first spends
+        the whole budget before it learns that); a pass goes on to hi, then bisects."""
+        if self.probe == "lo":
+            first = self._take(measure, self.lo)
+            if not first.met:
+                return self._below(measure)
+            if self._take(measure, self.hi).met:
+                return self._record(self.steps[-1], (self.hi, None), "above")
+            best, lo, hi = self._bisect(measure, first, self.lo, self.hi, self.max_steps)
+            return self._record(best, (lo, hi), None)
         if self._take(measure, self.hi).met:
             return self._record(self.steps[-1], (self.hi, None), "above")
         best, lo, hi = self._bisect(measure, None, self.lo, self.hi, self.max_steps)

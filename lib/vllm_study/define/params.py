@@ -407,6 +407,9 @@ class Capacity(_Strict):
     precision: float = Field(0.05, gt=0)
     max_steps: int = Field(8, ge=2)
     floor: float | None = None   # the lowest load the search goes to where lo misses; None: lo / 8
+    # where the search begins: hi (a pass ends it at once; low loads are the slow steps) or
+    # lo (a miss ends it at once: for configs that may miss at every load)
+    probe: Literal["hi", "lo"] = "hi"
 
     @model_validator(mode="after")
     def _bracket(self):

@@ -192,7 +192,7 @@ class RoundProtocol(StartWriter):
         """capacity.Bracket over this start's server, one round a step; the record is saved
         after every step, so a start that dies mid-search keeps what it measured."""
         c = self.study.capacity
-        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor)
+        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor, probe=c.probe)
 
         def measure(load: float) -> capacity.Step:
             if self.failed:
