@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 20.5 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads
-LIMIT_MIB = 22
+# 22.9 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads,
+# and the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
+LIMIT_MIB = 24
 
 
-def test_the_tracked_tree_weighs_under_22_mib():
+def test_the_tracked_tree_weighs_under_24_mib():
     try:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
