@@ -12,6 +12,7 @@ from vllm_study.report import report
 from vllm_study.report import binding, capacity_section
 from vllm_study import notebook_support as ns
 from vllm_study.define.params import Study
+from vllm_study.define import grid_spec
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/manifest.json"))
@@ -26,7 +27,7 @@ def test_the_committed_runs_are_found():
 def test_a_committed_run_loads_with_its_typed_study(folder):
     r = ns.load_run(ns.resolve_run(str(folder)), quiet=True)  # as notebooks/report.ipynb does
     assert isinstance(r.study, Study) and r.study.name == r.manifest.study
-    grid = list(r.study.grid or (r.study.search.space if r.study.search else {}))
+    grid = list(grid_spec.axes(r.study.grid) or (r.study.search.space if r.study.search else {}))
     assert r.axes in (grid, grid + [axes.SCHEDULER_AXIS])
     assert report.describe(r)
     if folder.name == BUDGET_RUN:  # its min_reuse_ratio values make the scheduler an axis: heatmaps chunk x ratio
