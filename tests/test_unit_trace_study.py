@@ -257,6 +257,7 @@ def test_a_window_none_of_whose_requests_fits_is_refused_and_the_dry_run_states_
     assert "workload.trace.windows 2:" in out and "measured round r replays window r % 2" in out
     assert "window 1: requests " in out and "window 2: requests " in out
     assert "history before it: " in out and "tokens of distinct prefix blocks" in out
+    assert "priming: each round of a server with prefix caching first sends about its KV cache" in out
     assert "rounds 3 is not a multiple of trace.windows 2: windows 1 to 1 get one round more" in out
     # the head window's history statement (start_s 0: "no history") is not made for windows
     assert "has no history" not in out
