@@ -780,3 +780,16 @@ def test_a_grid_may_list_its_points_instead_of_crossing_axes(tmp_path):
         Study(name="x", grid=[pts[0], dict(pts[0])])
     with pytest.raises(ValueError, match="max_num_seqs is both a grid axis and fixed in engine_args"):
         Study(name="x", grid=pts, engine_args={"max_num_seqs": 8})
+
+
+def test_a_listed_grid_shares_a_start_only_where_one_point_holds_every_largest_limit():
+    from vllm_study.define.grid import live_groups
+    from vllm_study.define.params import Study
+    crossed = Study(name="x", grid=[{"max_num_batched_tokens": 512, "max_num_seqs": 8},
+                                    {"max_num_batched_tokens": 256, "max_num_seqs": 16}])
+    groups, _ = live_groups(crossed, "cpu", expand(crossed, engine="cpu"))
+    assert [len(g) for g in groups] == [1, 1]   # neither point can launch for both
+    nested = Study(name="x", grid=[{"max_num_batched_tokens": 512, "max_num_seqs": 16},
+                                   {"max_num_batched_tokens": 256, "max_num_seqs": 8}])
+    (group,) = live_groups(nested, "cpu", expand(nested, engine="cpu"))[0]
+    assert [p.id for p in group] == ["mbt=512__mns=16", "mbt=256__mns=8"]

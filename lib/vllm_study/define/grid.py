@@ -370,7 +370,7 @@ def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[li
     out = []
     for members in groups.values():
         lead = _largest(members)
-        if lead is None:  # a grid is a full product: its largest limits are one of its points
+        if lead is None:  # a listed grid may have no point at all the largest limits: a start each
             out += [[p] for p in members]
             continue
         out.append([lead, *(p for p in members if p is not lead)])
