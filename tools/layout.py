@@ -106,8 +106,9 @@ def knob_forms(knob: str, study_file: Path) -> list[tuple[str, str]]:
     from vllm_study.define.study_file import load_study
     from vllm_study.vocab import axes
     study = load_study(study_file)
-    if knob not in grid_spec.axes(study.grid):
-        raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(grid_spec.axes(study.grid))}")
+    grid = grid_spec.axes(study.grid)
+    if knob not in grid:
+        raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(grid)}")
     point = expand(study, "cpu")[0]
     yaml_line = next(ln.strip() for ln in study_file.read_text().splitlines() if ln.strip().startswith(f"{knob}:"))
     argv = point.engine_args.cli()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
