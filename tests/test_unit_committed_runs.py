@@ -47,7 +47,13 @@ def test_a_capacity_below_the_bracket_reads_as_a_bound_in_every_table():
     assert report.headline_table(r).loc["vllm-defaults", capacity] == "< 3.08"
     assert capacity_section.capacity_table(r).loc["vllm-defaults", "capacity (req/s)"] == "< 3.08"
     trials = ns.search_trials(r)
-    assert trials.loc[4, "capacity_rps"] == "< 3.08" and trials.loc[6, "capacity_rps"] == "6.13"
+    assert trials.loc[4, "capacity_rps"] == "< 3.08"
+    # a trial's capacity is point_capacity's fit over its own start (its highest step that met was 6.13)
+    from vllm_study.records.point_capacity import point_capacity
+    trial_start = next(u.start for u in r.manifest.order if u.point == trials.loc[6, "point"] and u.block == 1)
+    pc = point_capacity(r.folder.point(trials.loc[6, "point"]), r.study.capacity.slo, r.study.capacity.lo,
+                        {trial_start})
+    assert pc.statistics == ["fit"] and trials.loc[6, "capacity_rps"] == pc.cell() == "6.24 [< 5.34, 6.72]"
     assert "fewer than 20" in search_report.importance_caveat(r) and "8 measured trials" in \
         search_report.importance_caveat(r)
 

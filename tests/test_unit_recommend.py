@@ -1,10 +1,12 @@
-"""The recommendation never picks a point that did not complete, and never ranks by a
-figure the arrival rate fixes (synthetic runs through the kit's own records)."""
+"""The recommendation never picks a point that did not complete, never ranks by a
+figure the arrival rate fixes, and in a capacity study ranks records.point_capacity's
+estimates, as the capacity table and export do (synthetic runs through the kit's own records)."""
 from __future__ import annotations
 
+import pytest
 from synthetic_run import make_run
 from vllm_study.analysis import decision
-from vllm_study.report import report
+from vllm_study.report import export, report
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 
@@ -47,3 +49,61 @@ def test_open_loop_with_an_slo_ranks_by_goodput(tmp_path):
     r = report.Run.load(run.path)
     rec = decision.recommend(r.rounds, r.intervals, {"ttft_p90_ms": 500})
     assert rec.point == B and rec.metric == "goodput"
+
+
+# -- a capacity study: ranked by records.point_capacity's estimates -----------------
+def _capacity(tmp_path, caps: dict, floor: float | None = None):
+    from synthetic_run import make_capacity_run
+    run = make_capacity_run(tmp_path / "r", caps, lo=2.0, hi=8.0, floor=floor)
+    r = report.Run.load(run.path)
+    return run, r, decision.recommend(r.rounds, r.intervals, {}, r.capacities)
+
+
+def test_a_capacity_study_names_the_highest_fitted_capacity_not_the_highest_step_that_met(tmp_path):
+    """2.95 and 3.05 req/s: every start's highest passing step is 2.83, so the rounds'
+    per-start figures tie (and named 2.95's point); the margins' fit tells them apart."""
+    from vllm_study.report import answer, capacity_section
+    run, r, rec = _capacity(tmp_path, {"mbt=256": 2.95, "mbt=512": 3.05})
+    assert set(r.rounds.loc[r.rounds["at_capacity"] == True, "capacity_rps"].round(2)) == {2.83}  # noqa: E712
+    assert rec.point == "mbt=512" and rec.runner_up == "mbt=256" and rec.tied == []
+    best = r.capacity("mbt=512")
+    assert rec.metric == "capacity_rps" and rec.value == pytest.approx(best.config.value)
+    assert (rec.low, rec.high) == (pytest.approx(best.config.low), pytest.approx(best.config.high))
+    assert rec.text().startswith(f"Run mbt=512: capacity {best.cell()} req/s (the highest capacity within the SLO).")
+    # the runner-up's capacity is its gain over the best (a resolved loss), not a difference of per-start figures
+    assert rec.trade.startswith("capacity 0.97x [") and "(worse)" in rec.trade.split(";")[0]
+    assert answer.best_point(r) == capacity_section.best_capacity(r) == rec.point
+    e = export.export_point(run.path, None, tmp_path / "o")
+    assert e.point == "mbt=512"
+
+
+def test_a_censored_start_weighs_as_a_bound_not_as_a_missing_start(tmp_path):
+    """mbt=256's first start missed even at the floor (0.25), its second sustained 5: the
+    rounds' per-start figures kept only the 5 (and named it); as a bound below 0.25 the
+    combined capacity falls below mbt=512's steady 3, with too wide an interval to tell apart."""
+    _, r, rec = _capacity(tmp_path, {"mbt=256": (0.1, 5.0), "mbt=512": 3.0}, floor=0.25)
+    assert r.capacity("mbt=256").config.censored == 1
+    assert r.capacity("mbt=256").config.value < r.capacity("mbt=512").config.value
+    assert rec.point == "mbt=512" and rec.tied == ["mbt=256"] and rec.runner_up == "mbt=256"
+    assert "Not told apart from it by this study: mbt=256." in rec.text()
+
+
+def test_a_capacity_below_the_lowest_load_ranks_below_every_estimate_and_is_never_a_tie(tmp_path):
+    _, r, rec = _capacity(tmp_path, {"mbt=256": 0.1, "mbt=512": 3.0}, floor=0.25)
+    assert r.capacity("mbt=256").cell() == "< 0.25"
+    assert rec.point == "mbt=512" and rec.tied == [] and rec.runner_up == "mbt=256"
+    assert rec.trade.startswith("capacity at most ") and "(worse)" in rec.trade.split(";")[0]
+
+
+def test_no_recommendation_where_every_capacity_is_below_its_lowest_load(tmp_path):
+    from vllm_study.report import answer, capacity_section
+    _, r, rec = _capacity(tmp_path, {"mbt=256": 0.1, "mbt=512": 0.2}, floor=0.25)
+    assert rec.point is None and "below its lowest load" in rec.reason and "capacity.lo" in rec.reason
+    assert answer.best_point(r) is None and capacity_section.best_capacity(r) is None
+    assert answer.answer_text(r).startswith("Capacity below")
+
+
+def test_a_capacity_study_without_its_capacities_is_refused_with_the_fix(tmp_path):
+    _, r, _ = _capacity(tmp_path, {"mbt=256": 2.0, "mbt=512": 3.0})
+    with pytest.raises(ValueError, match="capacities=run.capacities"):
+        decision.recommend(r.rounds, r.intervals, {})

@@ -251,7 +251,7 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
             display(fidelity)
         return capacity_section.capacity_table(r)
     slo = r.slo
-    print(decision.recommend(r.rounds, r.intervals, slo).text())
+    print(decision.recommend(r.rounds, r.intervals, slo, r.capacities).text())
     if not slo:
         print("\n(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
               "the points that meet it)")

@@ -14,6 +14,7 @@ import numpy as np
 import pandas as pd
 
 from . import intervals as analysis
+from ..records.point_capacity import PointCapacity, gain
 from ..vocab import metrics
 
 
@@ -40,6 +41,10 @@ def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=()) -> 
     return t.rename_axis("point")
 
 
+NOT_COMPLETE = ("no point completed every planned start and round: finish the run with "
+                "`python -m vllm_study sweep --resume <run>` (add --retry-failed to run failed starts again)")
+
+
 @dataclass
 class Recommendation:
     point: str | None
@@ -52,6 +57,7 @@ class Recommendation:
     trade: str                   # what the runner-up gives and takes, in words
     reason: str                  # why this point (or why none)
     left_out: list[str] = field(default_factory=list)  # "point (status)": not every planned round completed
+    shown: str | None = None     # a capacity as the tables show it: '5.39 [4.80, 6.05]', or a bound '≥ 9.25'
 
     def text(self) -> str:
         out = self._text()
@@ -64,8 +70,8 @@ class Recommendation:
         if self.point is None:
             return self.reason
         m = metrics.get(self.metric)
-        lines = [f"Run {self.point}: {m.label} {m.format(self.value)} [{m.format(self.low)}, {m.format(self.high)}] "
-                 f"{m.unit} ({self.reason})."]
+        figure = self.shown or f"{m.format(self.value)} [{m.format(self.low)}, {m.format(self.high)}]"
+        lines = [f"Run {self.point}: {m.label} {figure} {m.unit}".rstrip() + f" ({self.reason})."]
         if self.tied:
             lines.append("Not told apart from it by this study: " + ", ".join(self.tied) + ".")
         if self.runner_up:
@@ -73,36 +79,39 @@ class Recommendation:
         return "\n".join(lines)
 
 
-def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, float]) -> Recommendation:
+def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, float],
+              capacities: dict[str, PointCapacity | None] | None = None) -> Recommendation:
     """The point with the highest goodput among those that meet (or may meet) the SLO;
-    without an SLO, the highest output throughput; in a capacity study, the highest
-    capacity. Only points whose every planned start and round completed are candidates
-    (a point whose server died mid-run has figures from fewer rounds, or none at its
-    load). Under open-loop load, output throughput is not a ranking: the arrival rate
+    without an SLO, the highest output throughput; in a capacity study (`capacities`:
+    report.Run.capacities, records.point_capacity's estimate per point), the highest
+    capacity (by_capacity). Only points whose every planned start and round completed are
+    candidates (a point whose server died mid-run has figures from fewer rounds, or none at
+    its load). Under open-loop load, output throughput is not a ranking: the arrival rate
     fixes it until a point saturates. Ties are the points whose difference from the best
     is not resolved."""
     measured = set(intervals["metric"]) if not intervals.empty else set()
-    by_capacity = "capacity_rps" in measured
-    judge = "capacity_rps" if by_capacity else "goodput" if slo and "goodput" in measured else "output_throughput"
-    data = analysis.MetricData.from_rounds(rounds, judge)
     left_out = _incomplete(rounds)
+    if capacities or "capacity_rps" in measured:
+        if not capacities:
+            raise ValueError("a capacity study is ranked by records.point_capacity's estimates, not by the rounds' "
+                             "per-start figures: pass capacities=run.capacities (report.Run)")
+        return by_capacity(rounds, capacities, left_out)
+    judge = "goodput" if slo and "goodput" in measured else "output_throughput"
+    data = analysis.MetricData.from_rounds(rounds, judge)
     none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
                                          [f"{p} ({st})" for p, st in left_out.items()])
     if data is None:
         return none("nothing was measured")
     candidates = [p for p in data.starts if p not in left_out]
     if not candidates:
-        return none("no point completed every planned start and round: finish the run with "
-                    "`python -m vllm_study sweep --resume <run>` (add --retry-failed to run failed starts again)")
+        return none(NOT_COMPLETE)
     if judge == "output_throughput" and _open_loop(rounds):
         return none("no recommendation by output tokens/s: under open-loop load (requests arrive at a set rate) "
                     "the arrival rate fixes it until a point saturates. Rank by goodput with an `slo:`, or "
                     "search each point's capacity within the SLO with `capacity:`")
-    what = {"capacity_rps": "capacity", "goodput": "goodput"}.get(judge, "output throughput")
+    what = {"goodput": "goodput"}.get(judge, "output throughput")
     reason = f"the highest {what}; no SLO is set"
-    if by_capacity:  # every step was judged against the SLO already: capacity is the load that met it
-        reason = "the highest capacity within the SLO"
-    elif slo:
+    if slo:
         verdicts = slo_table(intervals, slo, left_out)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
@@ -137,6 +146,53 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                           [f"{p} ({st})" for p, st in left_out.items()])
 
 
+def _rank(pc: PointCapacity) -> tuple[int, float]:
+    """A capacity's place: an estimate (or a bound at least it: met at the highest load)
+    by its value; then a bound below the lowest load, by that bound, below every estimate;
+    last one whose starts disagree (some below the lowest load, some at the highest)."""
+    c = pc.config
+    return (2, c.value) if c.kind in ("value", "at_least") else (1, c.value) if c.kind == "below" else (0, 0.0)
+
+
+def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None],
+                left_out: dict[str, str]) -> Recommendation:
+    """recommend in a capacity study: the highest of records.point_capacity's estimates
+    (each start's SLO margins fitted, starts combined with the censored ones as bounds),
+    the same figure the capacity table, compare and export state. Ties are the points
+    whose gain over the best (point_capacity.gain) is not resolved; a point whose capacity
+    is below its lowest load is never a tie, and nothing is recommended when every one is."""
+    gone = [f"{p} ({st})" for p, st in left_out.items()]
+    found = {p: pc for p, pc in capacities.items() if pc is not None and p not in left_out}
+    judge = "capacity_rps"
+    if not found:
+        return Recommendation(None, judge, None, None, None, [], None, "",
+                              NOT_COMPLETE if left_out else "nothing was measured", gone)
+    ranked = sorted(found, key=lambda p: _rank(found[p]), reverse=True)
+    top = found[ranked[0]]
+    c = top.config
+    if c.kind == "below":
+        return Recommendation(None, judge, None, None, None, [], None, "",
+                              "every point's capacity is below its lowest load: the SLO was missed at every load "
+                              "measured; lower capacity.lo (or capacity.floor)", gone)
+    if c.kind == "unresolved":
+        return Recommendation(None, judge, None, None, None, [], None, "",
+                              "no point's capacity is resolved: each one's starts disagree (some below the lowest "
+                              "load, some at or above the highest); run more starts", gone)
+    unit = "rps" if top.rps_per_load else "load"
+    scale = top.rps if top.rps_per_load else (lambda v: v)  # noqa: E731
+    if not top.rps_per_load:  # the load fixes no rate: the capacity is in the search's own unit
+        judge = "capacity_load"
+    low, high = (c.low, c.high) if c.kind == "value" else (c.value, None)
+    tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not gain(top, found[p]).resolved]
+    runner = ranked[1] if len(ranked) > 1 else None
+    reason = "the highest capacity within the SLO" + (
+        "; a lower bound: it met the SLO at the highest load measured" if c.kind == "at_least" else "")
+    return Recommendation(ranked[0], judge, scale(c.value), None if low is None else scale(low),
+                          None if high is None else scale(high), tied, runner,
+                          trade(rounds, runner, ranked[0], capacities) if runner else "", reason, gone,
+                          shown=top.cell(unit))
+
+
 def _incomplete(rounds: pd.DataFrame) -> dict[str, str]:
     """Points whose summary status is not ok (partial, failed, running), with it."""
     if rounds.empty or "point_status" not in rounds.columns:
@@ -153,10 +209,20 @@ def _open_loop(rounds: pd.DataFrame) -> bool:
 TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms")
 
 
-def trade(rounds: pd.DataFrame, a: str, b: str) -> str:
-    """What point a gives and takes against point b: resolved differences only."""
+def trade(rounds: pd.DataFrame, a: str, b: str, capacities: dict[str, PointCapacity | None] | None = None) -> str:
+    """What point a gives and takes against point b: resolved differences only. With
+    `capacities`, the capacity is a's gain over b (point_capacity.gain), not the
+    difference of the rounds' per-start figures."""
     parts = []
+    pa, pb = (capacities or {}).get(a), (capacities or {}).get(b)
+    if pa is not None and pb is not None:
+        g = gain(pa, pb)
+        if g.resolved:
+            up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
+            parts.append(f"capacity {g} ({'better' if up else 'worse'})")
     for name in TRADE_METRICS:
+        if capacities and name == "capacity_rps":
+            continue
         data = analysis.MetricData.from_rounds(rounds, name)
         if data is None or a not in data.starts or b not in data.starts:
             continue

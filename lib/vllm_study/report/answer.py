@@ -79,7 +79,7 @@ def answer_text(r: Run) -> str:
     answer = capacity_answer(r)
     if answer:
         return answer
-    text = decision.recommend(r.rounds, r.intervals, r.slo).text()
+    text = decision.recommend(r.rounds, r.intervals, r.slo, r.capacities).text()
     return text if r.slo else f"{text}\n\n{NO_SLO_NOTE}"
 
 
@@ -159,7 +159,7 @@ def best_point(r: Run) -> str | None:
     if r.search:
         from ..search import search_report
         return search_report.best(r)
-    best = decision.recommend(r.rounds, r.intervals, {} if is_capacity_study(r) else r.slo).point
+    best = decision.recommend(r.rounds, r.intervals, r.slo).point
     if best and below_everywhere(r, best):
         return None  # no point met the SLO at any load: nothing to run
     return best

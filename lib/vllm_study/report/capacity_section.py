@@ -34,8 +34,8 @@ def capacity_answer(r: Run) -> str | None:
     if not is_capacity_study(r):
         return None
     bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
-    rec = decision.recommend(r.rounds, r.intervals, {})
-    best = best_capacity(r)
+    rec = decision.recommend(r.rounds, r.intervals, {}, r.capacities)
+    best = rec.point
     pc = r.capacity(best) if best else None
     words = confirmation_words(r)
     confirmed = words + "\n" if words else ""
@@ -70,7 +70,7 @@ def capacity_answer(r: Run) -> str | None:
         lines.append(_baseline_words(r, best, base))
     elif base == best:
         lines.append(f"That is the baseline ({base}) itself.")
-    tied = _tied(r, best)
+    tied = rec.tied
     if tied:
         lines.append("Not told apart from it by this study: " + ", ".join(tied) + ".")
     at = [f"{metrics.get(k).label} {metrics.with_interval(r.interval(best, k), metrics.get(k))} ms"
@@ -96,15 +96,12 @@ def confirmation_words(r: Run) -> str | None:
 
 
 def best_capacity(r: Run) -> str | None:
-    """The point with the highest capacity (records.point_capacity's value, or its bound
+    """The point with the highest capacity (records.point_capacity's estimate, or its bound
     where it met the SLO at the highest load) among those whose every planned start
-    completed; None where every capacity is below its lowest load."""
-    found = []
-    for s in r.summaries:
-        pc = r.capacity(s.point) if s.status == "ok" else None
-        if pc is not None and pc.config.kind in ("value", "at_least"):
-            found.append((pc.config.value, s.point))
-    return max(found)[1] if found else None
+    completed, as decision.recommend ranks them; None where every capacity is below its
+    lowest load."""
+    from ..analysis import decision
+    return decision.recommend(r.rounds, r.intervals, {}, r.capacities).point
 
 
 def statistic_sentence(r: Run) -> str:
@@ -153,17 +150,6 @@ def _baseline_words(r: Run, best: str, base: str) -> str:
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said
     unit = "req/s" if pb.rps_per_load else f"({r.study.capacity.over})"
     return f"The baseline {base} sustains {pb.cell()} {unit}: " + said
-
-
-def _tied(r: Run, best: str) -> list[str]:
-    """The other measured points whose capacity the study does not tell apart from the best's."""
-    from ..records.point_capacity import gain
-    pc, out = r.capacity(best), []
-    for s in r.summaries:
-        other = r.capacity(s.point) if s.point != best else None
-        if other is not None and other.config.kind != "below" and not gain(pc, other).resolved:
-            out.append(s.point)
-    return out
 
 
 def cost_per_million(r: Run, point: str) -> str | None:

@@ -188,7 +188,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     either way: the caller decides what a shortfall means)."""
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
-    rec = decision.recommend(r.rounds, r.intervals, slo)
+    rec = decision.recommend(r.rounds, r.intervals, slo, r.capacities)
     point = point or answer.best_point(r)
     if point is None:
         # a capacity study's answer says why (e.g. every capacity is a bound below the lowest load)

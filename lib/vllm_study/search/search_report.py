@@ -63,16 +63,33 @@ def trials_frame(r) -> pd.DataFrame:
 
 def trials_table(r, below: str | None = None) -> pd.DataFrame | None:
     """The trials that started a server, in order (the refused and the skipped are counted
-    in the answer and listed in the journal). `below`: what a capacity trial that missed
-    the SLO at the lowest load shows (capacity_section.below_lowest_load: its 0 is a bound, not a value)."""
+    in the answer and listed in the journal). In a capacity search each trial's capacity
+    is records.point_capacity's estimate over its own start, as the rest of the report
+    states capacities ('5.39 [4.80, 6.05]', or the bound '< 3.08' / '≥ 9.25' that bounds
+    it). `below`: what a trial with no capacity record that missed the SLO at the lowest
+    load shows (capacity_section.below_lowest_load: its 0 is a bound, not a value)."""
     df = trials_frame(r)
     if df.empty:
         return None
     started = df[df["point"] != ""].copy()
     m = metrics.get(r.search.objective)
-    started[m.name] = [("" if pd.isna(v) else below if below and kind == "measured, SLO missed" else
-                        format(v, m.fmt)) for v, kind in zip(started[m.name], started["what became of it"])]
+    fitted = trial_capacities(r) if m.name in ("capacity_rps", "capacity_load") else {}
+    unit = "rps" if m.name == "capacity_rps" else "load"
+    started[m.name] = [fitted[p].cell(unit) if fitted.get(p) is not None else
+                       ("" if pd.isna(v) else below if below and kind == "measured, SLO missed" else format(v, m.fmt))
+                       for p, v, kind in zip(started["point"], started[m.name], started["what became of it"])]
     return started.set_index("trial")
+
+
+def trial_capacities(r) -> dict:
+    """Each trial's capacity (records.point_capacity) over the one start it ran as a trial;
+    {} outside a capacity study."""
+    from ..records.point_capacity import point_capacities
+    if not r.study.capacity:
+        return {}
+    trial_start = {u.point: u.start for u in r.manifest.order if u.block == TRIAL_BLOCK}
+    folders = {p: (r.folder.point(p), {k}) for p, k in trial_start.items() if r.folder.point(p).path.exists()}
+    return point_capacities(folders, r.study.capacity.slo, r.study.capacity.lo)
 
 
 def counts(r) -> dict[str, int]:
