@@ -200,3 +200,21 @@ def test_confirmation_starts_a_point_served_in_a_group_alone_after_its_group_sta
     assert ran and sorted(u.point for u in ran) == ["mbt=1024", "mbt=256", "mbt=512"]
     assert all(u.start == 3 and u.serves == [] and u.points == [u.point] for u in ran)
     assert confirmation.read(run.path).stop.startswith(confirmation.MAX_STARTS)
+
+
+def test_a_served_point_replays_the_windows_the_lead_cut(tmp_path, monkeypatch):
+    """trace.windows: the lead cuts the windows at launch; every point it serves picks its
+    round's window from them (a capacity step measures each window at its load)."""
+    shared, _, _ = _shared(tmp_path, monkeypatch)
+    lead, other = shared.starts
+
+    class Windows:
+        workloads = ["window 1", "window 2"]
+
+        def pick(self, index):
+            return index % 2
+    lead.windows, lead.record.trace = Windows(), {"rate": 1.5}
+    lead.tokenizer = lead.proxy = lead.api_key = None  # (what launch() sets)
+    shared._attach(other)
+    assert other.windows is lead.windows and other.record.trace == {"rate": 1.5}
+    assert other._pick_window(3) == 1 and other.workload == "window 2"
