@@ -55,8 +55,6 @@ def test_the_default_is_on_for_cpu_and_off_for_gpu_and_false_turns_it_off():
 
 
 @pytest.mark.parametrize("over, why", [
-    ({"capacity": {"over": "concurrency", "lo": 1, "hi": 4, "slo": {"ttft_p90_ms": 1000}},
-      "workload": {**tiny()["workload"], "load": {"kind": "closed"}}}, "capacity searches and search: trials"),
     ({"precision": {"metric": "ttft_p90_ms", "relative_width": 0.1, "max_starts": 3}}, "precision adds starts"),
     ({"server": {"extra_cli_args": ["--scheduler-cls", "my.Sched"]}}, "sets --scheduler-cls"),
 ])
@@ -70,7 +68,7 @@ def test_what_cannot_share_a_start_is_refused_when_asked_and_falls_back_by_defau
 
 
 def test_a_search_with_live_knobs_is_refused():
-    with pytest.raises(ValueError, match="server.live_knobs: capacity searches and search: trials"):
+    with pytest.raises(ValueError, match="server.live_knobs: search: trials run one server start each"):
         study_from_dict(tiny(grid=None, search={"space": {"max_num_seqs": [2, 4]}, "objective": "output_throughput",
                                                 "trials": 2}, server={"live_knobs": True}))
 

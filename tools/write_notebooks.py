@@ -75,8 +75,8 @@ usage and running requests (and the GPU through NVML), stop the clock, snapshot 
 With `capacity:` in the study, each round is a step of the capacity search at its own
 load, judged against the SLO; the search and its bracket are recorded in `start.json`.
 A start that serves several points (live knobs) runs each point's rounds in turn, in a
-seeded order, and first sets that point's scheduler limits; each round records the
-limits the engine ran it under.
+seeded order (a capacity study: each point's whole search in turn), and first sets that
+point's scheduler limits; each round records the limits the engine ran it under.
 """),
     code('''
 run.run_rounds(progress=pn.round_progress(pn.planned_rounds(run)))

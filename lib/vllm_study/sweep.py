@@ -494,8 +494,10 @@ def live_label(study: Study, engine: str, points: list[Point]) -> str:
                    else f"off by default on the {engine} engine" if not study.server.live_on(engine)
                    else "no two points differ only in live limits")
         return f"live knobs: none shared ({why}); one server start a point"
+    how = ("each point runs its own capacity search in turn, its limits set before every step" if study.capacity
+           else "lowers them between rounds")
     return (f"live knobs: {len(groups)} server start(s) a block serve the {len(points)} points; each shared start is "
-            "launched at its points' largest limits and lowers them between rounds (docs/live-knobs.md)")
+            f"launched at its points' largest limits and {how} (docs/live-knobs.md)")
 
 
 def rounds_label(study: Study) -> str:

@@ -401,3 +401,11 @@ def round_order(point_ids: list[str], rounds: int, seed: int, block: int) -> lis
         random.Random(f"{seed}/{block}/round {r}").shuffle(order)
         out += [(r, pid) for pid in order]
     return out
+
+
+def search_order(point_ids: list[str], seed: int, block: int) -> list[str]:
+    """A shared start's capacity searches: one after another, in an order seeded per block
+    (live_start.py says why they do not interleave)."""
+    order = list(point_ids)
+    random.Random(f"{seed}/{block}/capacity searches").shuffle(order)
+    return order

@@ -433,9 +433,10 @@ def live_knobs_unsupported(study) -> str | None:
     """Why a study's points cannot share server starts through live scheduler limits, or None."""
     if study.targets:
         return "a targets study measures servers the kit does not launch"
-    if study.capacity or study.search:
-        # not yet: a capacity bracket's steps and a search's trials are planned one start each
-        return "capacity searches and search: trials run one server start each"
+    if study.search:
+        # a search proposes its trials one at a time: no group of points to share a start
+        # (a capacity grid shares one: each point searches in turn, live_start.py)
+        return "search: trials run one server start each (a capacity grid's points can share one)"
     if study.precision:
         return "precision adds starts of single points, which a shared start cannot be compared with"
     if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
@@ -577,7 +578,8 @@ class Study(_Strict):
     @property
     def steps_per_start(self) -> int:
         """Measured rounds a start runs at most: the rounds, or the capacity search's steps
-        (with trace.windows, K rounds a step: every window at the step's load)."""
+        (with trace.windows, K rounds a step: every window at the step's load). A start
+        that serves several points (live knobs) runs this many for each of them."""
         if not self.capacity:
             return self.rounds
         c = self.capacity

@@ -14,12 +14,20 @@ The rounds interleave: `rounds` passes over the points, each pass in a seeded or
 (grid.round_order), so drift over the start falls on every point alike and the points
 are compared within one start. A control message the engine refuses fails that point's
 start with the reason, and its round is not run (rounds.py sets the limits first).
+
+A capacity study: each point runs its own whole capacity search (rounds.py
+search_capacity: its own bracket, its limits set before every step), the points one
+after another in a seeded order (grid.search_order), so each point's start.json holds
+the CapacityRecord a start of its own would. The searches do not interleave: a
+bracket's next load depends on the step before, so interleaving them would need the
+search turned inside out (a generator per point) for a gain the seeded order already
+gives in part: drift falls on the points in an order no axis lines up with.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..define.grid import PointPlan, round_order
+from ..define.grid import PointPlan, round_order, search_order
 from ..records.results import PointFolder, PointSummary
 from .live_knobs import Channel
 from .point import PointStart
@@ -84,13 +92,16 @@ class SharedStart:
             "cache_config": launched.cache_config, "has_metrics": launched.has_metrics,
             "cache_reset": launched.cache_reset})
         s.record.expected_prefix_hit_rate = lead.record.expected_prefix_hit_rate
-        s.record.trace = lead.record.trace
+        s.record.trace, s.windows = lead.record.trace, lead.windows  # trace.windows: the lead cut them
         s._save()
 
     def warmup(self) -> None:
         self.lead.warmup()  # one warm-up a server, at its launch limits
 
     def run_rounds(self, progress=None) -> None:
+        if self.study.capacity:
+            self.search_capacities(progress)
+            return
         by_id = {s.point.id: s for s in self.starts}
         seed = self.study.order_seed
         for i, (r, pid) in enumerate(round_order(list(by_id), self.study.rounds, seed, self.lead.record.block or 0)):
@@ -104,8 +115,28 @@ class SharedStart:
         for s in self.starts:
             s._mark("measured", save=True)
 
-    def _fail_all(self, why: str) -> None:
-        for s in self.starts:
+    def search_capacities(self, progress=None) -> None:
+        """A capacity study: each point's own search on the one server, the points in
+        grid.search_order; progress counts the rounds of all of them."""
+        by_id = {s.point.id: s for s in self.starts}
+        done = 0
+
+        def counted(_):
+            nonlocal done
+            if progress:
+                progress(done)
+            done += 1
+        order = search_order(list(by_id), self.study.order_seed, self.lead.record.block or 0)
+        for i, pid in enumerate(order):
+            if self.lead.server is not None and not self.lead.server.alive():
+                # a search done before it keeps its capacity; those not run yet fail
+                self._fail_all("the shared server died", [by_id[p] for p in order[i:]])
+                break
+            by_id[pid].search_capacity(counted)  # each step sets this point's limits first (run_round);
+            #                                      its record marks when its own search ended
+
+    def _fail_all(self, why: str, starts: list[PointStart] | None = None) -> None:
+        for s in starts or self.starts:
             if not s.failed:
                 s._fail(f"{why} (points/{self.lead.point.id}/{self.lead.dir.name}/server.log.gz)")
 

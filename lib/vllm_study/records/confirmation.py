@@ -98,7 +98,10 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
 
 def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     """One shuffled block of fresh starts of the best, the runner-up and the baseline,
-    appended to the manifest's order (so --resume runs it too); or the reason to stop."""
+    appended to the manifest's order (so --resume runs it too); or the reason to stop.
+    Each is a start of its point alone, launched at its own limits (no `serves`), even
+    where the planned starts served it in a group (live knobs): a confirmation start is a
+    fresh server of that config, numbered after every start that served the point."""
     if v.resolved:
         return RESOLVED
     if v.best is None or v.runner_up is None:
@@ -109,8 +112,9 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
         return f"{NOTHING}: the baseline {v.baseline} has no capacity (no start completed)"
     manifest = run.manifest()
     starts: dict[str, int] = {}
-    for u in manifest.order:
-        starts[u.point] = max(starts.get(u.point, 0), u.start)
+    for u in manifest.order:  # every point a start served (live knobs: a group's, not only its lead's)
+        for p in u.points:
+            starts[p] = max(starts.get(p, 0), u.start)
     points = list(dict.fromkeys([v.best, v.runner_up, v.baseline]))
     full = [p for p in points if starts.get(p, 0) >= study.confirm.max_starts]
     if full:
