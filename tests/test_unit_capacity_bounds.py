@@ -147,3 +147,24 @@ def test_the_answer_and_export_name_the_highest_fitted_capacity_not_the_highest_
     assert {st.capacity.load for p in ("mbt=256", "mbt=512") for st in run.point(p).starts()} == {2.0 ** 1.5}
     assert answer.best_point(r) == capacity_section.best_capacity(r) == "mbt=512"
     assert capacity_section.capacity_answer(r).startswith("mbt=512 sustains 3.05 [")
+
+
+def test_the_search_objective_is_the_fitted_capacity_every_table_states(tmp_path):
+    """A trial's value for the sampler is the margins' fit over its start (what its
+    trials-table cell and the answer show), not the highest load that met the SLO; below
+    the lowest load it is that bound, infeasible."""
+    from types import SimpleNamespace
+    from vllm_study.records.point_capacity import point_capacities
+    from vllm_study.report import report
+    from vllm_study.search.config_search import outcome_of
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.3}, lo=2.0, hi=8.0, floor=0.25)
+    cap = report.Run.load(run.path).study.capacity
+    study = SimpleNamespace(search=SimpleNamespace(objective="capacity_rps"), capacity=cap, slo={})
+    folder = run.point("mbt=512")
+    fitted = point_capacities({"mbt=512": (folder, {1})}, study.capacity.slo, study.capacity.lo)["mbt=512"]
+    o = outcome_of(folder.summary(), study, folder)
+    highest_met = folder.start(1).capacity.requests_per_s
+    assert o.value == pytest.approx(fitted.rps(fitted.config.value)) and o.constraints == {"slo_at_lowest_load": -1.0}
+    assert o.value != pytest.approx(highest_met) and highest_met < o.value   # the bracket's bottom, not the crossing
+    below = outcome_of(run.point("mbt=256").summary(), study, run.point("mbt=256"))
+    assert below.value == 0.25 and below.constraints == {"slo_at_lowest_load": 1.0}

@@ -237,7 +237,7 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
     outcome = SweepOutcome(run, 0)
     for pid, number in loop.running_points().items():  # ended, but stopped before its outcome was told
         if unit_finished(run, Unit(point=pid, start=1, block=cs.TRIAL_BLOCK)):
-            loop.record(number, cs.outcome_of(run.point(pid).summary(), study))
+            loop.record(number, cs.outcome_of(run.point(pid).summary(), study, run.point(pid)))
     unfinished = [u for u in todo if u.block == cs.TRIAL_BLOCK]
     if unfinished:
         outcome = _run_units(run, unfinished, study, t0, budget, runner, on_done=source.done)

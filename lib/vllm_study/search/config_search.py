@@ -135,12 +135,17 @@ class TrialOutcome:
     failed: str | None = None
 
 
-def outcome_of(summary, study: Study) -> TrialOutcome:
-    """A trial's outcome from its point's summary (one start)."""
+def outcome_of(summary, study: Study, folder=None) -> TrialOutcome:
+    """A trial's outcome from its point's summary (one start). In a capacity study with the
+    trial's point folder, the capacity every table and answer states (records.point_capacity:
+    the margins' fit), not the highest load that met the SLO."""
     spec = study.search
     if summary is None or summary.status in ("failed", "running"):
         why = "; ".join(summary.reasons) if summary and summary.reasons else "the start recorded no outcome"
         return TrialOutcome(failed=why)
+    fitted = _fitted_outcome(folder, study) if study.capacity and folder is not None else None
+    if fitted is not None:
+        return fitted
     est = summary.estimates.get(spec.objective)
     if study.capacity:  # capacity is within the SLO by construction: infeasible where even the lowest load missed
         if est is not None:
@@ -157,6 +162,22 @@ def outcome_of(summary, study: Study) -> TrialOutcome:
         e = summary.estimates.get(bound)
         cons[bound] = e.median / limit - 1 if e else 1.0
     return TrialOutcome(est.median, cons)
+
+
+def _fitted_outcome(folder, study: Study) -> TrialOutcome | None:
+    """The trial start's fitted capacity in the objective's unit: a value or an "at least"
+    bound is feasible; "below" the lowest load is its bound, infeasible (never 0). None:
+    no capacity record to fit (the summary's figures are used)."""
+    from ..records.point_capacity import point_capacities
+    c = study.capacity
+    pc = point_capacities({folder.id: (folder, {1})}, c.slo, c.lo).get(folder.id)
+    if pc is None or pc.config.kind == "unresolved":
+        return None
+    k = pc.config
+    value = pc.rps(k.value) if study.search.objective == "capacity_rps" and pc.rps_per_load else k.value
+    if value is None:
+        return None
+    return TrialOutcome(value, {"slo_at_lowest_load": 1.0 if k.kind == "below" else -1.0})
 
 
 @dataclass
@@ -384,7 +405,7 @@ class TrialSource:
         if number is None:
             number = self.loop.running_points().get(unit.point)
         if number is not None and unit.block == TRIAL_BLOCK:
-            self.loop.record(number, outcome_of(summary, self.study))
+            self.loop.record(number, outcome_of(summary, self.study, self.run.point(unit.point)))
 
 
 def checker(maker):
