@@ -146,13 +146,22 @@ def _baseline_words(r: Run, best: str, base: str) -> str:
                 "and the baseline's capacity is a bound).")
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said \
             if pb.config.kind == "below" else f"The baseline {base} sustains {pb.cell()}: " + said
-    said = (f"{best} sustains {_gain_words(g)} the baseline's capacity"
-            + (" (a lower bound: the baseline's capacity is below the lowest load)" if g.kind == "at_least" else "")
-            + f", {verdict}.")
+    said = f"{best} sustains {_gain_words(g)} the baseline's capacity{_bound_why(g, pc, pb)}, {verdict}."
     if pb.config.kind == "below":
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said
     unit = "req/s" if pb.rps_per_load else f"({r.study.capacity.over})"
     return f"The baseline {base} sustains {pb.cell()} {unit}: " + said
+
+
+def _bound_why(g, pc, pb) -> str:
+    """Why a gain is a lower bound: the best met the SLO at the highest load, the
+    baseline missed it at the lowest, or both."""
+    if g.kind != "at_least":
+        return ""
+    why = [w for w, censored in (("the best met the SLO at the highest load", pc.config.kind == "at_least"),
+                                 ("the baseline's capacity is below the lowest load", pb.config.kind == "below"))
+           if censored]
+    return f" (a lower bound: {' and '.join(why)})" if why else " (a lower bound)"
 
 
 def _tied(r: Run, best: str) -> list[str]:
