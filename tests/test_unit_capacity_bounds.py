@@ -137,6 +137,15 @@ def test_a_gain_bounded_by_the_best_meeting_the_slo_at_hi_says_so(tmp_path):
     assert "below the lowest load" not in text
 
 
+def test_a_best_and_baseline_that_both_met_the_slo_at_hi_are_said_so(tmp_path):
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 12.0, "mbt=512": 20.0}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
+    assert "the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi" in text
+    assert "reaches below every load measured" not in text
+
+
 def test_the_trend_line_draws_a_capacity_below_the_floor_at_its_bound_not_at_0(tmp_path):
     import matplotlib
     matplotlib.use("Agg")

@@ -142,7 +142,9 @@ def _baseline_words(r: Run, best: str, base: str) -> str:
     verdict = ("a resolved gain" if g.resolved and (g.kind == "at_least" or (g.value or 0) > 1) else
                "a resolved loss" if g.resolved else "not resolved by this study")
     if g.kind == "unresolved" and g.value is None:
-        said = (f"the gain is not resolved ({best}'s interval reaches below every load measured, "
+        said = ("the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi "
+                "to tell them apart)." if pc.config.kind == pb.config.kind == "at_least" else
+                f"the gain is not resolved ({best}'s interval reaches below every load measured, "
                 "and the baseline's capacity is a bound).")
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said \
             if pb.config.kind == "below" else f"The baseline {base} sustains {pb.cell()}: " + said
