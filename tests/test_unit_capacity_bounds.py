@@ -121,6 +121,31 @@ def test_the_gain_over_a_baseline_below_its_floor_is_a_lower_bound(tmp_path):
     assert "a resolved gain" in text and np.isfinite(g.value)
 
 
+def test_a_gain_bounded_by_the_best_meeting_the_slo_at_hi_says_so(tmp_path):
+    """The best met the SLO at the highest load, the baseline has a capacity: the gain is a
+    lower bound because of the best, and the answer does not blame the baseline."""
+    from vllm_study.records.point_capacity import gain
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 20.0}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    assert r.capacity("mbt=512").config.kind == "at_least" and r.capacity("mbt=256").config.kind == "value"
+    g = gain(r.capacity("mbt=512"), r.capacity("mbt=256"))
+    assert g.kind == "at_least" and g.resolved
+    text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
+    assert f"sustains at least {g.value:.2f} x the baseline's capacity (a lower bound: the best met the SLO at " \
+           "the highest load), a resolved gain" in text
+    assert "below the lowest load" not in text
+
+
+def test_a_best_and_baseline_that_both_met_the_slo_at_hi_are_said_so(tmp_path):
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 12.0, "mbt=512": 20.0}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
+    assert "the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi" in text
+    assert "reaches below every load measured" not in text
+
+
 def test_the_trend_line_draws_a_capacity_below_the_floor_at_its_bound_not_at_0(tmp_path):
     import matplotlib
     matplotlib.use("Agg")

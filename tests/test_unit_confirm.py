@@ -97,6 +97,10 @@ def test_the_report_says_what_was_resolved_and_why_it_stopped_only_where_recorde
     assert "Confirmation until resolved ran" in answer
     assert "over the baseline mbt=256 resolved" in answer and "over the runner-up mbt=512 resolved" in answer
     assert "It stopped: resolved." in answer
+    # the starts in the order best, runner-up, baseline, whatever the process's string hashing
+    last = confirmation.read(run.path).last
+    assert list(last.starts) == ["mbt=1024", "mbt=512", "mbt=256"]
+    assert f"(starts: mbt=1024 {last.starts['mbt=1024']}, mbt=512 {last.starts['mbt=512']}, mbt=256 " in answer
 
 
 def test_a_failed_start_stops_confirmation_and_says_which(tmp_path):

@@ -80,7 +80,8 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
                     key=lambda pid: (caps[pid].config.kind != "below", caps[pid].config.value or 0.0), reverse=True)
     best = ranked[0] if ranked else None
     runner = ranked[1] if len(ranked) > 1 else None
-    starts = {p: len(caps[p].starts) if caps.get(p) else 0 for p in {best, runner, base} if p}
+    # in this order (not a set's, which changes from one process to the next): the report names them so
+    starts = {p: len(caps[p].starts) if caps.get(p) else 0 for p in dict.fromkeys((best, runner, base)) if p}
     v = Verdict(block=block, best=best, runner_up=runner, baseline=base, starts=starts)
     if best is None:
         return v

@@ -139,17 +139,28 @@ def _baseline_words(r: Run, best: str, base: str) -> str:
     verdict = ("a resolved gain" if g.resolved and (g.kind == "at_least" or (g.value or 0) > 1) else
                "a resolved loss" if g.resolved else "not resolved by this study")
     if g.kind == "unresolved" and g.value is None:
-        said = (f"the gain is not resolved ({best}'s interval reaches below every load measured, "
+        said = ("the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi "
+                "to tell them apart)." if pc.config.kind == pb.config.kind == "at_least" else
+                f"the gain is not resolved ({best}'s interval reaches below every load measured, "
                 "and the baseline's capacity is a bound).")
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said \
             if pb.config.kind == "below" else f"The baseline {base} sustains {pb.cell()}: " + said
-    said = (f"{best} sustains {_gain_words(g)} the baseline's capacity"
-            + (" (a lower bound: the baseline's capacity is below the lowest load)" if g.kind == "at_least" else "")
-            + f", {verdict}.")
+    said = f"{best} sustains {_gain_words(g)} the baseline's capacity{_bound_why(g, pc, pb)}, {verdict}."
     if pb.config.kind == "below":
         return _baseline_below(r, base) + f" Its capacity is {pb.cell()} req/s: " + said
     unit = "req/s" if pb.rps_per_load else f"({r.study.capacity.over})"
     return f"The baseline {base} sustains {pb.cell()} {unit}: " + said
+
+
+def _bound_why(g, pc, pb) -> str:
+    """Why a gain is a lower bound: the best met the SLO at the highest load, the
+    baseline missed it at the lowest, or both."""
+    if g.kind != "at_least":
+        return ""
+    why = [w for w, censored in (("the best met the SLO at the highest load", pc.config.kind == "at_least"),
+                                 ("the baseline's capacity is below the lowest load", pb.config.kind == "below"))
+           if censored]
+    return f" (a lower bound: {' and '.join(why)})" if why else " (a lower bound)"
 
 
 def cost_per_million(r: Run, point: str) -> str | None:
