@@ -149,6 +149,28 @@ def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_pat
         in capacity_answer(Run.load(run))
 
 
+def test_no_block_is_added_where_the_best_and_runner_up_both_met_the_slo_at_the_highest_load(tmp_path):
+    top = {"mbt=256": [2.5, 2.8, 2.6], "mbt=512": [18.0, 19.0, 18.5], "mbt=1024": [20.0, 21.0, 20.5]}
+    run, study = _run(tmp_path, top, max_starts=6)
+    before = run.manifest().order
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(top))
+    rec = confirmation.read(run.path)
+    assert rec.last.baseline_resolved and not rec.last.runner_up_resolved
+    assert set(rec.last.at_highest) == {"mbt=512", "mbt=1024"}
+    assert rec.stop.startswith(confirmation.NOTHING) and rec.stop.endswith("raise capacity.hi")
+    assert run.manifest().order == before
+
+
+def test_a_bound_at_the_highest_load_does_not_stop_a_comparison_that_can_still_resolve(tmp_path):
+    # the best met at the highest load; the runner-up has a value: more starts can still part them
+    near = {"mbt=256": [2.5, 2.8, 2.6, 2.7], "mbt=512": [12.0, 15.5, 13.0, 14.5], "mbt=1024": [20.0, 21.0, 20.5, 22.0]}
+    run, study = _run(tmp_path, near, max_starts=4)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(near))
+    rec = confirmation.read(run.path)
+    assert rec.verdicts[0].at_highest == ["mbt=1024"]
+    assert len(rec.verdicts) > 1 and "raise capacity.hi" not in (rec.stop or "")
+
+
 def test_the_blocks_run_through_the_sweeps_dispatcher(tmp_path):
     """The appended units go through sweep._run_units and an executor, as a sweep runs them."""
     from vllm_study import executors, sweep

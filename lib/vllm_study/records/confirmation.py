@@ -37,6 +37,7 @@ class Verdict(BaseModel):
     over_baseline: str | None = None       # the gain, in words (capacity.fit.Gain)
     over_runner_up: str | None = None
     best_below: bool = False               # the best's capacity is below its lowest load: every point's is
+    at_highest: list[str] = []             # of the three, those that met the SLO at the highest load (a bound)
     baseline_resolved: bool = False
     runner_up_resolved: bool = False
 
@@ -86,6 +87,7 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
     if best is None:
         return v
     v.best_below = caps[best].config.kind == "below"
+    v.at_highest = [p for p in starts if caps.get(p) is not None and caps[p].config.kind == "at_least"]
     if caps.get(base) is not None and base != best:
         g = gain(caps[best], caps[base])
         v.over_baseline, v.baseline_resolved = str(g), g.resolved
@@ -111,6 +113,13 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
         return f"{NOTHING}: every point's capacity is below its lowest load (capacity.floor)"
     if v.over_baseline is None:
         return f"{NOTHING}: the baseline {v.baseline} has no capacity (no start completed)"
+    # two capacities that are both "at least the highest load" never part, however many starts:
+    # stop once every comparison left open is such a pair (the others may still resolve)
+    open_ = [p for p, ok in ((v.baseline, v.baseline_resolved), (v.runner_up, v.runner_up_resolved))
+             if not ok and p != v.best]
+    if open_ and all({v.best, p} <= set(v.at_highest) for p in open_):
+        return (f"{NOTHING}: {v.best} and {' and '.join(open_)} met the SLO at the highest load, so more "
+                "starts cannot tell their capacities apart: raise capacity.hi")
     manifest = run.manifest()
     starts: dict[str, int] = {}
     for u in manifest.order:  # every point a start served (live knobs: a group's, not only its lead's)
