@@ -193,3 +193,24 @@ def test_the_search_objective_is_the_fitted_capacity_every_table_states(tmp_path
     assert o.value != pytest.approx(highest_met) and highest_met < o.value   # the bracket's bottom, not the crossing
     below = outcome_of(run.point("mbt=256").summary(), study, run.point("mbt=256"))
     assert below.value == 0.25 and below.constraints == {"slo_at_lowest_load": 1.0}
+
+
+def test_a_capacity_over_concurrency_is_never_labelled_in_req_s(tmp_path):
+    """A closed-loop search fixes no request rate: its capacity is requests in flight, in
+    every table and export, and its bound reads '< concurrency 2', never '... req/s'."""
+    from vllm_study.report import capacity_section, export, report
+    closed = {"workload": {"system_prompt_tokens": 256, "question_tokens": 16, "output_tokens": 16,
+                           "load": {"kind": "closed", "max_concurrency": 2}},
+              "capacity": {"over": "concurrency", "lo": 2, "hi": 16, "precision": 0.1, "max_steps": 6, "floor": 2}}
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 5.0, "mbt=512": 0.5}, study_over=closed)
+    r = report.Run.load(run.path)
+    assert capacity_section.capacity_column(r) == "capacity (concurrency)"
+    for t in (capacity_section.capacity_table(r), report.short_table(run), report.headline_table(r)):
+        assert "capacity (req/s)" not in t.columns
+        col = t["capacity (concurrency)"]
+        assert col["mbt=512"] == "< 2" and col["mbt=256"].startswith("5 [")
+    e = export.export_point(run.path, "mbt=512", tmp_path / "o")
+    note = e.notes.read_text()
+    assert "req/s" not in note.split("- status:")[1].splitlines()[0] and "capacity < concurrency 2" in note
+    assert "| capacity (concurrency) | < 2 |" in note
+    assert e.shortfall.startswith("the SLO was missed at every load measured (capacity < concurrency 2)")

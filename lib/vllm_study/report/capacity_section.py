@@ -282,25 +282,38 @@ def search_trials(r: Run) -> pd.DataFrame | None:
     return search_report.trials_table(r, below=below_lowest_load(r) if is_capacity_study(r) else None)
 
 
+def capacity_column(r: Run) -> str:
+    """The capacity table's lead column: req/s where the load fixes a rate, else the search's unit."""
+    return "capacity (req/s)" if lowest_load_rps(r) is not None else f"capacity ({r.study.capacity.over})"
+
+
+def below_lowest_load_words(r: Run, point: str | None = None) -> str:
+    """below_lowest_load with its unit: '< 3.08 req/s', or '< concurrency 2'."""
+    below = below_lowest_load(r, point)
+    return f"{below} req/s" if lowest_load_rps(r) is not None else below
+
+
 def capacity_table(r: Run) -> pd.DataFrame | None:
     """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
     bracket and steps, and the latencies at capacity."""
     if not is_capacity_study(r):
         return None
     over = r.study.capacity.over
+    rate = lowest_load_rps(r) is not None   # a concurrency search fixes no rate: no req/s column
     rows = []
     for s in r.summaries:
         starts = [st for st in r.folder.point(s.point).starts() if st.capacity]
+        # a start below the floor shows [0, floor]: the bracket it lies in (its capacity is a bound)
         brackets = "; ".join(f"s{st.start}: [{st.capacity.bracket[0]:.3g}, "
                              f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
                              f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
         pc = r.capacity(s.point)
         below = pc is not None and pc.config.kind == "below"
-        row = {"point": s.point, "status": status_label(s),
-               "capacity (req/s)": capacity_cell(r, s.point),
-               f"capacity ({over})": capacity_cell(r, s.point, "load"),
-               f"{over} bracket per start": brackets}
+        row = {"point": s.point, "status": status_label(s)}
+        if rate:
+            row["capacity (req/s)"] = capacity_cell(r, s.point)
+        row |= {f"capacity ({over})": capacity_cell(r, s.point, "load"), f"{over} bracket per start": brackets}
         for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
             # below lo there is no capacity to be at: its round is the lowest load's, which missed
             row[f"{metrics.get(k).title} at capacity"] = "-" if below else \

@@ -210,7 +210,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     shortfall = slo_shortfall(r, point, slo)
     if capacity_section.below_everywhere(r, point):
         shortfall = "; ".join(filter(None, [f"the SLO was missed at every load measured (capacity "
-                                            f"{capacity_section.below_lowest_load(r, point)} req/s)", shortfall]))
+                                            f"{capacity_section.below_lowest_load_words(r, point)})", shortfall]))
     return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall)
 
 
@@ -228,8 +228,8 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     method = r.intervals[r.intervals["point"] == point]["method"]
     status = report_run.status_label(s)
     if capacity_section.below_everywhere(r, point):
-        below = capacity_section.below_lowest_load(r, point)
-        status = (f"missed the SLO at every load measured: capacity {below} req/s "
+        below = capacity_section.below_lowest_load_words(r, point)
+        status = (f"missed the SLO at every load measured: capacity {below} "
                   "(each start's search completed)")
     lines[-1:-1] = [f"- status: {status}" + (f" ({'; '.join(s.reasons)})" if s.reasons else ""),
                     f"- intervals: {method.iloc[0] if len(method) else 'none'}"]
@@ -245,7 +245,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
         iv = r.interval(point, name)
         if name == "capacity_rps" and capacity_section.is_capacity_study(r):
             # records.point_capacity's: a censored capacity is a bound, never 0
-            lines.append(f"| {metrics.get(name).title} | {capacity_section.capacity_cell(r, point)} |")
+            lines.append(f"| {capacity_section.capacity_column(r)} | {capacity_section.capacity_cell(r, point)} |")
         elif iv is not None:
             lines.append(f"| {metrics.get(name).title} | {metrics.with_interval(iv, metrics.get(name))} |")
     return "\n".join(lines) + "\n"

@@ -15,7 +15,7 @@ from ..analysis import intervals as analysis
 from ..vocab import metrics
 from ..define.params import TraceSpec
 from ..records.results import PointSummary, RunFolder
-from .capacity_section import capacity_cell, capacity_table, is_capacity_study
+from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study
 from .run import Run, _lookup, _per_start, status_label
 
 
@@ -68,8 +68,10 @@ def headline_table(r: Run) -> pd.DataFrame:
             row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
         for n in names:
             m = metrics.get(n)
-            row[m.title] = capacity_cell(r, s.point) if n == "capacity_rps" else \
-                metrics.with_interval(r.interval(s.point, n), m)
+            if n == "capacity_rps":   # in req/s, or the search's own unit where no rate fixes it
+                row[capacity_column(r)] = capacity_cell(r, s.point)
+            else:
+                row[m.title] = metrics.with_interval(r.interval(s.point, n), m)
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else pd.DataFrame({"status": []})
 
@@ -194,7 +196,7 @@ def short_table(folder: RunFolder) -> pd.DataFrame:
                                           "output tokens/s (tok/s)", "prefix-cache hit rate")]
     if is_capacity_study(r):
         cap = capacity_table(r)
-        lead = [c for c in ("status", "capacity (req/s)", f"{r.study.capacity.over} bracket per start")
+        lead = [c for c in ("status", capacity_column(r), f"{r.study.capacity.over} bracket per start")
                 if c in cap.columns]
         return cap[lead].join(t[[c for c in keep if c != "status"]])
     return t[keep]
