@@ -38,7 +38,7 @@ from .measure.point import summarize
 from .measure.primer import model_departure
 from .measure.unit import POINT_PARAMS, STOPPING, notebook, stop_leftover_server
 from .analysis.intervals import point_intervals, relative_width
-from .define.timing import estimate_minutes
+from .define.timing import estimate_minutes, priming_s
 from .report.page import export_html
 
 REPO = Path(__file__).resolve().parents[2]  # a source checkout: its git state
@@ -529,9 +529,17 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     lines = windows_statements(study, points)  # (before the estimate: it reads the first window)
     gpus = describe().gpus
     groups, _ = live_groups(study, engine, points) if not study.search else ([[p] for p in points], None)
-    minutes = estimate_minutes(study, engine, len(points), gpus[0].name if gpus else "NVIDIA H100", len(groups))
+    gpu = gpus[0].name if gpus else "NVIDIA H100"
+    primed = [priming_s(study, p.engine_args, engine, gpu, gpus[0].memory_total_bytes if gpus else None)
+              for p in points]
+    priming = sum(primed) / len(primed) if primed else 0.0
+    minutes = estimate_minutes(study, engine, len(points), gpu, len(groups), priming)
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
+    if priming:
+        print(f"  of which priming: about {max(primed):.0f} s before each round of a point with prefix caching "
+              f"({sum(1 for x in primed if x)} of {len(points)} points), its KV cache's size prefilled"
+              + ("" if gpus else f" (the KV size modelled on an {gpu}: this machine has no GPU)"))
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.confirm:

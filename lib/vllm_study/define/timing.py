@@ -13,7 +13,11 @@ hours, not to plan to the minute:
   GPU's peak FLOP/s (prefix-cached tokens skipped);
 - a round: open loop, its arrival span plus one request's latency; closed loop, one
   request's latency per wave of `concurrency` requests;
-- per start, 15 s of the kit's own work (notebook kernel, tokenizer, workload).
+- per start, 15 s of the kit's own work (notebook kernel, tokenizer, workload);
+- priming (trace.prime: history, prefix caching on): each round first prefills about the
+  KV cache's size (workload/priming.py) at the prefill rate above; the KV size from the
+  GPU's memory x gpu_memory_utilization less the weights and 5 GB (one H200, Qwen2.5-7B
+  at 0.92: 2.06M tokens; this model says 2.07M, and 80 s a round where 58 s were measured).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import math
 from ..capacity import bracket as capacity
 from ..launch import machine
 from . import models
+from .grid import CPU_KV_CAP
 from .params import Study
 from .traces import read_trace
 
@@ -30,6 +35,13 @@ CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
 # before, or new to the compile cache
 AHEAD_SHARE, AHEAD_SHARE_NEW = 0.25, 0.5
 KIT_S_PER_START, REPORT_S = 15.0, 40.0
+# a GPU's memory where the dry run has no NVML reading (it plans for a GPU it does not
+# have), as NVML reports it; and what a start holds besides weights and KV (activations,
+# CUDA graphs): one H200, Qwen2.5-7B at 0.92 kept 118.3 GB of KV of 138.7 GB, 15.2 of weights
+MEMORY_BYTES = {"H200": 143771 * 2**20, "H100": 81559 * 2**20, "A100-SXM4-80GB": 81920 * 2**20,
+                "A100": 40960 * 2**20, "L40S": 46068 * 2**20}
+GPU_OTHER_BYTES = 5e9
+VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
 
 def _step_s(weight_bytes: float, peak_bw: float | None) -> float:
@@ -42,7 +54,7 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
     cfg = models.local_config(study.model) or {}
     params = machine.param_count(cfg)[0] if cfg else 7e9
     peaks = machine.peaks(gpu_name) if gpu_name and engine == "gpu" else None
-    flops = 0.4 * peaks[0] if peaks else 0.2e12
+    flops = _flops(engine, gpu_name)
     w = study.workload
     out = w.output_tokens if isinstance(w.output_tokens, int) else w.output_tokens.longest() / 2
     uncached = w.question_tokens if isinstance(w.question_tokens, int) else 64
@@ -56,6 +68,51 @@ def request_latency_s(study: Study, engine: str, gpu_name: str | None = None) ->
     elif w.kind == "random":
         uncached = w.input_tokens if isinstance(w.input_tokens, int) else w.input_tokens.longest() / 2
     return 2 * params * uncached / flops + out * _step_s(2 * params, peaks[1] if peaks else None)
+
+
+def _flops(engine: str, gpu_name: str | None) -> float:
+    peaks = machine.peaks(gpu_name) if gpu_name and engine == "gpu" else None
+    return 0.4 * peaks[0] if peaks else 0.2e12
+
+
+def memory_bytes(gpu_name: str) -> int | None:
+    name = gpu_name.removeprefix("NVIDIA ").strip()
+    return next((MEMORY_BYTES[k] for k in sorted(MEMORY_BYTES, key=len, reverse=True) if name.startswith(k)), None)
+
+
+def kv_tokens(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: int | None = None) -> int | None:
+    """A start's KV cache in tokens under this rough model, for a point's engine args:
+    kv_cache_memory_bytes where set; on the CPU engine the kit's default at most
+    (grid.cpu_kv_default); on a GPU its memory (gpu_bytes, or the table above) x
+    gpu_memory_utilization less the weights and the rest. None where the model is unknown."""
+    cfg = models.local_config(study.model)
+    if not cfg:
+        return None
+    heads = cfg["num_attention_heads"]
+    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * \
+        cfg.get("head_dim", cfg["hidden_size"] // heads) * 2
+    if args.kv_cache_memory_bytes:
+        return int(args.kv_cache_memory_bytes) // per_token
+    if engine != "gpu":
+        return CPU_KV_CAP // per_token
+    total = gpu_bytes or (memory_bytes(gpu_name) if gpu_name else None)
+    if total is None:
+        return None
+    free = total * (args.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION) - \
+        2 * machine.param_count(cfg)[0] - GPU_OTHER_BYTES
+    return max(0, int(free) // per_token)
+
+
+def priming_s(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: int | None = None) -> float:
+    """What priming adds to each measured round of a point (engine args `args`): about its
+    KV cache's size prefilled (workload/priming.py); 0 where nothing is primed (no
+    trace.prime: history, prefix caching off) or the KV size is unknown."""
+    w = study.workload
+    if w.kind != "trace" or w.trace.prime != "history" or args.enable_prefix_caching is False:
+        return 0.0
+    kv = kv_tokens(study, args, engine, gpu_name, gpu_bytes)
+    cfg = models.local_config(study.model)
+    return 2 * machine.param_count(cfg)[0] * kv / _flops(engine, gpu_name) if kv else 0.0
 
 
 def _trace(study: Study):
@@ -88,9 +145,10 @@ def round_s(study: Study, latency_s: float) -> float:
 
 
 def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | None = None,
-                     n_starts: int | None = None) -> float:
+                     n_starts: int | None = None, priming: float = 0.0) -> float:
     """n_starts: server starts a block launches where fewer than its points (live knobs:
-    a start serves several points, one warm-up and one start-up for all of them)."""
+    a start serves several points, one warm-up and one start-up for all of them);
+    priming: what priming adds to a measured round, averaged over the points (priming_s)."""
     latency = request_latency_s(study, engine, gpu_name)
     if engine == "gpu":
         cfg = models.local_config(study.model) or {}
@@ -100,12 +158,13 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
         start = CPU_START_S
     if study.targets:
         start = 0.0
-    measure = KIT_S_PER_START + study.steps_per_start * round_s(study, latency) + \
+    one = round_s(study, latency) + priming
+    measure = KIT_S_PER_START + study.steps_per_start * one + \
         math.ceil(study.workload.warmup_requests / study.workload.concurrency) * latency
     launched = n_starts or n_points
     starts, new = launched * study.replicates, launched  # new: configurations the compile cache has not seen
     # a shared start's rounds for each point it serves
-    measure += (n_points / launched - 1) * study.steps_per_start * round_s(study, latency)
+    measure += (n_points / launched - 1) * study.steps_per_start * one
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
         starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
         new = study.search.trials + 1

@@ -258,10 +258,10 @@ def study_statements(study, max_model_lens, kv_tokens: int | None = None) -> lis
         lines.append(line)
     if kv_tokens is not None:
         lines += plan.notes
-    if spec.prime == "history":  # the estimate above leaves it out: the KV size is not known yet
+    if spec.prime == "history":  # the estimate counts it from a KV size it models (define/timing.py)
         lines.append("priming: each round of a server with prefix caching first sends about its KV cache's size in "
-                     "history, prefill-only (one H200, Qwen2.5-7B, 2.1M tokens: 58 s a round), outside the "
-                     "time estimate; a server without caching is not primed")
+                     "history, prefill-only (one H200, Qwen2.5-7B, 2.1M tokens: 58 s a round); a server without "
+                     "caching is not primed")
     if study.capacity:
         lines.append(f"capacity: each step of the bracket measures all {k} windows at its load, one round each "
                      f"({k} rounds a step), and judges their requests pooled (docs/capacity.md)")
