@@ -86,11 +86,13 @@ def card_config(card: str) -> dict:
     return cfg
 
 
-def kv_bytes_per_token(card: str, dtype_bytes: int = 2) -> int:
-    """K and V for every layer: what one token of context costs in the KV cache."""
-    c = card_config(card)
-    head_dim = c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * head_dim * dtype_bytes
+def kv_bytes_per_token(card: str | dict, dtype_bytes: int = 2) -> int:
+    """K and V for every layer: what one token of context costs in the KV cache; of a
+    card, or of a config.json's contents (local_config)."""
+    c = card_config(card) if isinstance(card, str) else card
+    heads = c["num_attention_heads"]
+    head_dim = c.get("head_dim", c["hidden_size"] // heads)
+    return 2 * c["num_hidden_layers"] * c.get("num_key_value_heads", heads) * head_dim * dtype_bytes
 
 
 def _fast_tokenizer(vocab_size: int):

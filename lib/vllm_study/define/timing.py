@@ -35,11 +35,8 @@ CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
 # before, or new to the compile cache
 AHEAD_SHARE, AHEAD_SHARE_NEW = 0.25, 0.5
 KIT_S_PER_START, REPORT_S = 15.0, 40.0
-# a GPU's memory where the dry run has no NVML reading (it plans for a GPU it does not
-# have), as NVML reports it; and what a start holds besides weights and KV (activations,
-# CUDA graphs): one H200, Qwen2.5-7B at 0.92 kept 118.3 GB of KV of 138.7 GB, 15.2 of weights
-MEMORY_BYTES = {"H200": 143771 * 2**20, "H100": 81559 * 2**20, "A100-SXM4-80GB": 81920 * 2**20,
-                "A100": 40960 * 2**20, "L40S": 46068 * 2**20}
+# what a GPU start holds besides weights and KV (activations, CUDA graphs): one H200,
+# Qwen2.5-7B at 0.92 kept 118.3 GB of KV of 138.7 GB, 15.2 of weights
 GPU_OTHER_BYTES = 5e9
 VLLM_GPU_MEMORY_UTILIZATION = 0.92
 
@@ -75,27 +72,20 @@ def _flops(engine: str, gpu_name: str | None) -> float:
     return 0.4 * peaks[0] if peaks else 0.2e12
 
 
-def memory_bytes(gpu_name: str) -> int | None:
-    name = gpu_name.removeprefix("NVIDIA ").strip()
-    return next((MEMORY_BYTES[k] for k in sorted(MEMORY_BYTES, key=len, reverse=True) if name.startswith(k)), None)
-
-
 def kv_tokens(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: int | None = None) -> int | None:
     """A start's KV cache in tokens under this rough model, for a point's engine args:
     kv_cache_memory_bytes where set; on the CPU engine the kit's default at most
-    (grid.cpu_kv_default); on a GPU its memory (gpu_bytes, or the table above) x
+    (grid.cpu_kv_default); on a GPU its memory (gpu_bytes, or machine.MEMORY_BYTES) x
     gpu_memory_utilization less the weights and the rest. None where the model is unknown."""
     cfg = models.local_config(study.model)
     if not cfg:
         return None
-    heads = cfg["num_attention_heads"]
-    per_token = 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * \
-        cfg.get("head_dim", cfg["hidden_size"] // heads) * 2
+    per_token = models.kv_bytes_per_token(cfg)
     if args.kv_cache_memory_bytes:
         return int(args.kv_cache_memory_bytes) // per_token
     if engine != "gpu":
         return CPU_KV_CAP // per_token
-    total = gpu_bytes or (memory_bytes(gpu_name) if gpu_name else None)
+    total = gpu_bytes or (machine.memory_bytes(gpu_name) if gpu_name else None)
     if total is None:
         return None
     free = total * (args.gpu_memory_utilization or VLLM_GPU_MEMORY_UTILIZATION) - \

@@ -213,13 +213,28 @@ PEAKS = {
 }
 
 
+# a GPU's memory as NVML reports it, for plans made where there is no NVML reading (the
+# dry run on a machine without the GPU it plans for: define/timing.py)
+MEMORY_BYTES = {"H200": 143771 * 2**20, "H100": 81559 * 2**20, "A100-SXM4-80GB": 81920 * 2**20,
+                "A100": 40960 * 2**20, "L40S": 46068 * 2**20}
+
+
+def _by_name(table: dict, gpu_name: str):
+    name = gpu_name.removeprefix("NVIDIA ").strip()
+    for key in sorted(table, key=len, reverse=True):  # the most specific name first
+        if name.startswith(key):
+            return table[key]
+    return None
+
+
 def peaks(gpu_name: str) -> tuple[float, float] | None:
     """(FLOP/s, bytes/s) for an NVML device name such as 'NVIDIA H200', or None."""
-    name = gpu_name.removeprefix("NVIDIA ").strip()
-    for key in sorted(PEAKS, key=len, reverse=True):  # the most specific name first
-        if name.startswith(key):
-            return PEAKS[key]
-    return None
+    return _by_name(PEAKS, gpu_name)
+
+
+def memory_bytes(gpu_name: str) -> int | None:
+    """A GPU's memory for an NVML device name (MEMORY_BYTES), or None."""
+    return _by_name(MEMORY_BYTES, gpu_name)
 
 
 def param_count(cfg: dict) -> tuple[int, int]:
