@@ -39,6 +39,21 @@ def _kill_when_busy(url: str, pgid: int, seen: float, killed: threading.Event, t
         time.sleep(0.01)
 
 
+def _settled(url: str, quiet_s: float = 1.0, timeout_s: float = 30.0) -> float:
+    """The prompt-tokens counter once it has stopped moving for quiet_s: on a loaded machine
+    vLLM can publish round 0's last tokens after the round returned, and a `seen` read before
+    that made the killer fire between rounds (round 1 then never ran)."""
+    value, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        now = counters.scrape(url)["values"][PROMPT_TOKENS]
+        if now != value:
+            value, since = now, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return value
+        time.sleep(0.1)
+    return value
+
+
 def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
     """One server start through the kit's steps: round 0 completes and is recorded; the
     server is then SIGKILLed during round 1: that round is recorded as failed, round 0
@@ -55,7 +70,7 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     run.run_round(0)
     pgid = run.server.proc.pid
     killed = threading.Event()
-    seen = counters.scrape(run.server.url)["values"][PROMPT_TOKENS]
+    seen = _settled(run.server.url)
     killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, seen, killed))
     killer.start()
     run.run_round(1)
