@@ -23,9 +23,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel
+
+R = TypeVar("R")
 
 # A latency bound is judged on the round's figure measured from each request's
 # scheduled arrival where the round had a schedule (open loop): a client or server that
@@ -52,6 +54,22 @@ class CapacityRecord(BaseModel):
     requests_per_s: float | None = None   # the load as requests per second (the report's unit)
     at_round: int | None = None     # the round measured at the capacity (its latencies are "at capacity")
     steps: list[dict] = []          # every step: load, met, why, round, margins (not in older runs)
+
+    def step_rounds(self, rounds: list[R]) -> list[list[R]]:
+        """Each step's round records (anything with .round and .load): its `round` and the
+        rounds after it at its load, up to the next step's. One a step, or with
+        trace.windows one a window, which the step judged pooled (measure.rounds)."""
+        firsts = [s.get("round") for s in self.steps]
+        later = sorted(r for r in firsts if r is not None)
+        out = []
+        for s, first in zip(self.steps, firsts):
+            if first is None:
+                out.append([])
+                continue
+            nxt = next((r for r in later if r > first), math.inf)
+            out.append(sorted((r for r in rounds if r.round == first
+                               or (first < r.round < nxt and r.load == s["load"])), key=lambda r: r.round))
+        return out
 
 
 @dataclass

@@ -176,16 +176,18 @@ def _start_capacity(start_dir: str, rec_json: str, slo_json: str, floor: float,
         return legacy, "highest met"
     if not rec.steps:
         return legacy, "highest met"
-    rounds = {r.round: r for r in read_rounds(Path(start_dir) / "rounds.jsonl")}
+    # a step's rounds: one, or with trace.windows one a window, their requests pooled as the
+    # step's verdict pooled them; a step with a failed round is a miss, as its verdict was
+    per_step = rec.step_rounds(read_rounds(Path(start_dir) / "rounds.jsonl"))
     by_round = _read_requests(Path(start_dir))
     if by_round is not None:
         steps = []
-        for s in rec.steps:
-            r = rounds.get(s.get("round"))
-            if r is None or r.status != "ok":
+        for s, rs in zip(rec.steps, per_step):
+            if not rs or any(r.status != "ok" for r in rs):
                 steps.append(fit.StepData(load=s["load"], failed=True))
                 continue
-            d = _step_from_requests(s, by_round.get(r.round, []), bounds, r.metrics)
+            reqs = [q for r in rs for q in by_round.get(r.round, [])]
+            d = _step_from_requests(s, reqs, bounds, rs[0].metrics)
             if d is None:
                 break
             steps.append(d)
@@ -194,10 +196,10 @@ def _start_capacity(start_dir: str, rec_json: str, slo_json: str, floor: float,
                 return fit.fit_start(steps, bounds, n_resamples=RESAMPLES, seed=seed), "fit"
     # the rounds' own figures: one margin per bound and step, no resampling
     loads, rows = [], []
-    for s in rec.steps:
-        r = rounds.get(s.get("round"))
-        m = s.get("margins") or (margins(r.metrics, slo) if r is not None else {})
-        failed = r is None or r.status != "ok" or bool(r.metrics.get("failed")) or not r.metrics.get("completed")
+    for s, rs in zip(rec.steps, per_step):
+        m = s.get("margins") or (margins(rs[0].metrics, slo) if rs else {})
+        failed = not rs or any(r.status != "ok" or bool(r.metrics.get("failed")) or not r.metrics.get("completed")
+                               for r in rs)
         if not failed and set(m) != set(slo):
             return legacy, "highest met"
         loads.append(s["load"])
