@@ -8,6 +8,15 @@ machine even if the next slice never comes.
 
     python tools/study_slice.py params/h200-qwen2.5-32b.yaml --knee params/h200-qwen2.5-32b-knee.yaml \\
         --runs /tmp/runs --minutes 9 --pack $OUT/runs.tar.gz [--executor gpus]
+
+A server start longer than a job's limit (a capacity search on primed windows: ~15 min
+on one H200) cannot finish in a slice, and a start cut off mid-search runs again whole.
+--wait S runs the slice in the background (its own session, log beside --runs) and
+returns after at most S seconds, packing what --runs holds then; the same command again,
+while the slice runs, waits on that slice instead of starting one, and packs again. The
+machine must stay up between the calls (their jobs back to back).
+
+    python tools/study_slice.py STUDY --runs /tmp/runs --minutes 16 --wait 540 --pack $OUT/runs.tar.gz
 """
 from __future__ import annotations
 
@@ -71,6 +80,69 @@ def _forward_sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
+def _alive(pid: int) -> bool:
+    """The slice `pid` is still running: a process of that id whose command is this tool."""
+    try:
+        return "study_slice" in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:
+        return False
+
+
+def detached(a: argparse.Namespace, argv: list[str]) -> int:
+    """--wait: start the slice in the background unless one of these --runs is running,
+    wait for it at most a.wait seconds, pack --runs. 0: the slice ended (its own exit
+    status is in its log); 3: it still runs (call again to wait for it)."""
+    pid_file, log = Path(f"{a.runs}.slice.pid"), Path(f"{a.runs}.slice.log")
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    own = None
+    if pid is not None and _alive(pid):
+        print(f"waiting on the slice already running (pid {pid}; log {log})", flush=True)
+    else:
+        # the background slice packs nothing itself: the waiter packs what the runs hold
+        child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, "--wait", "--pack")]
+        with open(log, "ab") as out:
+            own = subprocess.Popen(child, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        pid = own.pid
+        pid_file.write_text(str(pid))
+        print(f"started the slice in the background (pid {pid}; log {log})", flush=True)
+    offset = log.stat().st_size if own is None and log.exists() else 0
+    deadline = time.monotonic() + a.wait
+    running = lambda: own.poll() is None if own else _alive(pid)  # noqa: E731
+    while running() and time.monotonic() < deadline:
+        time.sleep(2)
+    if log.exists():
+        with open(log, "rb") as f:
+            f.seek(offset)
+            sys.stdout.write(f.read().decode(errors="replace")[-6000:])
+    still = running()
+    if a.pack:
+        pack(a.runs, a.pack)
+    if still:
+        print(f"\nthe slice still runs (pid {pid}): the same command again waits for it", flush=True)
+        return 3
+    return 0
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv less each flag and its value (as `--flag V` or `--flag=V`)."""
+    out, skip = [], False
+    for x in argv:
+        if skip:
+            skip = False
+        elif x in flags:
+            skip = True
+        elif not any(x.startswith(f + "=") for f in flags):
+            out.append(x)
+    return out
+
+
+def pack(runs: Path, to: Path) -> None:
+    with tarfile.open(to, "w:gz") as tar:
+        tar.add(runs, arcname="runs")
+    print(f"packed {runs} into {to}", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("study", type=Path)
@@ -80,8 +152,13 @@ def main() -> int:
     ap.add_argument("--pack", type=Path, help="tar.gz the runs folder here when the slice ends")
     ap.add_argument("--carried", type=Path, default=ROOT / "results",
                     help="where an earlier slice's run may have been brought along (copied into --runs)")
+    ap.add_argument("--wait", type=float, metavar="S",
+                    help="run the slice in the background and return within S seconds (module docstring)")
     # anything else (--executor gpus, --parallel 2) goes to the main study's sweep
     a, sweep_args = ap.parse_known_args()
+    if a.wait is not None:
+        a.runs.mkdir(parents=True, exist_ok=True)
+        return detached(a, sys.argv[1:])
     t0 = time.monotonic()
     a.runs.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _forward_sigterm)
@@ -112,9 +189,7 @@ def main() -> int:
         rc = 130
     finally:
         if a.pack:
-            with tarfile.open(a.pack, "w:gz") as tar:
-                tar.add(a.runs, arcname="runs")
-            print(f"packed {a.runs} into {a.pack}", flush=True)
+            pack(a.runs, a.pack)
     return rc
 
 
