@@ -188,3 +188,31 @@ def test_the_blocks_run_through_the_sweeps_dispatcher(tmp_path):
     assert out.stop_note is None and confirmation.read(run.path).stop == confirmation.RESOLVED
     assert all(unit_finished(run, u) for u in run.manifest().order)
     assert max(u.start for u in run.manifest().order) > study.replicates
+
+
+def _capacity(point: str, starts: list[tuple[float, float, float] | float], pooled_df: int | None = None):
+    """A point's capacity from its starts: (value, low, high) fitted ones, or a float: below it."""
+    from vllm_study.capacity import fit
+    from vllm_study.records.point_capacity import PointCapacity
+    caps = [fit.StartCapacity(kind="value", value=s[0], low=s[1], high=s[2], lowest=2.95, highest=7.4,
+                              log_se=0.025) if isinstance(s, tuple)
+            else fit.StartCapacity(kind="below", value=s, lowest=s, highest=s) for s in starts]
+    return PointCapacity(point, fit.combine(caps, spread=0.02 if pooled_df else None), caps,
+                         ["fit"] * len(caps), 1.0, pooled_df)
+
+
+def test_a_gain_on_one_start_is_not_resolved_until_a_restart_measures_the_spread():
+    # the steady-state H200 run after its first block: the best's one start 3.33 [3.12, 3.43],
+    # the baseline below 2.95; its interval alone would part them
+    best = _capacity("4096", [(3.33, 3.12, 3.43)])
+    base = _capacity("defaults", [2.95])
+    words, ok = confirmation._told_apart(best, base)
+    assert not ok and "one start, so no start-to-start spread" in words and "4096 and defaults" in words
+    # restarts measure the spread (two give t on 1 df, too wide here; three that agree part them)
+    best3 = _capacity("4096", [(3.33, 3.12, 3.43), (3.30, 3.1, 3.4), (3.36, 3.15, 3.45)])
+    words, ok = confirmation._told_apart(best3, _capacity("defaults", [2.95] * 3))
+    assert ok and "one start" not in words, words
+    # or a spread pooled over the run's points (3 df or more) stands in for a point's own
+    words, ok = confirmation._told_apart(_capacity("4096", [(3.33, 3.12, 3.43)], pooled_df=4),
+                                         _capacity("defaults", [2.95], pooled_df=4))
+    assert ok, words

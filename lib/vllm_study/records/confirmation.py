@@ -2,7 +2,9 @@
 after the planned starts, the best config, the runner-up and the baseline get one fresh
 start each per shuffled block, judged again after every block, until the best's gain
 over the baseline and over the runner-up are both resolved (point_capacity.gain: the
-ratio's 95% interval, or its bound, excludes 1) or confirmation stops for another reason.
+ratio's 95% interval, or its bound, excludes 1, with the start-to-start spread measured:
+two starts of each, or a spread pooled over the run's points) or confirmation stops for
+another reason.
 
 confirm.json in the run folder keeps each block's verdict and the reason it stopped; a
 run made without `confirm:` has none, and loads as before.
@@ -16,7 +18,7 @@ from pydantic import BaseModel
 
 from ..define.grid import Unit
 from ..define.params import Study
-from .point_capacity import gain, point_capacities
+from .point_capacity import PointCapacity, gain, point_capacities
 from .results import RunFolder
 
 CONFIRM = "confirm.json"
@@ -89,14 +91,26 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
     v.best_below = caps[best].config.kind == "below"
     v.at_highest = [p for p in starts if caps.get(p) is not None and caps[p].config.kind == "at_least"]
     if caps.get(base) is not None and base != best:
-        g = gain(caps[best], caps[base])
-        v.over_baseline, v.baseline_resolved = str(g), g.resolved
+        v.over_baseline, v.baseline_resolved = _told_apart(caps[best], caps[base])
     elif base == best:   # the baseline is the best: only the runner-up is left to tell apart
         v.over_baseline, v.baseline_resolved = "the best is the baseline", True
     if runner is not None:
-        g = gain(caps[best], caps[runner])
-        v.over_runner_up, v.runner_up_resolved = str(g), g.resolved
+        v.over_runner_up, v.runner_up_resolved = _told_apart(caps[best], caps[runner])
     return v
+
+
+def _told_apart(a: PointCapacity, b: PointCapacity) -> tuple[str, bool]:
+    """a's gain over b in words, and whether it is resolved. One start of a config measures
+    no start-to-start spread (its interval is within the start: capacity.fit.combine), and
+    on one H200 a restart moved capacity by about 9%: a gain resolved on such a config's
+    one start is not resolved until a second start (or a spread pooled over the run's
+    points) says how far a restart moves it."""
+    g = gain(a, b)
+    unmeasured = [pc.point for pc in (a, b) if len(pc.starts) < 2 and pc.pooled_df is None]
+    if g.resolved and unmeasured:
+        return (f"{g}; not resolved yet: {' and '.join(unmeasured)} "
+                f"{'has' if len(unmeasured) == 1 else 'have'} one start, so no start-to-start spread"), False
+    return str(g), g.resolved
 
 
 def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
