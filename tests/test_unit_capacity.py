@@ -367,3 +367,18 @@ def test_probing_lo_first_ends_a_start_that_misses_everywhere_in_one_step_and_fi
     log.clear()
     above = capacity.Bracket("speed", 1.0, 3.0, 0.15, 4, probe="lo").run(_measure(9.0, log))
     assert log == [1.0, 3.0] and above.censored == "above"
+
+
+def test_a_capacity_from_one_start_says_its_interval_is_within_that_start(tmp_path):
+    """With one start a point and nothing pooled, no restart has measured how far a
+    capacity moves: the statistic's sentence names the points whose interval is the start's."""
+    from synthetic_run import make_capacity_run
+
+    from vllm_study.report import capacity_section, report
+    one = make_capacity_run(tmp_path / "one", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0,
+                            study_over={"replicates": 1})
+    sentence = capacity_section.statistic_sentence(report.Run.load(one))
+    assert sentence.endswith(" mbt=256, mbt=512: one start, so their intervals are within that start "
+                             "(no start-to-start spread measured)."), sentence
+    two = make_capacity_run(tmp_path / "two", {"mbt=256": (3.0, 3.2), "mbt=512": (5.0, 5.5)}, lo=2.0, hi=8.0)
+    assert "one start" not in capacity_section.statistic_sentence(report.Run.load(two))

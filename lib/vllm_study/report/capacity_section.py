@@ -116,7 +116,12 @@ def statistic_sentence(r: Run) -> str:
                                                    else "") for k in keys)
     pooled = next((pc.pooled_df for pc in r.capacities.values() if pc and pc.pooled_df), None)
     spread = f", {point_capacity.POOLED.format(df=pooled)}" if pooled else ""
-    return f"Capacity: {how}; {point_capacity.COMBINED}{spread}."
+    # one start and nothing pooled: the interval is the start's bootstrap alone (capacity.fit.combine)
+    alone = [pid for pid, pc in r.capacities.items()
+             if pc and pc.config.kind == "value" and not pc.config.spread_measured]
+    within = (f" {', '.join(alone)}: one start, so {'its interval is' if len(alone) == 1 else 'their intervals are'}"
+              " within that start (no start-to-start spread measured)." if alone else "")
+    return f"Capacity: {how}; {point_capacity.COMBINED}{spread}.{within}"
 
 
 def _gain_words(g) -> str:
