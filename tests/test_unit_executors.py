@@ -124,6 +124,35 @@ def test_a_released_slot_takes_its_next_unit_while_the_last_one_finishes(tmp_pat
             assert prepared[b[1]] < a[4]  # the next began preparing while the last one stopped
 
 
+def test_a_slot_takes_no_third_unit_while_its_first_still_finishes(tmp_path):
+    """Slot 0's first unit takes longer after its server stopped than the next unit's whole
+    server phase: that next unit's early release waits until the first has ended, so the
+    slot never holds three units (the one finishing, the one measured, a third preparing),
+    though slot 1's short units leave the pool threads to start one."""
+    lock, per_slot, peak, first = threading.Lock(), {}, {}, {}
+
+    def work(unit, slot, release):
+        key = tuple(slot)
+        with lock:
+            per_slot[key] = per_slot.get(key, 0) + 1
+            peak[key] = max(peak.get(key, 0), per_slot[key])
+            slow = first.setdefault(key, unit.point) == unit.point and key == (0,)
+        if key == (1,):
+            time.sleep(0.05)   # slot 1: short units that never release early
+        else:
+            sl = SlotLock(slot_lock_path(tmp_path, slot))
+            sl.acquire()
+            time.sleep(0.1)    # the server measures
+            release()
+            sl.release()
+            time.sleep(1.5 if slow else 0.05)   # slot 0's first unit: long results after its server stopped
+        with lock:
+            per_slot[key] -= 1
+
+    left, _ = Dispatcher([[0], [1]], work, time.monotonic(), None).run(_units(12))
+    assert left == 0 and peak[(0,)] == 2
+
+
 # The budget tests below are stated in seconds and run SCALE times slower: their margins
 # (0.1-0.2 s stated) then outlast a loaded machine's thread and lock latencies (at 3x,
 # a CI machine running vLLM servers beside them once let a unit through that should not fit).

@@ -21,6 +21,7 @@ import importlib
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -108,6 +109,10 @@ class Dispatcher:
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
         self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
+        # slot index: an early release held back while the unit before the releasing one
+        # still finishes (its results, after its server stopped): a third unit would crowd
+        # the slot. It is made once that unit ends.
+        self.held: dict[int, Callable[[bool], None]] = {}
         self.lock = threading.Lock()
 
     def _fits(self, started: int, i: int, behind: bool) -> bool:
@@ -151,6 +156,9 @@ class Dispatcher:
                 self.lengths.add(now - had, behind)
                 self.ended[i] = now
                 self.running[i] -= 1
+                held = self.held.pop(i, None)
+            if held is not None:
+                held(True)
             release(early=False)
 
     def _releaser(self, free: queue.Queue, i: int):
@@ -159,6 +167,11 @@ class Dispatcher:
         def release(early: bool):
             if early and self.max_minutes and not self.lengths.longest:
                 return  # under a budget, nothing queues behind a unit before one unit's length is known
+            if early:
+                with self.lock:
+                    if self.running.get(i, 0) >= 2:   # the unit before still finishing: later (self.held)
+                        self.held[i] = release
+                        return
             if once.acquire(blocking=False):  # the first call hands the slot back; later ones do nothing
                 free.put((i, early))
             elif not early:
