@@ -22,7 +22,8 @@ SMALL, ROOMY = kv_bytes(512), kv_bytes(16384)  # 512 tokens cannot hold a 2,048-
 STUDY = tiny(grid=None, rounds=1, search={
     "space": {"kv_cache_memory_bytes": [SMALL, ROOMY], "max_num_batched_tokens": [256, 1024]},
     "first": [{"kv_cache_memory_bytes": SMALL, "max_num_batched_tokens": 256}],
-    "objective": "output_throughput", "trials": 3, "top_k": 1, "confirm_starts": 1, "seed": 3})
+    "objective": "output_throughput", "trials": 3, "top_k": 1, "confirm_starts": 1, "seed": 3,
+    "live_batch": 1})  # a start a trial here (test_e2e_search_live_batch.py shares them)
 STUDY["engine_args"] = {k: v for k, v in STUDY["engine_args"].items() if k != "kv_cache_memory_bytes"}
 
 

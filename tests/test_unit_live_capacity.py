@@ -8,7 +8,6 @@ against a fake server whose latency follows the max_num_seqs in force, through a
 control channel: a point searched under another point's limits finds that one's capacity."""
 from __future__ import annotations
 
-import pytest
 from e2e_support import plan_of, tiny
 from synthetic_run import add_capacity_start, make_capacity_run
 
@@ -37,13 +36,6 @@ def test_a_capacity_grid_shares_one_start_led_by_its_largest_limits():
     assert [len(g) for g in live_groups(study, "gpu", expand(study, "gpu"))[0]] == [2]
     default = study_from_dict(STUDY)  # the GPU's default: one start a point
     assert [len(g) for g in live_groups(default, "gpu", expand(default, "gpu"))[0]] == [1, 1]
-
-
-def test_a_capacity_search_study_with_live_knobs_is_still_refused():
-    search = {"space": {"max_num_seqs": [2, 4]}, "trials": 2}
-    with pytest.raises(ValueError, match="server.live_knobs: search: trials run one server start each.*"
-                                         "set server.live_knobs: false"):
-        study_from_dict({**STUDY, "grid": None, "search": search, "server": {"live_knobs": True}})
 
 
 class FakeChannel:

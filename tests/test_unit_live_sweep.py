@@ -67,12 +67,6 @@ def test_what_cannot_share_a_start_is_refused_when_asked_and_falls_back_by_defau
     assert [len(g) for g in groups] == [1, 1, 1, 1] and why.split(":")[0] in note
 
 
-def test_a_search_with_live_knobs_is_refused():
-    with pytest.raises(ValueError, match="server.live_knobs: search: trials run one server start each"):
-        study_from_dict(tiny(grid=None, search={"space": {"max_num_seqs": [2, 4]}, "objective": "output_throughput",
-                                                "trials": 2}, server={"live_knobs": True}))
-
-
 def test_run_order_shuffles_groups_and_keeps_the_order_of_single_points():
     study, points = _points(grid={**GRID, "block_size": [16, 32]})
     groups, _ = live_groups(study, "cpu", points)

@@ -521,3 +521,22 @@ def test_a_server_started_ahead_imports_on_its_own_cores_at_the_lowest_priority_
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+@pytest.mark.parametrize("reasons, attempts, warned", [
+    (["port in use (exit code 1)", None], 2, True),   # taken between the pick and vLLM's bind: once more
+    (["port in use (exit code 1)"] * 3, 2, True),     # and no more than once
+    (["out of memory", None], 1, False),              # any other failure is the start's outcome
+])
+def test_a_start_whose_port_was_taken_before_vllm_bound_it_starts_once_more(tmp_path, monkeypatch, reasons,
+                                                                             attempts, warned):
+    from e2e_support import plan_of, tiny
+    from vllm_study.measure.point import PointStart
+    start = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
+    ports, ended = [], []
+    monkeypatch.setattr(start, "_spawn", lambda cmd, port, env, ahead: ports.append(port) or reasons[len(ports) - 1])
+    monkeypatch.setattr(start, "_started", ended.append)
+    start._start_server("model", dummy=True)
+    assert len(ports) == attempts and len(set(ports)) == attempts  # a new port each time
+    assert ended == [reasons[attempts - 1]]
+    assert any("was taken before the server bound it" in w for w in start.record.warnings) == warned

@@ -23,7 +23,7 @@ import yaml
 from tqdm import tqdm
 
 from . import doctor, executors
-from .define.grid import Point, PointMaker, PointPlan, Unit, expand, live_groups, run_order
+from .define.grid import Point, PointMaker, PointPlan, Unit, expand, live_groups, run_order, search_live_label
 from .launch.machine import cpu_dtype, describe, resolve_engine, versions
 from .define.search_space import FloatRange, IntRange
 from .define.params import Study
@@ -486,6 +486,8 @@ def plan_label(study: Study, points: list[Point]) -> str:
 
 def live_label(study: Study, engine: str, points: list[Point]) -> str:
     """How many server starts a block has, and why where live knobs share none."""
+    if study.search:
+        return search_live_label(study, engine)
     groups, why = live_groups(study, engine, points)
     shared = [g for g in groups if len(g) > 1]
     if not shared:
@@ -544,6 +546,8 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.confirm:
         print(f"  {study.confirm_plan}")
+    if study.search:
+        print(f"  {live_label(study, engine, points)}")
     if not study.search and not study.targets:
         print(live_label(study, engine, points))
         if any(len(g) > 1 for g in groups):

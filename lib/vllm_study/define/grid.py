@@ -66,6 +66,9 @@ class PointPlan(BaseModel):
     engine: str
     starts: int | None = None  # server starts planned for this point (None: the study's replicates; a
     #                            search plans 1 a trial, more for the configurations it confirms)
+    # a shared start's live limits at launch, where above the point's own (a search's
+    # batch, config_search.TrialSource); the point's rounds still run under its own
+    launch: dict[str, int] | None = None
 
     @property
     def planned_starts(self) -> int:
@@ -338,7 +341,8 @@ def point_limits(point: Point) -> dict[str, int | None]:
             "long_prefill_token_threshold": point.engine_args.long_prefill_token_threshold}
 
 
-def _live_axes(point: Point) -> set[str]:
+def live_axes(point: Point) -> set[str]:
+    """The knobs the kit's scheduler plugin changes on a running server at this point."""
     # without chunked prefill vLLM cannot lower the chunk below a prompt: a restart axis there
     return set(LIVE_AXES) - ({"max_num_batched_tokens"} if point.engine_args.enable_chunked_prefill is False else set())
 
@@ -350,6 +354,19 @@ def _largest(points: list[Point]) -> Point | None:
         v = point_limits(p)[axis]
         return float("inf") if axis == "long_prefill_token_threshold" and not v else (v or 0)
     return next((p for p in points if all(key(p, a) == max(key(q, a) for q in points) for a in LIVE_AXES)), None)
+
+
+def launch_limits(points: list[Point]) -> dict[str, int]:
+    """The live limits a start serving `points` is launched at where they differ: each
+    one's largest (long_prefill_token_threshold 0, no cap, is the largest). Empty where
+    the points agree (the start is launched as any of them)."""
+    out = {}
+    for axis in LIVE_AXES:
+        vals = {point_limits(p)[axis] for p in points}
+        if len(vals) > 1:
+            uncapped = axis == "long_prefill_token_threshold" and any(not v for v in vals)
+            out[axis] = 0 if uncapped else max(v for v in vals if v is not None)
+    return out
 
 
 def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[list[Point]], str | None]:
@@ -365,7 +382,7 @@ def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[li
         return singles, f"server.live_knobs is on by default on the {engine} engine, but {why}: one start a point"
     groups: dict[tuple, list[Point]] = {}
     for p in points:
-        fixed = tuple((a, repr(v)) for a, v in p.values.items() if a not in _live_axes(p))
+        fixed = tuple((a, repr(v)) for a, v in p.values.items() if a not in live_axes(p))
         groups.setdefault(fixed, []).append(p)
     out = []
     for members in groups.values():
@@ -375,6 +392,23 @@ def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[li
             continue
         out.append([lead, *(p for p in members if p is not lead)])
     return out, None
+
+
+def search_live_label(study: Study, engine: str) -> str:
+    """How many trials a search's start serves, and which knobs need a start of their own."""
+    live = [k for k in study.search.space if k in LIVE_AXES
+            and not (k == "max_num_batched_tokens" and study.engine_args.enable_chunked_prefill is False)]
+    restart = [k for k in study.search.space if k not in live]
+    why = ("server.live_knobs: false" if study.server.live_knobs is False
+           else f"off by default on the {engine} engine" if not study.server.live_on(engine)
+           else "search.live_batch: 1" if study.search.live_batch == 1
+           else live_knobs_unsupported(study) or ("" if live else "no knob of the space changes live"))
+    if why:
+        return f"live knobs: none shared ({why}); one server start a trial"
+    return (f"live knobs: a start serves up to {study.search.live_batch} trials, which differ only in "
+            f"{', '.join(live)} (launched at their largest, lowered between rounds); "
+            + (f"{', '.join(restart)} take a start of their own" if restart else "every knob of the space changes live")
+            + "; the confirmation starts are one configuration each (docs/live-knobs.md)")
 
 
 def run_order(points: list[Point], replicates: int, seed: int,

@@ -433,10 +433,6 @@ def live_knobs_unsupported(study) -> str | None:
     """Why a study's points cannot share server starts through live scheduler limits, or None."""
     if study.targets:
         return "a targets study measures servers the kit does not launch"
-    if study.search:
-        # a search proposes its trials one at a time: no group of points to share a start
-        # (a capacity grid shares one: each point searches in turn, live_start.py)
-        return "search: trials run one server start each (a capacity grid's points can share one)"
     if study.precision:
         return "precision adds starts of single points, which a shared start cannot be compared with"
     if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:

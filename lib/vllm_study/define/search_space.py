@@ -62,14 +62,16 @@ SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
 
 
 class Search(_Strict):
-    """Search a space of engine arguments instead of measuring a grid: `trials` server
-    starts (or until `minutes`), each one configuration Optuna's `sampler` proposes from
+    """Search a space of engine arguments instead of measuring a grid: `trials`
+    configurations measured (or until `minutes`), each one Optuna's `sampler` proposes from
     what the earlier ones measured, judged by `objective` (capacity_rps in a capacity
     study; otherwise any metric with a direction). Then the `top_k` best and vLLM's
     defaults get `confirm_starts` fresh server starts each, in shuffled blocks: the
     decision rests on those, not on one lucky trial. `when`: conditions a configuration
     must meet before it starts ("max_num_seqs <= max_num_batched_tokens"); vLLM's own
-    rules are checked too. `first`: configurations to try before the sampler's own."""
+    rules are checked too. `first`: configurations to try before the sampler's own.
+    `live_batch`: with live knobs on, one start serves up to that many trials that
+    differ only in live scheduler limits (config_search.TrialSource)."""
     space: dict[str, Dimension]
     when: list[str] = []
     objective: str | None = None
@@ -83,6 +85,9 @@ class Search(_Strict):
     first: list[dict[str, Any]] = []
     top_k: int = Field(3, ge=1)
     confirm_starts: int = Field(3, ge=1)
+    live_batch: int = Field(3, ge=1, description="trials one server start measures where live knobs are on "
+                            "(server.live_knobs): the sampler's proposal, then proposals that differ from it only "
+                            "in the limits the kit's plugin changes at runtime; 1: a start a trial")
 
     @model_validator(mode="after")
     def _check(self):

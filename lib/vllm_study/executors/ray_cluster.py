@@ -34,6 +34,10 @@ class RayExecutor(Executor):
             raise StudyError("executor ray runs one point a server start, and this run shares starts between "
                              "points (server.live_knobs): set server.live_knobs: false in the study, or use "
                              "--executor local or gpus")
+        if study.search and study.server.live_on(engine) and study.search.live_batch > 1:
+            raise StudyError("executor ray runs one point a server start, and this search shares starts between "
+                             "trials (server.live_knobs with search.live_batch > 1): set search.live_batch: 1 or "
+                             "server.live_knobs: false, or use --executor local or gpus")
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
         have = ray.cluster_resources()
         tp = self.tp

@@ -45,6 +45,9 @@ PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, 
                        "VLLM_ENGINE_READY_TIMEOUT_S"})
 
 
+PORT_TRIES = 2  # a start whose port was taken before vLLM bound it is started once more
+
+
 class Launcher(StartWriter):
     """The launch steps of a PointStart: sets the server (or target) and `self.url`,
     `self.model_name`, `self.api_key`, `self.proxy`, `self.tokenizer`, `self.workload`."""
@@ -173,9 +176,6 @@ class Launcher(StartWriter):
 
     def _start_server(self, model: str, dummy: bool, ahead: bool = False) -> None:
         s = self.study
-        port = free_port()
-        cmd = serve_command(model, port, self.point.engine_args.cli(), s.model.served_name,
-                            load_dummy=dummy, extra=s.server.extra_cli_args + self._measurement_flags())
         env = dict(s.server.env)
         if self.gpu_indices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
@@ -190,6 +190,24 @@ class Launcher(StartWriter):
             # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
             # starts only would make each config's first held start compile again
             env.update(VllmServer.ahead_env({**os.environ, **env}))
+        # a search's shared start is launched at its trials' largest live limits (plan.launch)
+        args = self.point.engine_args.model_copy(update=self.plan.launch or {})
+        for attempt in range(PORT_TRIES):
+            port = free_port()
+            cmd = serve_command(model, port, args.cli(), s.model.served_name,
+                                load_dummy=dummy, extra=s.server.extra_cli_args + self._measurement_flags())
+            reason = self._spawn(cmd, port, env, ahead)
+            if not (reason or "").startswith("port in use") or attempt == PORT_TRIES - 1:
+                break
+            # the port was free when picked and taken before vLLM bound it, seconds later
+            # (another process's ephemeral socket): nothing was measured, so start again
+            self.record.warnings.append(f"port {port} was taken before the server bound it: started again on "
+                                        "another port")
+        self._started(reason)
+
+    def _spawn(self, cmd: list[str], port: int, env: dict, ahead: bool) -> str | None:
+        """Spawn the server and wait until it is healthy; why it did not start, or None."""
+        s = self.study
         self.record.launch.command = cmd
         self.record.launch.started_ahead = ahead
         self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
@@ -199,9 +217,13 @@ class Launcher(StartWriter):
             self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
             self.server.start(hold=self._hold_for_slot if ahead else None)
             self._mark("ready")
-            reason = None
+            return None
         except ServerStartError as e:
-            reason = e.reason
+            return e.reason
+
+    def _started(self, reason: str | None) -> None:
+        """What the start recorded once its server is up (or why it is not)."""
+        s = self.study
         self.record.launch.ahead_cpus = self.server.ahead_cpus
         self.record.launch.ahead_priority_restored = self.server.priority_restored
         if self.server.priority_restored is False:
@@ -224,22 +246,26 @@ class Launcher(StartWriter):
         client.check_endpoint(self.server.url, s.model.served_name)
 
     def _measurement_flags(self) -> list[str]:
-        """Flags that make the server count what the report needs, where this vLLM takes
-        them and the study does not set them itself: a histogram bound at the chunk budget
-        (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py)."""
-        given = {f"--{k}" for k in parse_flags(self.study.server.extra_cli_args)}
-        flags = []
-        pb = self.point.prefix_budget
-        if pb:
-            flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
-                      json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
-                                                    "max_defer_ms": pb.max_defer_ms}})]
-        elif self.live:  # the Prefix Reuse Budget scheduler above takes the control file too
-            flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
-        mbt = self.point.effective.max_num_batched_tokens
-        if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
-            flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt, *self.served_chunks))]
-        if (self.plan.engine == "gpu" and "--enable-mfu-metrics" not in given
-                and vllm_accepts("--enable-mfu-metrics")):
-            flags.append("--enable-mfu-metrics")
-        return flags
+        return measurement_flags(self.plan, self.live is not None, self.served_chunks)
+
+
+def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> list[str]:
+    """Flags that make the server count what the report needs, where this vLLM takes
+    them and the study does not set them itself: a histogram bound at the chunk budget
+    (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py).
+    `live`: the start's limits change at runtime (the kit's scheduler plugin)."""
+    given = {f"--{k}" for k in parse_flags(plan.study.server.extra_cli_args)}
+    flags = []
+    pb = plan.point.prefix_budget
+    if pb:
+        flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
+                  json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
+                                                "max_defer_ms": pb.max_defer_ms}})]
+    elif live:  # the Prefix Reuse Budget scheduler above takes the control file too
+        flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
+    mbt = plan.point.effective.max_num_batched_tokens
+    if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
+        flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt, *served_chunks))]
+    if plan.engine == "gpu" and "--enable-mfu-metrics" not in given and vllm_accepts("--enable-mfu-metrics"):
+        flags.append("--enable-mfu-metrics")
+    return flags

@@ -29,6 +29,7 @@ import math
 import random
 import re
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, point_id
+from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, launch_limits, live_axes, point_id
 from ..define.search_space import CONDITION, FloatRange, IntRange, Search
 from ..define.params import Study
 from ..define.schema import StudyError
@@ -47,6 +48,9 @@ MAX_SKIPS = 100  # proposals in a row that start nothing: the space has nothing 
 # over; after this many proposals in a row that start nothing, one new configuration is
 # drawn at random instead (and marked so in the journal)
 RANDOM_AFTER = 20
+# Proposals with a start's restart knobs held that may start nothing before the start
+# serves the trials it has: a small live space runs out of new values quickly.
+ALONGSIDE_TRIES = 20
 TRIAL_BLOCK = 1  # the trials' block in the run order; confirmation blocks follow it
 
 # Failure classes, first match wins: (name, what the reason says, knobs that make it worse:
@@ -230,30 +234,68 @@ class SearchLoop:
         """The next configuration to start, or None: the budget is spent, or the sampler
         keeps proposing what cannot or need not start (stop_note says which)."""
         with self.lock:
-            for skips in range(MAX_SKIPS):
-                if len(self.started()) >= self.spec.trials:
-                    return None
-                self._close_stale()
-                drawn = skips >= RANDOM_AFTER and self._enqueue_random(skips)
-                trial = self.study.ask(self.dists)
-                values = self._ordered(trial.params)
-                skip = self._skip(values)
-                if skip is None:
-                    if drawn:
-                        trial.set_user_attr("drawn_at_random", f"after {skips} proposals in a row that started "
-                                                               "nothing (measured, refused or like a crash)")
-                    trial.set_user_attr("point", point_id(values))
-                    self.live[trial.number] = trial
-                    return Proposal(trial.number, values)
-                kind, detail, value, cons = skip
-                trial.set_user_attr(kind, detail)
-                if value is None:
-                    self.study.tell(trial, state=TrialState.FAIL)
-                else:
-                    _tell(self.study, trial, value, cons)
-            self.stop_note = (f"the sampler proposed {MAX_SKIPS} configurations in a row that were refused, like "
-                              "one that crashed or already measured: the space holds nothing new it would try")
-            return None
+            p = self._ask(MAX_SKIPS, RANDOM_AFTER)
+            if p is False:
+                self.stop_note = (f"the sampler proposed {MAX_SKIPS} configurations in a row that were refused, "
+                                  "like one that crashed or already measured: the space holds nothing new it "
+                                  "would try")
+                return None
+            return p
+
+    def propose_alongside(self, lead: Proposal, fixed: dict) -> Proposal | None:
+        """One more configuration for the start planned for `lead` (live knobs): the
+        sampler's own proposal with the knobs in `fixed` held at the lead's values
+        (Optuna's PartialFixedSampler), or None where the budget is spent, a queued
+        configuration waits (search.first, which no sampler overrides), or ALONGSIDE_TRIES
+        proposals in a row start nothing (the start then serves fewer trials)."""
+        with self.lock:
+            if self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
+                return None
+            base = self.study.sampler
+            # marked experimental since Optuna 2.4: tests/test_unit_search_live_batch.py checks our use
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, base)
+            try:
+                p = self._ask(ALONGSIDE_TRIES, None)
+            finally:
+                self.study.sampler = base
+            if p:
+                self.live[p.number].set_user_attr("alongside", lead.number)
+            return p or None
+
+    def mark_launch(self, numbers: list[int], launch: dict) -> None:
+        """The limits a shared start was launched at, above some of its trials' own: a
+        crash of that start is judged at these values (_skip), not at each trial's."""
+        with self.lock:
+            for n in numbers:
+                self.live[n].set_user_attr("launched_at", launch)
+
+    def _ask(self, tries: int, random_after: int | None) -> Proposal | None | bool:
+        """A configuration to start; None: the budget is spent; False: `tries` proposals in
+        a row were refused, measured already or like a crash (each told so)."""
+        for skips in range(tries):
+            if len(self.started()) >= self.spec.trials:
+                return None
+            self._close_stale()
+            drawn = random_after is not None and skips >= random_after and self._enqueue_random(skips)
+            trial = self.study.ask(self.dists)
+            values = self._ordered(trial.params)
+            skip = self._skip(values)
+            if skip is None:
+                if drawn:
+                    trial.set_user_attr("drawn_at_random", f"after {skips} proposals in a row that started "
+                                                           "nothing (measured, refused or like a crash)")
+                trial.set_user_attr("point", point_id(values))
+                self.live[trial.number] = trial
+                return Proposal(trial.number, values)
+            kind, detail, value, cons = skip
+            trial.set_user_attr(kind, detail)
+            if value is None:
+                self.study.tell(trial, state=TrialState.FAIL)
+            else:
+                _tell(self.study, trial, value, cons)
+        return False
 
     def _enqueue_random(self, salt: int) -> bool:
         """Queue one configuration drawn at random that would start; False if 200 draws
@@ -286,7 +328,8 @@ class SearchLoop:
             if "failed" not in t.user_attrs:
                 continue
             cls, worse = failure_class(t.user_attrs["failed"])
-            if like(self._ordered(t.params), values, worse):
+            # a shared start's crash happened at the limits it was launched at
+            if like({**self._ordered(t.params), **t.user_attrs.get("launched_at", {})}, values, worse):
                 what = f"{cls} " if cls else ""
                 return "like_crashed", f"like trial {t.number} ({what}failure: {t.user_attrs['failed'][:160]})", \
                     None, ()
@@ -352,7 +395,7 @@ def confirmation_units(run, study: Study, top: list[str]) -> list[Unit]:
     if any(u.block > TRIAL_BLOCK for u in manifest.order):  # planned already (a resumed run)
         return []
     ids = list(dict.fromkeys(top + [DEFAULTS_POINT]))
-    have = {pid: sum(u.point == pid for u in manifest.order) for pid in ids}
+    have = {pid: sum(pid in u.points for u in manifest.order) for pid in ids}  # a shared start counts too
     units = []
     for b in range(1, study.search.confirm_starts + 1):
         order = list(ids)
@@ -371,12 +414,21 @@ def confirmation_units(run, study: Study, top: list[str]) -> list[Unit]:
 class TrialSource:
     """The trials as units, for the sweep's dispatcher: each next() asks the loop for a
     configuration, writes its point's plan and appends its unit to the run order.
-    len() is how many trials the budget leaves (the dispatcher's 'left' count)."""
+    len() is how many trials the budget leaves (the dispatcher's 'left' count).
+
+    With live knobs on (server.live_knobs, search.live_batch > 1), one start serves up to
+    live_batch trials: the sampler's proposal, then proposals with every knob a restart
+    needs held at its values, so they differ only in the scheduler limits the kit's plugin
+    changes between rounds. The start is launched at the largest of those limits, each
+    trial measured under its own (live_start.py); a trial keeps its own point folder, plan
+    and outcome. The confirmation starts stay fresh starts of one point each."""
 
     def __init__(self, loop: SearchLoop, run, study: Study, maker, engine: str):
         self.loop, self.run, self.study, self.maker, self.engine = loop, run, study, maker, engine
         self.points: dict[str, int] = {}   # point id -> trial number
         self.left = max(0, study.search.trials - len(loop.started()))
+        self.batch = study.search.live_batch if study.server.live_on(engine) else 1
+        self.queue: list[Unit] = []        # trials of a batch whose shared launch vLLM refused: a start each
 
     def __len__(self) -> int:
         return self.left
@@ -385,27 +437,60 @@ class TrialSource:
         return self
 
     def __next__(self) -> Unit:
+        if self.queue:
+            return self.queue.pop(0)
         p = self.loop.propose()
         if p is None:
             raise StopIteration
+        lead = self._point(p)
+        batch = [(p, lead)]
+        fixed = {k: v for k, v in p.values.items() if k not in live_axes(lead)}
+        if len(fixed) < len(p.values):  # the space has a live knob to vary within one start
+            while len(batch) < self.batch and (q := self.loop.propose_alongside(p, fixed)) is not None:
+                batch.append((q, self._point(q)))
+        points = [pt for _, pt in batch]
+        launch = launch_limits(points)
+        if launch and self.maker.make({**p.values, **launch})[1]:
+            # vLLM would refuse the launch at the batch's largest limits: a start each
+            units = [self._plan(pt, [pt]) for pt in points]
+            self.queue += units[1:]
+            return units[0]
+        if launch:
+            self.loop.mark_launch([q.number for q, _ in batch], launch)
+        return self._plan(lead, points, launch or None)
+
+    def _point(self, p: Proposal):
         point, problems = self.maker.make(p.values)
         if point is None:  # check() said yes a moment ago: nothing should differ
             raise StudyError("\n".join(problems))
         self.points[point.id] = p.number
-        self.run.point(point.id).save_plan(PointPlan(study=self.study, point=point, engine=self.engine, starts=1))
+        return point
+
+    def _plan(self, lead, points: list, launch: dict | None = None) -> Unit:
+        """Each point's plan (the lead's with the limits its start is launched at) and the
+        start's unit appended to the run order."""
+        for pt in points:
+            self.run.point(pt.id).save_plan(PointPlan(study=self.study, point=pt, engine=self.engine, starts=1,
+                                                      launch=launch if pt is lead else None))
         manifest = self.run.manifest()
-        unit = Unit(point=point.id, start=1, block=TRIAL_BLOCK)
-        manifest.points.append(point.id)
+        unit = Unit(point=lead.id, start=1, block=TRIAL_BLOCK,
+                    serves=[pt.id for pt in points] if len(points) > 1 else [])
+        manifest.points += [pt.id for pt in points]
         manifest.order.append(unit)
         manifest.save(self.run.manifest_path)
         return unit
 
     def done(self, unit: Unit, summary) -> None:
-        number = self.points.pop(unit.point, None)
-        if number is None:
-            number = self.loop.running_points().get(unit.point)
-        if number is not None and unit.block == TRIAL_BLOCK:
-            self.loop.record(number, outcome_of(summary, self.study, self.run.point(unit.point)))
+        """Each trial the unit's start served is told its outcome (a served point's from
+        its own folder; the lead's is `summary`)."""
+        for pid in unit.points:
+            number = self.points.pop(pid, None)
+            if number is None:
+                number = self.loop.running_points().get(pid)
+            if number is not None and unit.block == TRIAL_BLOCK:
+                folder = self.run.point(pid)
+                self.loop.record(number, outcome_of(summary if pid == unit.point else folder.summary(),
+                                                    self.study, folder))
 
 
 def checker(maker):

@@ -87,7 +87,7 @@ def trial_capacities(r) -> dict:
     from ..records.point_capacity import point_capacities
     if not r.study.capacity:
         return {}
-    trial_start = {u.point: u.start for u in r.manifest.order if u.block == TRIAL_BLOCK}
+    trial_start = {p: u.start for u in r.manifest.order if u.block == TRIAL_BLOCK for p in u.points}
     folders = {p: (r.folder.point(p), {k}) for p, k in trial_start.items() if r.folder.point(p).path.exists()}
     return point_capacities(folders, r.study.capacity.slo, r.study.capacity.lo)
 
@@ -128,8 +128,11 @@ def summary_line(r) -> str:
     s = r.search
     c = counts(r)
     started = sum(v for k, v in c.items() if k in ("measured", "measured, SLO missed", "failed", "running"))
+    starts = sum(u.block == TRIAL_BLOCK for u in r.manifest.order)
+    shared = (f"measured in {starts} server start{'s' * (starts != 1)} (live knobs: a start served up to "
+              f"{s.live_batch} trials that differ only in live scheduler limits)")
     parts = [f"A search over {', '.join(s.space)} ({s.sampler}, objective {s.objective}): {started} trials "
-             f"started a server"]
+             + ("started a server" if starts >= started else shared)]
     for kind, words in (("failed", "failed"), ("measured, SLO missed", "missed the SLO"),
                         ("refused before start", "more were refused before they started (vLLM's rules or "
                                                  "`when:`)"),
