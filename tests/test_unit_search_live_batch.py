@@ -168,3 +168,13 @@ def test_the_ray_executor_refuses_a_search_whose_starts_serve_several_trials(tmp
     run = create_run(tmp_path / "results", study, "cpu", expand(study, "cpu"))
     with pytest.raises(StudyError, match="search shares starts between trials.*search.live_batch: 1"):
         executors.make("ray", run, study, "cpu", expand(study, "cpu"))
+
+
+def test_the_wall_time_estimate_counts_the_starts_a_shared_search_saves():
+    """Nine trials three a start: three trial start-ups, not nine; what is measured stays."""
+    from vllm_study.define.timing import CPU_START_S, estimate_minutes
+    shared, alone = _study(trials=9), _study(trials=9, live_batch=1)
+    saved = estimate_minutes(alone, "cpu", 1) - estimate_minutes(shared, "cpu", 1)
+    assert saved * 60 == pytest.approx(6 * CPU_START_S, rel=1e-6)
+    assert estimate_minutes(shared, "gpu", 1, "NVIDIA H200") == estimate_minutes(
+        _study(trials=9, live_batch=1), "gpu", 1, "NVIDIA H200")  # live knobs off by default on a GPU

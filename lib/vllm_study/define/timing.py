@@ -26,6 +26,7 @@ import math
 from ..capacity import bracket as capacity
 from ..launch import machine
 from . import models
+from ..prefix_budget.knobs import KNOBS as LIVE_AXES
 from .grid import CPU_KV_CAP
 from .params import Study
 from .traces import read_trace
@@ -155,9 +156,14 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     starts, new = launched * study.replicates, launched  # new: configurations the compile cache has not seen
     # a shared start's rounds for each point it serves
     measure += (n_points / launched - 1) * study.steps_per_start * one
+    measured = starts * measure
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
-        starts = study.search.trials + study.search.confirm_starts * (study.search.top_k + 1)
-        new = study.search.trials + 1
+        s = study.search
+        shared = study.server.live_on(engine) and any(k in LIVE_AXES for k in s.space)
+        trial_starts = math.ceil(s.trials / (s.live_batch if shared else 1))  # at best (config_search.TrialSource)
+        confirm = s.confirm_starts * (s.top_k + 1)
+        starts, new = trial_starts + confirm, trial_starts + 1
+        measured = (s.trials + confirm) * measure
     ahead = study.server.ahead_on(engine) and not study.targets
     on_path = (new - 1) * (AHEAD_SHARE_NEW if ahead else 1) + (starts - new) * (AHEAD_SHARE if ahead else 1)
-    return (start + starts * measure + on_path * start + REPORT_S) / 60
+    return (start + measured + on_path * start + REPORT_S) / 60
