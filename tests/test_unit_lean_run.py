@@ -121,8 +121,8 @@ def test_lean_run_keeps_the_requests_of_a_capacity_or_search_run(tmp_path):
     assert starts and all((s / "requests.jsonl.gz").exists() for s in starts)
     with gzip.open(starts[0] / "requests.jsonl.gz", "rt") as f:
         kept = [json.loads(line) for line in f]
-    # 3 significant digits: no gap of microseconds becomes 0 (the capacity fit takes logs)
-    assert kept == [{"ttft_s": 0.1234567, "itl_s": [0.00524, 0.21, 0.0000081]}, {"ttft_s": 0.2, "itl_s": []}]
+    # 4 significant digits: no gap of microseconds becomes 0 (the capacity fit takes logs)
+    assert kept == [{"ttft_s": 0.1234567, "itl_s": [0.005237, 0.2103, 0.0000081]}, {"ttft_s": 0.2, "itl_s": []}]
     again = (starts[0] / "requests.jsonl.gz").read_bytes()
     lean_run.lean(run)
     assert (starts[0] / "requests.jsonl.gz").read_bytes() == again   # a second pass writes the same bytes
