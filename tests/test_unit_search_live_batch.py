@@ -86,8 +86,11 @@ def test_a_start_serves_trials_that_share_every_restart_knob_launched_at_their_l
 
 
 def test_live_batch_one_or_live_knobs_off_start_one_trial_each(tmp_path, monkeypatch):
-    for i, study in enumerate((_study(live_batch=1), study_from_dict({**_study().model_dump(mode="json"),
-                                                                      "server": {"live_knobs": False}}))):
+    own_scheduler = {**_study().server.model_dump(mode="json"),
+                     "extra_cli_args": [*_study().server.extra_cli_args, "--scheduler-cls", "my.Scheduler"]}
+    for i, study in enumerate((_study(live_batch=1),
+                               study_from_dict({**_study().model_dump(mode="json"), "server": {"live_knobs": False}}),
+                               study_from_dict({**_study().model_dump(mode="json"), "server": own_scheduler}))):
         source, loop, _ = _source(tmp_path / str(i), study)
         unit = next(source)
         assert unit.serves == [] and len(loop.started()) == 1

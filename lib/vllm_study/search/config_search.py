@@ -39,7 +39,7 @@ from optuna.trial import TrialState
 
 from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, launch_limits, live_axes, point_id
 from ..define.search_space import CONDITION, FloatRange, IntRange, Search
-from ..define.params import Study
+from ..define.params import Study, live_knobs_unsupported
 from ..define.schema import StudyError
 
 JOURNAL = "search.journal"
@@ -427,7 +427,9 @@ class TrialSource:
         self.loop, self.run, self.study, self.maker, self.engine = loop, run, study, maker, engine
         self.points: dict[str, int] = {}   # point id -> trial number
         self.left = max(0, study.search.trials - len(loop.started()))
-        self.batch = study.search.live_batch if study.server.live_on(engine) else 1
+        # as a grid's groups: not where the study's own --scheduler-cls replaces the kit's plugin
+        shared = study.server.live_on(engine) and not live_knobs_unsupported(study)
+        self.batch = study.search.live_batch if shared else 1
         self.queue: list[Unit] = []        # trials of a batch whose shared launch vLLM refused: a start each
 
     def __len__(self) -> int:
