@@ -181,3 +181,8 @@ def test_the_wall_time_estimate_counts_the_starts_a_shared_search_saves():
     assert saved * 60 == pytest.approx(6 * CPU_START_S, rel=1e-6)
     assert estimate_minutes(shared, "gpu", 1, "NVIDIA H200") == estimate_minutes(
         _study(trials=9, live_batch=1), "gpu", 1, "NVIDIA H200")  # live knobs off by default on a GPU
+    own = _study(trials=9)  # its own --scheduler-cls: no start shared, none saved (search_sharing decides both)
+    args = [*own.server.extra_cli_args, "--scheduler-cls", "x.S"]
+    own = study_from_dict({**own.model_dump(mode="json"),
+                           "server": {**own.server.model_dump(mode="json"), "extra_cli_args": args}})
+    assert estimate_minutes(own, "cpu", 1) == estimate_minutes(alone, "cpu", 1)

@@ -341,10 +341,10 @@ def point_limits(point: Point) -> dict[str, int | None]:
             "long_prefill_token_threshold": point.engine_args.long_prefill_token_threshold}
 
 
-def live_axes(point: Point) -> set[str]:
-    """The knobs the kit's scheduler plugin changes on a running server at this point."""
+def live_axes(args: EngineArgs) -> set[str]:
+    """The knobs the kit's scheduler plugin changes on a server running with `args`."""
     # without chunked prefill vLLM cannot lower the chunk below a prompt: a restart axis there
-    return set(LIVE_AXES) - ({"max_num_batched_tokens"} if point.engine_args.enable_chunked_prefill is False else set())
+    return set(LIVE_AXES) - ({"max_num_batched_tokens"} if args.enable_chunked_prefill is False else set())
 
 
 def _largest(points: list[Point]) -> Point | None:
@@ -382,7 +382,7 @@ def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[li
         return singles, f"server.live_knobs is on by default on the {engine} engine, but {why}: one start a point"
     groups: dict[tuple, list[Point]] = {}
     for p in points:
-        fixed = tuple((a, repr(v)) for a, v in p.values.items() if a not in live_axes(p))
+        fixed = tuple((a, repr(v)) for a, v in p.values.items() if a not in live_axes(p.engine_args))
         groups.setdefault(fixed, []).append(p)
     out = []
     for members in groups.values():
@@ -394,17 +394,23 @@ def live_groups(study: Study, engine: str, points: list[Point]) -> tuple[list[li
     return out, None
 
 
-def search_live_label(study: Study, engine: str) -> str:
-    """How many trials a search's start serves, and which knobs need a start of their own."""
-    live = [k for k in study.search.space if k in LIVE_AXES
-            and not (k == "max_num_batched_tokens" and study.engine_args.enable_chunked_prefill is False)]
-    restart = [k for k in study.search.space if k not in live]
+def search_sharing(study: Study, engine: str) -> tuple[list[str], str | None]:
+    """A search's knobs that change live, and why its starts serve one trial each (None:
+    a start serves up to search.live_batch trials, config_search.TrialSource)."""
+    live = [k for k in study.search.space if k in live_axes(study.engine_args)]
     why = ("server.live_knobs: false" if study.server.live_knobs is False
            else f"off by default on the {engine} engine" if not study.server.live_on(engine)
            else "search.live_batch: 1" if study.search.live_batch == 1
            else live_knobs_unsupported(study) or ("" if live else "no knob of the space changes live"))
+    return live, why or None
+
+
+def search_live_label(study: Study, engine: str) -> str:
+    """How many trials a search's start serves, and which knobs need a start of their own."""
+    live, why = search_sharing(study, engine)
     if why:
         return f"live knobs: none shared ({why}); one server start a trial"
+    restart = [k for k in study.search.space if k not in live]
     return (f"live knobs: a start serves up to {study.search.live_batch} trials, which differ only in "
             f"{', '.join(live)} (launched at their largest, lowered between rounds); "
             + (f"{', '.join(restart)} take a start of their own" if restart else "every knob of the space changes live")

@@ -26,8 +26,7 @@ import math
 from ..capacity import bracket as capacity
 from ..launch import machine
 from . import models
-from ..prefix_budget.knobs import KNOBS as LIVE_AXES
-from .grid import CPU_KV_CAP
+from .grid import CPU_KV_CAP, search_sharing
 from .params import Study
 from .traces import read_trace
 
@@ -159,7 +158,7 @@ def estimate_minutes(study: Study, engine: str, n_points: int, gpu_name: str | N
     measured = starts * measure
     if study.search:  # every trial, then the confirmation blocks over the top k and vLLM's defaults
         s = study.search
-        shared = study.server.live_on(engine) and any(k in LIVE_AXES for k in s.space)
+        shared = search_sharing(study, engine)[1] is None
         trial_starts = math.ceil(s.trials / (s.live_batch if shared else 1))  # at best (config_search.TrialSource)
         confirm = s.confirm_starts * (s.top_k + 1)
         starts, new = trial_starts + confirm, trial_starts + 1

@@ -37,9 +37,9 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, launch_limits, live_axes, point_id
+from ..define.grid import DEFAULTS_POINT, PointPlan, Unit, launch_limits, live_axes, point_id, search_sharing
 from ..define.search_space import CONDITION, FloatRange, IntRange, Search
-from ..define.params import Study, live_knobs_unsupported
+from ..define.params import Study
 from ..define.schema import StudyError
 
 JOURNAL = "search.journal"
@@ -427,9 +427,7 @@ class TrialSource:
         self.loop, self.run, self.study, self.maker, self.engine = loop, run, study, maker, engine
         self.points: dict[str, int] = {}   # point id -> trial number
         self.left = max(0, study.search.trials - len(loop.started()))
-        # as a grid's groups: not where the study's own --scheduler-cls replaces the kit's plugin
-        shared = study.server.live_on(engine) and not live_knobs_unsupported(study)
-        self.batch = study.search.live_batch if shared else 1
+        self.batch = study.search.live_batch if search_sharing(study, engine)[1] is None else 1
         self.queue: list[Unit] = []        # trials of a batch whose shared launch vLLM refused: a start each
 
     def __len__(self) -> int:
@@ -446,8 +444,8 @@ class TrialSource:
             raise StopIteration
         lead = self._point(p)
         batch = [(p, lead)]
-        fixed = {k: v for k, v in p.values.items() if k not in live_axes(lead)}
-        if len(fixed) < len(p.values):  # the space has a live knob to vary within one start
+        fixed = {k: v for k, v in p.values.items() if k not in live_axes(lead.engine_args)}
+        if len(fixed) < len(p.values):  # a live knob to vary within one start (a space may turn chunked prefill off)
             while len(batch) < self.batch and (q := self.loop.propose_alongside(p, fixed)) is not None:
                 batch.append((q, self._point(q)))
         points = [pt for _, pt in batch]
