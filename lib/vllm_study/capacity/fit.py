@@ -308,7 +308,7 @@ class ConfigCapacity(BaseModel):
     starts: int = 0
     censored: int = 0              # starts that entered as bounds
     spread: float | None = None    # start-to-start sigma of log capacity (fitted, or given)
-    spread_measured: bool = True   # False: one start and no spread given; the interval is within-start only
+    spread_measured: bool = True   # False: one start and no spread given (a value's interval is within-start only)
 
     def __str__(self) -> str:
         if self.kind == "below":
@@ -350,19 +350,22 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None,
     res = [s for s in starts if s.kind == "value"]
     below = [s for s in starts if s.kind == "below"]
     above = [s for s in starts if s.kind == "at_least"]
+    measured = n > 1 or spread is not None
     if not res:
         if not above:
-            return ConfigCapacity(kind="below", value=max(s.value for s in below), starts=n, censored=n)
+            return ConfigCapacity(kind="below", value=max(s.value for s in below), starts=n, censored=n,
+                                  spread_measured=measured)
         if not below:
-            return ConfigCapacity(kind="at_least", value=min(s.value for s in above), starts=n, censored=n)
-        return ConfigCapacity(kind="unresolved", starts=n, censored=n)
+            return ConfigCapacity(kind="at_least", value=min(s.value for s in above), starts=n, censored=n,
+                                  spread_measured=measured)
+        return ConfigCapacity(kind="unresolved", starts=n, censored=n, spread_measured=measured)
     se_of = [s.log_se if s.log_se is not None else 0.0 for s in res]
     y, se = np.log([s.value for s in res]), np.array(se_of)
     med_se = float(np.median(se))
     lo_c = np.log([s.value for s in below])
     hi_c = np.log([s.value for s in above])
     args = (y, se, lo_c, np.full(len(lo_c), med_se), hi_c, np.full(len(hi_c), med_se))
-    if n == 1 and spread is None:    # nothing measures the spread between starts
+    if not measured:    # one start: nothing measures the spread between starts
         s = res[0]
         return ConfigCapacity(kind="value", value=s.value, low=s.low, high=s.high, starts=1,
                               spread=None, spread_measured=False)

@@ -106,7 +106,7 @@ def _told_apart(a: PointCapacity, b: PointCapacity) -> tuple[str, bool]:
     one start is not resolved until a second start (or a spread pooled over the run's
     points) says how far a restart moves it."""
     g = gain(a, b)
-    unmeasured = [pc.point for pc in (a, b) if len(pc.starts) < 2 and pc.pooled_df is None]
+    unmeasured = [pc.point for pc in (a, b) if not pc.config.spread_measured]
     if g.resolved and unmeasured:
         return (f"{g}; not resolved yet: {' and '.join(unmeasured)} "
                 f"{'has' if len(unmeasured) == 1 else 'have'} one start, so no start-to-start spread"), False
