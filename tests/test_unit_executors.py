@@ -372,3 +372,31 @@ def test_the_progress_bar_advances_once_per_round_as_rounds_land(tmp_path):
     finally:
         stop.set()
         watcher.join()
+
+
+def test_a_resumed_run_bounds_its_next_starts_by_the_longest_it_recorded(tmp_path):
+    """A slice whose first start ended fast (a config that missed at the floor) must not
+    then begin one as long as the run's bisecting starts: it would be cut off mid-search
+    by the machine's limit. The first unit of an invocation still always goes."""
+    from synthetic_run import make_capacity_run
+    from vllm_study.executors import recorded_lengths
+    from vllm_study.records.results import StartRecord
+
+    run = make_capacity_run(tmp_path, {"mbt=256": 3.0, "mbt=512": 5.0})
+    times = {"mbt=256": ("2026-01-01T00:00:00+00:00", "2026-01-01T00:15:18+00:00"),
+             "mbt=512": ("2026-01-01T01:00:00+00:00", "2026-01-01T01:05:42+00:00")}
+    for pid in run.point_ids():
+        path = run.point(pid).start_dir(1) / "start.json"
+        rec = StartRecord.model_validate_json(path.read_text())
+        rec.started_utc, rec.finished_utc = times[pid]
+        rec.save(path)
+    assert recorded_lengths(run) == UnitLengths(before=15 * 60 + 18)  # started "x" (start 2): not a time
+
+    def work(unit, slot, release):
+        time.sleep(0.2)
+
+    budget = 0.7 / 60
+    left, _ = Dispatcher([None], work, time.monotonic(), budget, UnitLengths(before=0.6)).run(_units(3))
+    assert left == 2  # 0.2 s measured, but the next may take the recorded 0.6 s: past 0.7 s
+    left, _ = Dispatcher([None], work, time.monotonic(), budget).run(_units(3))
+    assert left == 0  # measured alone, 0.2 s units fit three times

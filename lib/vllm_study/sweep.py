@@ -182,11 +182,12 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     print(f"executor {executor}: {len(runner.slots)} server start(s) at a time")
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     STOPPING.clear()
+    seen = executors.recorded_lengths(run)  # a resumed run's earlier starts bound the budget's next ones
     try:
         if study.search:
-            outcome = _search(run, study, engine, todo, t0, max_minutes, runner)
+            outcome = _search(run, study, engine, todo, t0, max_minutes, runner, seen)
         else:
-            outcome = _run_units(run, todo, study, t0, max_minutes, runner)
+            outcome = _run_units(run, todo, study, t0, max_minutes, runner, seen)
         while study.precision and not outcome.stop_note:
             extra = more_starts(run, study)
             if not extra:
@@ -224,7 +225,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
 
 
 def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: float, max_minutes: float | None,
-            runner: executors.Executor) -> SweepOutcome:
+            runner: executors.Executor, seen: executors.UnitLengths) -> SweepOutcome:
     """A search: the trials Optuna proposes (first any a stopped run left unfinished), one
     start each, within search.minutes; then fresh starts of the best and of vLLM's
     defaults (config_search.py)."""
@@ -234,13 +235,13 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
     source = cs.TrialSource(loop, run, study, maker, engine)
     spec = study.search
     budget = min((m for m in (max_minutes, spec.minutes) if m), default=None)
-    outcome = SweepOutcome(run, 0)
+    outcome = SweepOutcome(run, 0, lengths=seen)
     for pid, number in loop.running_points().items():  # ended, but stopped before its outcome was told
         if unit_finished(run, Unit(point=pid, start=1, block=cs.TRIAL_BLOCK)):
             loop.record(number, cs.outcome_of(run.point(pid).summary(), study, run.point(pid)))
     unfinished = [u for u in todo if u.block == cs.TRIAL_BLOCK]
     if unfinished:
-        outcome = _run_units(run, unfinished, study, t0, budget, runner, on_done=source.done)
+        outcome = _run_units(run, unfinished, study, t0, budget, runner, seen, on_done=source.done)
     # once the confirmation is planned (a resumed run), its top k stand: no more trials
     confirming = any(u.block > cs.TRIAL_BLOCK for u in run.manifest().order)
     if not outcome.stop_note and len(source) and not confirming:
@@ -308,7 +309,8 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
         elapsed = time.monotonic() - t0
         note = (f"stopped after {elapsed / 60:.1f} of {max_minutes:g} minutes: the next server start would not fit "
                 f"(the longest on a free slot so far took {lengths.free / 60:.1f} min, the longest queued "
-                f"behind another {lengths.behind / 60:.1f} min); {left} of {len(todo)} starts left")
+                f"behind another {lengths.behind / 60:.1f} min, the run's longest recorded before "
+                f"{lengths.before / 60:.1f} min); {left} of {len(todo)} starts left")
         return SweepOutcome(run, left, note, lengths)
     return SweepOutcome(run, 0, lengths=lengths)
 

@@ -17,6 +17,7 @@ EXECUTORS; the Dispatcher below hands it units, one per free slot, within the bu
 """
 from __future__ import annotations
 
+import datetime as dt
 import importlib
 import queue
 import threading
@@ -69,22 +70,36 @@ class UnitLengths:
     Charging a queued unit the first start's length would leave budget unused."""
     free: float = 0.0
     behind: float = 0.0
+    # the longest start a resumed run recorded before this invocation (recorded_lengths):
+    # a slice whose first unit missed fast must not then begin one that bisects for 15 min
+    before: float = 0.0
 
     @property
     def longest(self) -> float:
+        """Measured in this invocation only: its first unit always goes (_fits)."""
         return max(self.free, self.behind)
 
     def bound(self, behind: bool) -> float:
         """What a unit of this kind may take: the longest of its kind, or, before one of
-        its kind has ended, the longest of the other."""
+        its kind has ended, the longest of the other; never less than the run's recorded
+        longest start."""
         mine, other = (self.behind, self.free) if behind else (self.free, self.behind)
-        return mine or other
+        return max(mine or other, self.before)
 
     def add(self, seconds: float, behind: bool) -> None:
         if behind:
             self.behind = max(self.behind, seconds)
         else:
             self.free = max(self.free, seconds)
+
+
+def recorded_lengths(run) -> UnitLengths:
+    """What a resumed run's start records say its starts take: the longest slot time
+    (started_utc, when the slot was taken, to finished_utc) of any finished start."""
+    spans = [dt.datetime.fromisoformat(s.finished_utc) - dt.datetime.fromisoformat(s.started_utc)
+             for pid in run.point_ids() for s in run.point(pid).starts()
+             if s.finished_utc and s.started_utc[:1].isdigit() and not s.served_by]
+    return UnitLengths(before=max((d.total_seconds() for d in spans), default=0.0))
 
 
 class Dispatcher:
