@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-# 22.9 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads,
-# and the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
-LIMIT_MIB = 24
+# 24.5 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads, and
+# the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
+# (each of its confirmation starts ~0.65 MB after lean_run, up to 5 more). A call carries the
+# tree and one part of the GPU bundle (~133 MiB): at 28 MiB of tree, parts of 36 MB (34.3 MiB) still
+# fit the 64 MiB, so the bundle still goes in 4 calls
+LIMIT_MIB = 28
 
 
-def test_the_tracked_tree_weighs_under_24_mib():
+def test_the_tracked_tree_weighs_under_28_mib():
     try:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
