@@ -390,7 +390,8 @@ def test_a_resumed_run_bounds_its_next_starts_by_the_longest_it_recorded(tmp_pat
         rec = StartRecord.model_validate_json(path.read_text())
         rec.started_utc, rec.finished_utc = times[pid]
         rec.save(path)
-    assert recorded_lengths(run) == UnitLengths(before=15 * 60 + 18)  # started "x" (start 2): not a time
+    # start 2 of each (started_utc "x") holds no time
+    assert recorded_lengths(run) == UnitLengths(before=918.0, points={"mbt=256": 918.0, "mbt=512": 342.0})
 
     def work(unit, slot, release):
         time.sleep(0.2)
@@ -400,3 +401,24 @@ def test_a_resumed_run_bounds_its_next_starts_by_the_longest_it_recorded(tmp_pat
     assert left == 2  # 0.2 s measured, but the next may take the recorded 0.6 s: past 0.7 s
     left, _ = Dispatcher([None], work, time.monotonic(), budget).run(_units(3))
     assert left == 0  # measured alone, 0.2 s units fit three times
+
+
+def test_a_point_started_before_is_bounded_by_its_own_longest_start():
+    """A run's 15-minute bisection must not keep a config that missed at the floor in 5
+    minutes from its next start: each point's own recorded length bounds it; a point
+    never started is bounded by the run's longest."""
+    lengths = UnitLengths(before=0.9, points={"fast": 0.2})
+    assert lengths.bound(False, "fast") == 0.2 and lengths.bound(False, "new") == 0.9
+
+    ran = []
+
+    def work(unit, slot, release):
+        ran.append(unit.point)
+        time.sleep(0.2)
+
+    units = [Unit(point=p, start=2, block=2) for p in ("slow", "fast", "slow2")]
+    left, after = Dispatcher([None], work, time.monotonic(), 0.7 / 60,
+                             UnitLengths(before=0.6, points={"slow": 0.6, "fast": 0.2})).run(units)
+    # "slow" goes first (every invocation makes progress); "fast" fits at its own 0.2 s; a
+    # third start of a point never started may take the run's 0.6 s: past 0.7 s
+    assert ran == ["slow", "fast"] and left == 1 and after.points["slow"] >= 0.2

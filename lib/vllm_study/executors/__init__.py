@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..define.grid import Unit
 from ..define.schema import StudyError
@@ -73,33 +73,46 @@ class UnitLengths:
     # the longest start a resumed run recorded before this invocation (recorded_lengths):
     # a slice whose first unit missed fast must not then begin one that bisects for 15 min
     before: float = 0.0
+    # point id: its longest start, recorded or measured. A config's next start runs the
+    # same search on the same server, so its own length bounds it better than the longest
+    # of any (a 5-minute miss at the floor beside a 15-minute bisection)
+    points: dict[str, float] = field(default_factory=dict)
 
     @property
     def longest(self) -> float:
         """Measured in this invocation only: its first unit always goes (_fits)."""
         return max(self.free, self.behind)
 
-    def bound(self, behind: bool) -> float:
-        """What a unit of this kind may take: the longest of its kind, or, before one of
-        its kind has ended, the longest of the other; never less than the run's recorded
-        longest start."""
+    def bound(self, behind: bool, point: str | None = None) -> float:
+        """What a unit of this kind may take: a start of `point` as long as its longest;
+        a point not started yet, the longest of its kind, or, before one of its kind has
+        ended, the longest of the other, never less than the run's recorded longest start."""
+        if point in self.points:
+            return self.points[point]
         mine, other = (self.behind, self.free) if behind else (self.free, self.behind)
         return max(mine or other, self.before)
 
-    def add(self, seconds: float, behind: bool) -> None:
+    def add(self, seconds: float, behind: bool, point: str | None = None) -> None:
         if behind:
             self.behind = max(self.behind, seconds)
         else:
             self.free = max(self.free, seconds)
+        if point is not None:
+            self.points[point] = max(self.points.get(point, 0.0), seconds)
 
 
 def recorded_lengths(run) -> UnitLengths:
-    """What a resumed run's start records say its starts take: the longest slot time
-    (started_utc, when the slot was taken, to finished_utc) of any finished start."""
-    spans = [dt.datetime.fromisoformat(s.finished_utc) - dt.datetime.fromisoformat(s.started_utc)
-             for pid in run.point_ids() for s in run.point(pid).starts()
-             if s.finished_utc and s.started_utc[:1].isdigit() and not s.served_by]
-    return UnitLengths(before=max((d.total_seconds() for d in spans), default=0.0))
+    """What a resumed run's start records say its starts take: each finished start's slot
+    time (started_utc, when the slot was taken, to finished_utc), the longest overall and
+    each point's longest."""
+    lengths = UnitLengths()
+    for pid in run.point_ids():
+        for s in run.point(pid).starts():
+            if s.finished_utc and s.started_utc[:1].isdigit() and not s.served_by:
+                took = (dt.datetime.fromisoformat(s.finished_utc) - dt.datetime.fromisoformat(s.started_utc))
+                lengths.points[pid] = max(lengths.points.get(pid, 0.0), took.total_seconds())
+    lengths.before = max(lengths.points.values(), default=0.0)
+    return lengths
 
 
 class Dispatcher:
@@ -121,6 +134,7 @@ class Dispatcher:
         # saw the one before end: the next unit can take the slot's lock before that.
         self.since: dict[int, float] = {}
         self.since_behind: dict[int, bool] = {}  # slot index: whether that unit was queued behind another
+        self.on_slot: dict[int, str] = {}  # slot index: the point of the unit last handed it
         self.ended: dict[int, float] = {}  # slot index: when its last unit ended
         self.running: dict[int, int] = {}  # slot index: its units not yet ended (at most two)
         self.reoffer: set[int] = set()  # slots released early whose next unit did not fit yet
@@ -130,18 +144,19 @@ class Dispatcher:
         self.held: dict[int, Callable[[bool], None]] = {}
         self.lock = threading.Lock()
 
-    def _fits(self, started: int, i: int, behind: bool) -> bool:
+    def _fits(self, started: int, i: int, behind: bool, point: str | None = None) -> bool:
         """The sweep's first unit always goes (each invocation makes progress); any other
-        only if a unit as long as the longest of its kind so far would still end inside
-        the budget. One queued behind a running unit (its slot released early) starts when
-        that one ends: at the latest, the running one's bound after it had its slot."""
+        only if it would still end inside the budget, taking as long as UnitLengths.bound
+        says (`point`: the next unit's, where known before it is drawn). One queued behind
+        a running unit (its slot released early) starts when that one ends: at the latest,
+        the running one's bound after it had its slot."""
         if not self.max_minutes or (started == 0 and not self.lengths.longest):
             return True
         now = time.monotonic()
-        need = self.lengths.bound(behind)
+        need = self.lengths.bound(behind, point)
         if behind:
             with self.lock:
-                since, running = self.since[i], self.lengths.bound(self.since_behind[i])
+                since, running = self.since[i], self.lengths.bound(self.since_behind[i], self.on_slot.get(i))
             need += max(0.0, running - (now - since))
         return now - self.t0 + need <= self.max_minutes * 60
 
@@ -159,6 +174,7 @@ class Dispatcher:
         with self.lock:
             if not behind:  # one queued behind counts from when it takes the slot (early())
                 self.since[i], self.since_behind[i] = ts, False
+            self.on_slot[i] = unit.point
             self.running[i] = self.running.get(i, 0) + 1
         try:
             return self.work(unit, self.slots[i], early)
@@ -168,7 +184,7 @@ class Dispatcher:
                 # a unit queued behind another had its slot only once that one ended; one
                 # that never took it (it failed first) is counted from then
                 had = took[0] if took else max(ts, self.ended.get(i, ts)) if behind else ts
-                self.lengths.add(now - had, behind)
+                self.lengths.add(now - had, behind, unit.point)
                 self.ended[i] = now
                 self.running[i] -= 1
                 held = self.held.pop(i, None)
@@ -230,7 +246,8 @@ class Dispatcher:
             n = 0
             while n < total:
                 i, behind = self._next_free(free, futures)
-                if not self._fits(started, i, behind):
+                upcoming = units[n].point if isinstance(units, list) else None  # a search's: not drawn yet
+                if not self._fits(started, i, behind, upcoming):
                     if behind:  # the running unit may end sooner than the estimate: ask again then
                         self._reoffer_when_done(free, i)
                         continue
