@@ -67,6 +67,9 @@ def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run,
         for cell in t.astype(str).to_numpy().ravel():
             assert not cell.startswith("0.00") and "[0.00" not in cell, t
     assert table.loc["mbt=512", "capacity (req/s)"].startswith("3.00 [")
+    # each start's bracket: a start below the floor is a bound there too, not a bracket from 0
+    brackets = table.loc["mbt=256", "rate bracket per start"]
+    assert brackets.startswith("s1: < 0.25 in ") and "s2: [0.5, 0.707] in 9 steps" in brackets and "[0," not in brackets
     # the capacity rows of the intervals (what the heatmaps and trend lines draw) hold no 0
     iv = r.intervals[r.intervals["metric"].isin(["capacity_rps", "capacity_load"])]
     assert len(iv) == 4 and (iv["value"] > 0).all() and set(iv["method"]) == {"capacity fit"}

@@ -298,6 +298,15 @@ def below_lowest_load_words(r: Run, point: str | None = None) -> str:
     return f"{below} req/s" if lowest_load_rps(r) is not None else below
 
 
+def bracket_words(c) -> str:
+    """One start's bracket and steps: '[1.26, 1.59] in 4 steps'; censored, a bound, never a
+    bracket from 0: '< 0.8 in 1 step' (missed at the floor), '>= 2 in 2 steps' (met at hi)."""
+    lo, hi = c.bracket
+    where = f"< {hi:.3g}" if c.censored == "below" else f">= {lo:.3g}" if hi is None else f"[{lo:.3g}, {hi:.3g}]"
+    n = len(c.steps)
+    return f"{where} in {n} step{'' if n == 1 else 's'}"
+
+
 def capacity_table(r: Run) -> pd.DataFrame | None:
     """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
     bracket and steps, and the latencies at capacity."""
@@ -308,10 +317,7 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
     rows = []
     for s in r.summaries:
         starts = [st for st in r.folder.point(s.point).starts() if st.capacity]
-        # a start below the floor shows [0, floor]: the bracket it lies in (its capacity is a bound)
-        brackets = "; ".join(f"s{st.start}: [{st.capacity.bracket[0]:.3g}, "
-                             f"{'...' if st.capacity.bracket[1] is None else format(st.capacity.bracket[1], '.3g')}"
-                             f"] in {len(st.capacity.steps)} steps" + ("" if st.status == "ok" else " (failed)")
+        brackets = "; ".join(f"s{st.start}: {bracket_words(st.capacity)}" + ("" if st.status == "ok" else " (failed)")
                              for st in starts)
         pc = r.capacity(s.point)
         below = pc is not None and pc.config.kind == "below"
