@@ -217,3 +217,22 @@ def test_a_capacity_over_concurrency_is_never_labelled_in_req_s(tmp_path):
     assert "req/s" not in note.split("- status:")[1].splitlines()[0] and "capacity < concurrency 2" in note
     assert "| capacity (concurrency) | < 2 |" in note
     assert e.shortfall.startswith("the SLO was missed at every load measured (capacity < concurrency 2)")
+
+
+def test_a_gain_on_one_start_each_is_not_called_resolved(tmp_path):
+    """One start of the best measures no start-to-start spread: the answer says the gain is
+    not resolved yet, as confirmation judges it, though the start's interval parts them
+    (the H200 steady-state run after its first block: 4.85 [4.44, 5.12] over below 2.95)."""
+    from vllm_study.capacity import fit
+    from vllm_study.records.point_capacity import PointCapacity, gain
+    from vllm_study.report import capacity_section, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
+    r = report.Run.load(run.path)
+    one = [fit.StartCapacity(kind="value", value=4.85, low=4.44, high=5.12, lowest=2.95, highest=7.4, log_se=0.046)]
+    below = [fit.StartCapacity(kind="below", value=2.95, lowest=2.95, highest=2.95)] * 2
+    r.capacities["mbt=512"] = PointCapacity("mbt=512", fit.combine(one), one, ["fit"], 1.0, None)
+    r.capacities["mbt=256"] = PointCapacity("mbt=256", fit.combine(below), below, ["fit"] * 2, 1.0, None)
+    assert gain(r.capacity("mbt=512"), r.capacity("mbt=256")).resolved  # the interval alone would part them
+    text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
+    assert "at least 1.51 x" in text and "not resolved yet (mbt=512 has one start, so no start-to-start spread)" in text
+    assert "a resolved gain" not in text

@@ -94,13 +94,35 @@ def test_the_report_says_what_was_resolved_and_why_it_stopped_only_where_recorde
     assert "Confirmation" not in capacity_answer(Run.load(run))   # a run without the record reads as before
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
     answer = capacity_answer(Run.load(run))
-    assert "Confirmation until resolved ran" in answer
+    assert "Confirmation until resolved, " in answer and "block(s) begun after the planned starts" in answer
     assert "over the baseline mbt=256 resolved" in answer and "over the runner-up mbt=512 resolved" in answer
     assert "It stopped: resolved." in answer
     # the starts in the order best, runner-up, baseline, whatever the process's string hashing
     last = confirmation.read(run.path).last
     assert list(last.starts) == ["mbt=1024", "mbt=512", "mbt=256"]
-    assert f"(starts: mbt=1024 {last.starts['mbt=1024']}, mbt=512 {last.starts['mbt=512']}, mbt=256 " in answer
+    assert f"(starts judged: mbt=1024 {last.starts['mbt=1024']}, mbt=512 {last.starts['mbt=512']}, mbt=256 " in answer
+
+
+def test_a_run_stopped_inside_a_block_is_reported_on_the_starts_it_holds(tmp_path):
+    """The budget ended after a block's first start: the record's last verdict judged the
+    block before; the report judges the folder as it is, counting that start."""
+    from vllm_study.report.capacity_section import capacity_answer
+    from vllm_study.report.run import Run
+    run, study = _run(tmp_path, RESOLVES, max_starts=8)
+    full = _blocks(RESOLVES)
+
+    def budget_spent(units, outcome):
+        full(units[:1], outcome)
+        return SweepOutcome(outcome.run, 2, "stopped after 1.0 of 1 minutes")
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), budget_spent)
+    rec = confirmation.read(run.path)
+    first = next(u for u in run.manifest().order if u.block == rec.last.block + 1)
+    assert rec.last.starts[first.point] == 2          # judged before the block's start
+    now = confirmation.current(run, study, rec)
+    assert now.block == rec.last.block + 1 and now.starts[first.point] == 3
+    assert confirmation.current(run, study, rec) is not rec.last
+    answer = capacity_answer(Run.load(run))
+    assert f"{first.point} 3" in answer and "1 block(s) begun" in answer and "It stopped: --max-minutes" in answer
 
 
 def test_a_failed_start_stops_confirmation_and_says_which(tmp_path):

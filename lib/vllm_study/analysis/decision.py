@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from . import intervals as analysis
-from ..records.point_capacity import PointCapacity, gain
+from ..records.point_capacity import PointCapacity, told_apart
 from ..vocab import metrics
 
 
@@ -154,12 +154,17 @@ def _rank(pc: PointCapacity) -> tuple[int, float]:
     return (2, c.value) if c.kind in ("value", "at_least") else (1, c.value) if c.kind == "below" else (0, 0.0)
 
 
+def _apart(a: PointCapacity, b: PointCapacity) -> bool:
+    g, unmeasured = told_apart(a, b)
+    return g.resolved and not unmeasured
+
+
 def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None],
                 left_out: dict[str, str]) -> Recommendation:
     """recommend in a capacity study: the highest of records.point_capacity's estimates
     (each start's SLO margins fitted, starts combined with the censored ones as bounds),
     the same figure the capacity table, compare and export state. Ties are the points
-    whose gain over the best (point_capacity.gain) is not resolved; a point whose capacity
+    whose gain over the best is not resolved (point_capacity.told_apart); a point whose capacity
     is below its lowest load is never a tie, and nothing is recommended when every one is."""
     gone = [f"{p} ({st})" for p, st in left_out.items()]
     found = {p: pc for p, pc in capacities.items() if pc is not None and p not in left_out}
@@ -183,7 +188,7 @@ def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None
     if not top.rps_per_load:  # the load fixes no rate: the capacity is in the search's own unit
         judge = "capacity_load"
     low, high = (c.low, c.high) if c.kind == "value" else (c.value, None)
-    tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not gain(top, found[p]).resolved]
+    tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not _apart(top, found[p])]
     runner = ranked[1] if len(ranked) > 1 else None
     reason = "the highest capacity within the SLO" + (
         "; a lower bound: it met the SLO at the highest load measured" if c.kind == "at_least" else "")
@@ -211,13 +216,13 @@ TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", 
 
 def trade(rounds: pd.DataFrame, a: str, b: str, capacities: dict[str, PointCapacity | None] | None = None) -> str:
     """What point a gives and takes against point b: resolved differences only. With
-    `capacities`, the capacity is a's gain over b (point_capacity.gain), not the
+    `capacities`, the capacity is a's gain over b (point_capacity.told_apart), not the
     difference of the rounds' per-start figures."""
     parts = []
     pa, pb = (capacities or {}).get(a), (capacities or {}).get(b)
     if pa is not None and pb is not None:
-        g = gain(pa, pb)
-        if g.resolved:
+        g = told_apart(pa, pb)[0]
+        if _apart(pa, pb):
             up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
             parts.append(f"capacity {g} ({'better' if up else 'worse'})")
     for name in TRADE_METRICS:

@@ -18,7 +18,7 @@ from pydantic import BaseModel
 
 from ..define.grid import Unit
 from ..define.params import Study
-from .point_capacity import PointCapacity, gain, point_capacities
+from .point_capacity import PointCapacity, one_start_words, point_capacities, told_apart
 from .results import RunFolder
 
 CONFIRM = "confirm.json"
@@ -100,17 +100,20 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
 
 
 def _told_apart(a: PointCapacity, b: PointCapacity) -> tuple[str, bool]:
-    """a's gain over b in words, and whether it is resolved. One start of a config measures
-    no start-to-start spread (its interval is within the start: capacity.fit.combine), and
-    on one H200 a restart moved capacity by about 9%: a gain resolved on such a config's
-    one start is not resolved until a second start (or a spread pooled over the run's
-    points) says how far a restart moves it."""
-    g = gain(a, b)
-    unmeasured = [pc.point for pc in (a, b) if not pc.config.spread_measured]
+    """a's gain over b in words, and whether it is resolved (point_capacity.told_apart)."""
+    g, unmeasured = told_apart(a, b)
     if g.resolved and unmeasured:
-        return (f"{g}; not resolved yet: {' and '.join(unmeasured)} "
-                f"{'has' if len(unmeasured) == 1 else 'have'} one start, so no start-to-start spread"), False
+        return f"{g}; not resolved yet: {one_start_words(unmeasured)}", False
     return str(g), g.resolved
+
+
+def current(run: RunFolder, study: Study, rec: ConfirmRecord) -> Verdict | None:
+    """The verdict on the starts the folder holds now: a run stopped inside a block has
+    starts its record's last verdict never judged (that block's verdict comes at its end)."""
+    last_block = max(u.block for u in run.manifest().order)
+    if rec.last is None or rec.last.block == last_block:
+        return rec.last
+    return judge(run, study, last_block)
 
 
 def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
@@ -152,9 +155,10 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     return extra
 
 
-def stop_words(rec: ConfirmRecord) -> str | None:
-    """The report's sentence: which comparisons were resolved, and why confirmation stopped."""
-    v = rec.last
+def stop_words(rec: ConfirmRecord, v: Verdict | None = None) -> str | None:
+    """The report's sentence: which comparisons were resolved, and why confirmation stopped;
+    `v`: the verdict to state (current()), by default the record's last."""
+    v = v or rec.last
     if v is None or v.best is None or v.best_below:
         return f"Confirmation until resolved stopped: {rec.stop or 'not run'}." if rec.stop else None
     blocks = v.block - rec.planned_blocks
@@ -166,5 +170,6 @@ def stop_words(rec: ConfirmRecord) -> str | None:
         parts.append(f"over the runner-up {v.runner_up} {'resolved' if v.runner_up_resolved else 'not resolved'} "
                      f"({v.over_runner_up})")
     each = ", ".join(f"{p} {n}" for p, n in v.starts.items())
-    return (f"Confirmation until resolved ran {blocks} block(s) (starts: {each}): the best {v.best}'s gain "
-            + "; ".join(parts) + f". It stopped: {rec.stop or 'not finished (--resume goes on)'}.")
+    return (f"Confirmation until resolved, {blocks} block(s) begun after the planned starts (starts judged: "
+            f"{each}): the best {v.best}'s gain " + "; ".join(parts)
+            + f". It stopped: {rec.stop or 'not finished (--resume goes on)'}.")

@@ -280,3 +280,15 @@ def gain(point: PointCapacity, baseline: PointCapacity) -> fit.Gain:
     """point / baseline capacity (capacity.fit.gain): a ratio with its interval, a bound
     where either is censored. Both are in the same search's unit."""
     return fit.gain(point.config, baseline.config)
+
+
+def told_apart(a: PointCapacity, b: PointCapacity) -> tuple[fit.Gain, list[str]]:
+    """a's gain over b, and which of the two measured no start-to-start spread (one start,
+    nothing pooled: capacity.fit.combine). A gain is resolved only where its interval (or
+    bound) excludes 1 and that list is empty: on one H200 a restart moved capacity by about
+    9%, which one start's interval cannot hold. The report and confirmation both read it."""
+    return gain(a, b), [pc.point for pc in (a, b) if not pc.config.spread_measured]
+
+
+def one_start_words(points: list[str]) -> str:
+    return f"{' and '.join(points)} {'has' if len(points) == 1 else 'have'} one start, so no start-to-start spread"

@@ -92,7 +92,7 @@ def confirmation_words(r: Run) -> str | None:
     (records/confirmation.py); None for a run without its record."""
     from ..records import confirmation
     rec = confirmation.read(r.folder.path)
-    return confirmation.stop_words(rec) if rec else None
+    return confirmation.stop_words(rec, confirmation.current(r.folder, r.study, rec)) if rec else None
 
 
 def best_capacity(r: Run) -> str | None:
@@ -138,11 +138,13 @@ def _gain_words(g) -> str:
 
 def _baseline_words(r: Run, best: str, base: str) -> str:
     """The baseline's capacity and the best's gain over it (records.point_capacity.gain)."""
-    from ..records.point_capacity import gain
+    from ..records.point_capacity import one_start_words, told_apart
     pb, pc = r.capacity(base), r.capacity(best)
-    g = gain(pc, pb)
-    verdict = ("a resolved gain" if g.resolved and (g.kind == "at_least" or (g.value or 0) > 1) else
-               "a resolved loss" if g.resolved else "not resolved by this study")
+    g, unmeasured = told_apart(pc, pb)
+    ok = g.resolved and not unmeasured
+    verdict = ("a resolved gain" if ok and (g.kind == "at_least" or (g.value or 0) > 1) else
+               "a resolved loss" if ok else
+               f"not resolved yet ({one_start_words(unmeasured)})" if g.resolved else "not resolved by this study")
     if g.kind == "unresolved" and g.value is None:
         said = ("the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi "
                 "to tell them apart)." if pc.config.kind == pb.config.kind == "at_least" else

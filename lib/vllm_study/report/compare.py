@@ -127,16 +127,16 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
 def _capacity_rows(ra: report.Run, rb: report.Run, same: bool) -> list[dict]:
     """Capacity, B over A, per point both measured: records.point_capacity's gain (a ratio
     with its interval; a bound where either side's capacity is one), never a 0 for a
-    capacity below the lowest load."""
-    from ..records.point_capacity import gain
+    capacity below the lowest load; resolved as told_apart says (both spreads measured)."""
+    from ..records.point_capacity import told_apart
     m, rows = metrics.get("capacity_rps"), []
     for point in [s.point for s in ra.measured if s.point in {x.point for x in rb.measured}]:
         pa, pb = ra.capacity(point), rb.capacity(point)
         if pa is None or pb is None:
             continue
-        g = gain(pb, pa)
+        g, unmeasured = told_apart(pb, pa)
         less1 = lambda v: v - 1 if v is not None else np.nan  # noqa: E731
-        if g.kind == "unresolved" or not g.resolved:
+        if g.kind == "unresolved" or not g.resolved or unmeasured:   # one start: no restart spread
             verdict = "not resolved"
         else:
             up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
