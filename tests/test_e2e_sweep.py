@@ -62,6 +62,8 @@ def test_budget_resume_failure_and_report(tmp_path):
     second = sweep("--resume", path)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "1 of 2 starts already finished" in second.stdout
+    # the start left, at the longest start the run recorded (its point never started)
+    assert f"starts left, at their points' longest so far: {order[1].point}#s1 " in second.stdout
     # the report's kernel says nothing of its own on a run that went well
     assert "IPKernelApp" not in second.stderr + second.stdout, second.stderr[-2000:]
 

@@ -183,6 +183,9 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     STOPPING.clear()
     seen = executors.recorded_lengths(run)  # a resumed run's earlier starts bound the budget's next ones
+    if todo and seen.before:  # what --max-minutes has to hold
+        print("starts left, at their points' longest so far: " + ", ".join(
+            f"{u.point}#s{u.start} {seen.bound(False, u.point) / 60:.1f} min" for u in todo))
     try:
         if study.search:
             outcome = _search(run, study, engine, todo, t0, max_minutes, runner, seen)
