@@ -238,3 +238,21 @@ def test_a_gain_on_one_start_is_not_resolved_until_a_restart_measures_the_spread
     words, ok = confirmation._told_apart(_capacity("4096", [(3.33, 3.12, 3.43)], pooled_df=4),
                                          _capacity("defaults", [2.95], pooled_df=4))
     assert ok, words
+
+
+def test_a_baseline_below_the_floor_in_two_starts_is_not_started_again(tmp_path):
+    """The gain over a baseline below the floor in every start is the best's lower end over
+    the floor: its third start would decide nothing, so the next block starts the best and
+    the runner-up only, and the report says why."""
+    from vllm_study.report.capacity_section import capacity_answer
+    from vllm_study.report.run import Run
+    caps = {"mbt=256": [0.5] * 4, "mbt=512": [4.8, 6.2, 5.2, 5.4], "mbt=1024": [5.6, 7.2, 6.3, 6.5]}
+    run, study = _run(tmp_path, caps, max_starts=4)
+    planned = max(u.block for u in run.manifest().order)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(caps))
+    rec = confirmation.read(run.path)
+    assert rec.verdicts[0].settled == ["mbt=256"] and rec.verdicts[0].starts["mbt=256"] == 2
+    added = [u for u in run.manifest().order if u.block > planned]
+    assert added and {u.point for u in added} == {"mbt=1024", "mbt=512"}
+    assert rec.last.baseline_resolved and "at least" in rec.last.over_baseline
+    assert "Not started again, below the lowest load in each start: mbt=256" in capacity_answer(Run.load(run))

@@ -40,6 +40,7 @@ class Verdict(BaseModel):
     over_runner_up: str | None = None
     best_below: bool = False               # the best's capacity is below its lowest load: every point's is
     at_highest: list[str] = []             # of the three, those that met the SLO at the highest load (a bound)
+    settled: list[str] = []                # below the lowest load in each of 2+ starts: not started again
     baseline_resolved: bool = False
     runner_up_resolved: bool = False
 
@@ -90,6 +91,11 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
         return v
     v.best_below = caps[best].config.kind == "below"
     v.at_highest = [p for p in starts if caps.get(p) is not None and caps[p].config.kind == "at_least"]
+    # a gain over a config below the floor in every start is the best's lower end over that
+    # floor (capacity.fit.gain), whatever its next start says unless that one meets: after
+    # two such starts, confirmation spends its time on the comparisons it can still move
+    v.settled = [p for p in starts if p != best and caps.get(p) is not None
+                 and caps[p].config.kind == "below" and caps[p].config.starts >= 2]
     if caps.get(base) is not None and base != best:
         v.over_baseline, v.baseline_resolved = _told_apart(caps[best], caps[base])
     elif base == best:   # the baseline is the best: only the runner-up is left to tell apart
@@ -121,7 +127,8 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     appended to the manifest's order (so --resume runs it too); or the reason to stop.
     Each is a start of its point alone, launched at its own limits (no `serves`), even
     where the planned starts served it in a group (live knobs): a confirmation start is a
-    fresh server of that config, numbered after every start that served the point."""
+    fresh server of that config, numbered after every start that served the point. A
+    config below the lowest load in each of 2+ starts (Verdict.settled) is left out."""
     if v.resolved:
         return RESOLVED
     if v.best is None or v.runner_up is None:
@@ -142,7 +149,7 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     for u in manifest.order:  # every point a start served (live knobs: a group's, not only its lead's)
         for p in u.points:
             starts[p] = max(starts.get(p, 0), u.start)
-    points = list(dict.fromkeys([v.best, v.runner_up, v.baseline]))
+    points = [p for p in dict.fromkeys([v.best, v.runner_up, v.baseline]) if p not in v.settled]
     full = [p for p in points if starts.get(p, 0) >= study.confirm.max_starts]
     if full:
         return f"{MAX_STARTS}: {', '.join(full)} {'has' if len(full) == 1 else 'have'} " \
@@ -170,6 +177,8 @@ def stop_words(rec: ConfirmRecord, v: Verdict | None = None) -> str | None:
         parts.append(f"over the runner-up {v.runner_up} {'resolved' if v.runner_up_resolved else 'not resolved'} "
                      f"({v.over_runner_up})")
     each = ", ".join(f"{p} {n}" for p, n in v.starts.items())
+    settled = (f" Not started again, below the lowest load in each start: {', '.join(v.settled)} (a gain over it "
+               "rests on the best's interval alone)." if v.settled else "")
     return (f"Confirmation until resolved, {blocks} block(s) begun after the planned starts (starts judged: "
             f"{each}): the best {v.best}'s gain " + "; ".join(parts)
-            + f". It stopped: {rec.stop or 'not finished (--resume goes on)'}.")
+            + f". It stopped: {rec.stop or 'not finished (--resume goes on)'}." + settled)
