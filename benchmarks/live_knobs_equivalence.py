@@ -19,6 +19,10 @@ the t interval is exact where log ratios are normal, and pairs cancel the start-
 spread that makes them wide. A metric equal in every pair (KV capacity; no preemptions
 either way) has a zero-width interval: nothing varied.
 
+--fresh-scheduler kit launches the fresh starts with the kit's live-limits scheduler too
+(at their own value, never lowered): lowered against those isolates what the launch value
+fixes (torch.compile's range, CUDA graph sizes) from what the plugin's scheduling does.
+
 The rule: a metric is "equal" where its interval lies within +-3%; "not resolved"
 where it holds 0 and lies within +-5%; "differs" where it excludes 0 and leaves +-3%;
 "too wide" where it holds 0 but leaves +-5% (more pairs may still settle it). Live
@@ -157,7 +161,8 @@ def summary(starts: list[dict], values: list[int]) -> dict:
 
 def report(plan: dict, s: dict) -> str:
     pct = lambda x: "    -" if x is None else f"{x:+.1%}"  # noqa: E731
-    lines = [f"{plan['knob']}: launched at {plan['launch']} and lowered live, over fresh starts at each value; "
+    fresh = "fresh starts at each value" + (" (the kit's scheduler too)" if runs_plugin("fresh", plan) else "")
+    lines = [f"{plan['knob']}: launched at {plan['launch']} and lowered live, over {fresh}; "
              f"{s['method']}; rounds a value {plan['rounds']}",
              f"{'value':>7}  {'metric':<18} {'lowered':>10} {'fresh':>10} {'ratio':>7}  {'95% interval':<18} "
              f"pairs  verdict"]
@@ -266,7 +271,8 @@ class Bench:
         work.mkdir(parents=True, exist_ok=True)
         control, counters_file = work / "control.json", work / "counters.json"
         env, extra = dict(s.server.env), list(s.server.extra_cli_args)
-        if way == "lowered":
+        plugin = runs_plugin(way, self.plan)
+        if plugin:
             env |= live_knobs.launch_env(control, counters_file)
             extra += ["--scheduler-cls", live_knobs.SCHEDULER_CLS]
         port = free_port()
@@ -282,7 +288,9 @@ class Bench:
             if s.workload.warmup_requests:
                 self._send(srv.url, self.wl.requests(s.workload.warmup_requests, "warmup"))
             for v in values:
-                limits = (live_knobs.set_limits(srv.url, counters_file, control, **{a.knob: v}) if way == "lowered"
+                # a fresh start on the plugin is "set" to its own launch value: its counters then
+                # cover the rounds, not the warm-up
+                limits = (live_knobs.set_limits(srv.url, counters_file, control, **{a.knob: v}) if plugin
                           else {a.knob: v, "source": "launch arguments"})
                 for i in range(a.rounds):
                     t_round = time.perf_counter()
@@ -293,7 +301,7 @@ class Bench:
                     m = stats.round_metrics(results, _send_to_finish(results))
                     m["preemptions"] = counters.round_deltas(before, after)["preemptions"]
                     m["kv_tokens"] = kv
-                    if way == "lowered":
+                    if plugin:
                         time.sleep(0.5)  # the plugin rewrites its counters file every 0.2 s
                         limits = live_knobs.limits_used(counters_file, limits["seq"])
                     rec["rounds"].append({"value": v, "round": i, "limits": limits,
@@ -308,6 +316,12 @@ class Bench:
             shutil.copyfileobj(f, z)
         (work / "server.log").unlink()
         return rec
+
+
+def runs_plugin(way: str, plan: dict) -> bool:
+    """Whether a start runs the kit's live-limits scheduler: the lowered one always, the
+    fresh ones where the plan says --fresh-scheduler kit."""
+    return way == "lowered" or plan.get("fresh_scheduler") == "kit"
 
 
 def todo(starts: list[dict], pairs: int, values: list[int], launch: int, seed: int) -> list[tuple]:
@@ -337,6 +351,8 @@ def run(a) -> None:
     text = Path(a.params).read_text()
     plan = {"params": str(a.params), "params_sha256": hashlib.sha256(text.encode()).hexdigest(), "knob": a.knob,
             "launch": a.launch, "values": values, "rounds": a.rounds, "seed": a.seed, "pairs": a.pairs}
+    if a.fresh_scheduler == "kit":  # vLLM's, the default, is left out: plans written before stay the same
+        plan["fresh_scheduler"] = "kit"
     a.out.mkdir(parents=True, exist_ok=True)
     check_plan(a.out, plan)
     starts = read_starts(a.out)
@@ -380,6 +396,8 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="rounds per value in every start")
     ap.add_argument("--seed", type=int, default=0, help="shuffles the values' order in each pair")
+    ap.add_argument("--fresh-scheduler", choices=("vllm", "kit"), default="vllm",
+                    help="the fresh starts' scheduler: vLLM's own, or the kit's live-limits one at their value")
     ap.add_argument("--minutes", type=float, default=0, help="begin no start that would end after this (0: no limit)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--summarize", type=Path, metavar="DIR", help="print the summary of DIR's files, run nothing")

@@ -158,3 +158,21 @@ def test_plan_file_refuses_another_measurement_but_takes_more_pairs(tmp_path):
 def test_bad_values_are_refused_with_the_fix(text):
     with pytest.raises(SystemExit, match="--values"):
         eq.parse_values(text)
+
+
+def test_fresh_starts_run_the_kits_scheduler_only_where_the_plan_says_so(tmp_path):
+    """--fresh-scheduler kit: the fresh starts launch the live-limits scheduler too, which
+    splits the launch value's effect from the plugin's; the default plan (vLLM's own for
+    the fresh starts) is written as before, so a run begun before resumes."""
+    plan = {"knob": "max_num_batched_tokens", "launch": 8192, "values": [2048, 512], "rounds": 1, "seed": 0,
+            "pairs": 4, "params": "p.yaml", "params_sha256": "x"}
+    assert eq.runs_plugin("lowered", plan) and not eq.runs_plugin("fresh", plan)
+    kit = plan | {"fresh_scheduler": "kit"}
+    assert eq.runs_plugin("fresh", kit) and eq.runs_plugin("lowered", kit)
+    eq.check_plan(tmp_path, plan)
+    eq.check_plan(tmp_path, plan | {"pairs": 6})   # more pairs: the same run
+    with pytest.raises(SystemExit, match="fresh_scheduler"):
+        eq.check_plan(tmp_path, kit)                 # another design: a new --out
+    s = {"by_value": {}, "passes": False, "widest": None, "method": "m"}
+    assert "over fresh starts at each value (the kit's scheduler too);" in eq.report(kit, s)
+    assert "over fresh starts at each value;" in eq.report(plan, s)
