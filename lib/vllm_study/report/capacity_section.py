@@ -137,7 +137,7 @@ def _gain_words(g) -> str:
 
 
 def _baseline_words(r: Run, best: str, base: str) -> str:
-    """The baseline's capacity and the best's gain over it (records.point_capacity.gain)."""
+    """The baseline's capacity and the best's gain over it (records.point_capacity.told_apart)."""
     from ..records.point_capacity import one_start_words, told_apart
     pb, pc = r.capacity(base), r.capacity(best)
     g, unmeasured = told_apart(pc, pb)
