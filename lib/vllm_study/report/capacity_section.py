@@ -304,7 +304,8 @@ def bracket_words(c) -> str:
     """One start's bracket and steps: '[1.26, 1.59] in 4 steps'; censored, a bound, never a
     bracket from 0: '< 0.8 in 1 step' (missed at the floor), '>= 2 in 2 steps' (met at hi)."""
     lo, hi = c.bracket
-    where = f"< {hi:.3g}" if c.censored == "below" else f">= {lo:.3g}" if hi is None else f"[{lo:.3g}, {hi:.3g}]"
+    below = c.censored == "below" or (lo == 0 and hi is not None)  # records before `censored`: met nowhere
+    where = f"< {hi:.3g}" if below else f">= {lo:.3g}" if hi is None else f"[{lo:.3g}, {hi:.3g}]"
     n = len(c.steps)
     return f"{where} in {n} step{'' if n == 1 else 's'}"
 
