@@ -154,11 +154,6 @@ def _rank(pc: PointCapacity) -> tuple[int, float]:
     return (2, c.value) if c.kind in ("value", "at_least") else (1, c.value) if c.kind == "below" else (0, 0.0)
 
 
-def _apart(a: PointCapacity, b: PointCapacity) -> bool:
-    g, unmeasured = told_apart(a, b)
-    return g.resolved and not unmeasured
-
-
 def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None],
                 left_out: dict[str, str]) -> Recommendation:
     """recommend in a capacity study: the highest of records.point_capacity's estimates
@@ -188,7 +183,7 @@ def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None
     if not top.rps_per_load:  # the load fixes no rate: the capacity is in the search's own unit
         judge = "capacity_load"
     low, high = (c.low, c.high) if c.kind == "value" else (c.value, None)
-    tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not _apart(top, found[p])]
+    tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not told_apart(top, found[p]).resolved]
     runner = ranked[1] if len(ranked) > 1 else None
     reason = "the highest capacity within the SLO" + (
         "; a lower bound: it met the SLO at the highest load measured" if c.kind == "at_least" else "")
@@ -221,8 +216,9 @@ def trade(rounds: pd.DataFrame, a: str, b: str, capacities: dict[str, PointCapac
     parts = []
     pa, pb = (capacities or {}).get(a), (capacities or {}).get(b)
     if pa is not None and pb is not None:
-        g = told_apart(pa, pb)[0]
-        if _apart(pa, pb):
+        t = told_apart(pa, pb)
+        if t.resolved:
+            g = t.gain
             up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
             parts.append(f"capacity {g} ({'better' if up else 'worse'})")
     for name in TRADE_METRICS:

@@ -107,10 +107,10 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
 
 def _told_apart(a: PointCapacity, b: PointCapacity) -> tuple[str, bool]:
     """a's gain over b in words, and whether it is resolved (point_capacity.told_apart)."""
-    g, unmeasured = told_apart(a, b)
-    if g.resolved and unmeasured:
-        return f"{g}; not resolved yet: {one_start_words(unmeasured)}", False
-    return str(g), g.resolved
+    t = told_apart(a, b)
+    if t.gain.resolved and not t.resolved:
+        return f"{t.gain}; not resolved yet: {one_start_words(t.unmeasured)}", False
+    return str(t.gain), t.resolved
 
 
 def current(run: RunFolder, study: Study, rec: ConfirmRecord) -> Verdict | None:

@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -282,12 +283,22 @@ def gain(point: PointCapacity, baseline: PointCapacity) -> fit.Gain:
     return fit.gain(point.config, baseline.config)
 
 
-def told_apart(a: PointCapacity, b: PointCapacity) -> tuple[fit.Gain, list[str]]:
+class Apart(NamedTuple):
     """a's gain over b, and which of the two measured no start-to-start spread (one start,
-    nothing pooled: capacity.fit.combine). A gain is resolved only where its interval (or
-    bound) excludes 1 and that list is empty: on one H200 a restart moved capacity by about
-    9%, which one start's interval cannot hold. The report and confirmation both read it."""
-    return gain(a, b), [pc.point for pc in (a, b) if not pc.config.spread_measured]
+    nothing pooled: capacity.fit.combine)."""
+    gain: fit.Gain
+    unmeasured: list[str]
+
+    @property
+    def resolved(self) -> bool:
+        """The gain's interval (or bound) excludes 1 and both spreads are measured: on one
+        H200 a restart moved capacity by about 9%, which one start's interval cannot hold."""
+        return self.gain.resolved and not self.unmeasured
+
+
+def told_apart(a: PointCapacity, b: PointCapacity) -> Apart:
+    """a's gain over b as the report, confirmation, compare and the recommendation judge it."""
+    return Apart(gain(a, b), [pc.point for pc in (a, b) if not pc.config.spread_measured])
 
 
 def one_start_words(points: list[str]) -> str:

@@ -140,11 +140,11 @@ def _baseline_words(r: Run, best: str, base: str) -> str:
     """The baseline's capacity and the best's gain over it (records.point_capacity.told_apart)."""
     from ..records.point_capacity import one_start_words, told_apart
     pb, pc = r.capacity(base), r.capacity(best)
-    g, unmeasured = told_apart(pc, pb)
-    ok = g.resolved and not unmeasured
-    verdict = ("a resolved gain" if ok and (g.kind == "at_least" or (g.value or 0) > 1) else
-               "a resolved loss" if ok else
-               f"not resolved yet ({one_start_words(unmeasured)})" if g.resolved else "not resolved by this study")
+    t = told_apart(pc, pb)
+    g = t.gain
+    verdict = ("a resolved gain" if t.resolved and (g.kind == "at_least" or (g.value or 0) > 1) else
+               "a resolved loss" if t.resolved else
+               f"not resolved yet ({one_start_words(t.unmeasured)})" if g.resolved else "not resolved by this study")
     if g.kind == "unresolved" and g.value is None:
         said = ("the gain is not resolved (both met the SLO at the highest load measured: raise capacity.hi "
                 "to tell them apart)." if pc.config.kind == pb.config.kind == "at_least" else

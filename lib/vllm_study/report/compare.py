@@ -134,9 +134,10 @@ def _capacity_rows(ra: report.Run, rb: report.Run, same: bool) -> list[dict]:
         pa, pb = ra.capacity(point), rb.capacity(point)
         if pa is None or pb is None:
             continue
-        g, unmeasured = told_apart(pb, pa)
+        t = told_apart(pb, pa)
+        g = t.gain
         less1 = lambda v: v - 1 if v is not None else np.nan  # noqa: E731
-        if g.kind == "unresolved" or not g.resolved or unmeasured:   # one start: no restart spread
+        if not t.resolved:   # an unresolved gain, or one start: no restart spread
             verdict = "not resolved"
         else:
             up = g.kind == "at_least" or (g.kind == "value" and g.value > 1)
