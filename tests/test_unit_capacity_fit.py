@@ -183,7 +183,23 @@ def test_a_given_spread_fixes_sigma():
     assert math.log(c.high / c.low) / 2 == pytest.approx(h, rel=1e-3)
 
 
+def test_a_spread_pooled_on_few_degrees_of_freedom_gives_the_pooled_t_interval():
+    starts = [resolved(2.0, 0.0), resolved(2.2, 0.0)]
+    known = combine(starts, spread=0.05)
+    pooled = combine(starts, spread=0.05, spread_df=2)
+    h = stats.t.ppf(0.975, 2) * 0.05 / math.sqrt(2)
+    assert math.log(pooled.high / pooled.low) / 2 == pytest.approx(h, rel=1e-3)
+    assert pooled.low < known.low and pooled.high > known.high and pooled.value == pytest.approx(known.value)
+
+
 # -- the gain ----------------------------------------------------------------------------
+def test_a_gain_whose_baseline_interval_runs_below_the_loads_measured_says_its_end_is_not_bounded():
+    best = ConfigCapacity(kind="value", value=4.84, low=3.24, high=7.20, starts=2)
+    runner_up = ConfigCapacity(kind="value", value=3.61, low=None, high=4.52, starts=2)
+    g = gain(best, runner_up)
+    assert g.high is None and not g.resolved
+    assert str(g) == f"1.34x [{g.low:.2f}, not bounded]"
+
 def test_the_gain_over_a_baseline_below_its_lowest_load_is_a_lower_bound():
     best = ConfigCapacity(kind="value", value=1.9, low=1.7, high=2.1, starts=3)
     defaults = ConfigCapacity(kind="below", value=0.9, starts=2, censored=2)

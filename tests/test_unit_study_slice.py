@@ -53,3 +53,24 @@ def test_a_call_while_the_slice_runs_waits_on_it_and_says_it_still_runs(tmp_path
     finally:
         os.killpg(slow.pid, signal.SIGTERM)
         slow.wait()
+
+
+def test_finding_the_run_names_the_runs_it_passed_over_only_when_it_takes_none(tmp_path, capsys):
+    """A GPU snapshot carries every committed run: the one to continue is named, the rest
+    are named only where none was taken (then they say why the study starts anew)."""
+    import importlib.util
+
+    from synthetic_run import make_run
+    spec = importlib.util.spec_from_file_location("study_slice", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    runs = tmp_path / "runs"
+    ours = make_run(runs, {"mbt=256": {"ttft_p90_ms": 100.0}})
+    name = ours.manifest().study
+    make_run(runs, {"mbt=256": {"ttft_p90_ms": 100.0}}, study_over={"name": "another-study"})
+    assert tool.find_run(runs, name, say=True) == ours.path
+    assert capsys.readouterr().out == ""
+    assert tool.find_run(runs, "a-third-study", say=True) is None
+    out = capsys.readouterr().out
+    assert "a run of another-study, not of a-third-study" in out and f"a run of {name}, not of" in out
+    assert "no run of a-third-study under" in out

@@ -36,23 +36,23 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def find_run(runs: Path, study_name: str, say: bool = False) -> Path | None:
-    """The latest run of `study_name` under `runs`; say=True prints why none was taken
-    (a run brought along that is not picked up would silently start the study anew)."""
-    found = []
+    """The latest run of `study_name` under `runs`; say=True prints, where none was
+    taken, why each run there was not (a run brought along that is not picked up would
+    silently start the study anew)."""
+    found, others = [], []
     for m in sorted(runs.glob("*/manifest.json")):
         try:
             study = RunFolder(m.parent).manifest().study
         except ValueError as e:  # a run of another layout: not ours
-            if say:
-                print(f"{m.parent}: not a run this kit reads ({e})", flush=True)
+            others.append(f"{m.parent}: not a run this kit reads ({e})")
             continue
         if study == study_name:
             found.append(m.parent)
-        elif say:
-            print(f"{m.parent}: a run of {study}, not of {study_name}", flush=True)
+        else:
+            others.append(f"{m.parent}: a run of {study}, not of {study_name}")
     if say and not found:
-        print(f"no run of {study_name} under {runs} (its folders: "
-              f"{', '.join(sorted(p.name for p in runs.iterdir())) or 'none'})", flush=True)
+        print("\n".join(others + [f"no run of {study_name} under {runs} (its folders: "
+                                  f"{', '.join(sorted(p.name for p in runs.iterdir())) or 'none'})"]), flush=True)
     return found[-1] if found else None
 
 

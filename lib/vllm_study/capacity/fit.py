@@ -333,7 +333,7 @@ def _loglik(mu: float, sigma: float, y, se, lo_c, lo_se, hi_c, hi_se) -> float:
     return float(out)
 
 
-def combine(starts: Sequence[StartCapacity], *, spread: float | None = None,
+def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spread_df: int | None = None,
             confidence: float = 0.95) -> ConfigCapacity:
     """The config's capacity from its starts by an interval-censored likelihood: log
     capacity of a start ~ Normal(mu, sigma^2 + se_i^2), sigma the start-to-start spread,
@@ -343,7 +343,9 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None,
     profile likelihood, its cut calibrated so that with no censoring and no se it is the
     t-interval on n - 1 df (the likelihood ratio is then n log(1 + T^2/(n-1)) exactly):
     two starts give a wide interval, as they should. `spread` (sigma pooled over the run's
-    configs, say) fixes sigma: the cut is then chi2(1)'s."""
+    configs, say) fixes sigma: the cut is then t(spread_df)^2, the pooled t-interval's (a
+    spread estimated on few degrees of freedom is itself uncertain), or chi2(1)'s where
+    spread_df is None (a spread known from elsewhere)."""
     if not starts:
         raise ValueError("combine needs at least one start's capacity")
     n = len(starts)
@@ -387,6 +389,8 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None,
     if spread is None:
         t = stats.t.ppf(0.5 + confidence / 2, n - 1)
         cut = n * math.log1p(t ** 2 / (n - 1))
+    elif spread_df is not None:
+        cut = stats.t.ppf(0.5 + confidence / 2, spread_df) ** 2
     else:
         cut = stats.chi2.ppf(confidence, 1)
 
@@ -430,8 +434,10 @@ class Gain(BaseModel):
             return f"at most {self.value:.2f}x"
         if self.kind == "unresolved":
             return "unresolved (both are bounds on the same side)"
-        lo = f"{self.low:.2f}" if self.low is not None else "?"
-        hi = f"{self.high:.2f}" if self.high is not None else "?"
+        # an end is None where a capacity's interval runs past the loads measured: the
+        # ratio is not bounded on that side
+        lo = f"{self.low:.2f}" if self.low is not None else "not bounded"
+        hi = f"{self.high:.2f}" if self.high is not None else "not bounded"
         return f"{self.value:.2f}x [{lo}, {hi}]"
 
 

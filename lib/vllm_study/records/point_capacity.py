@@ -38,6 +38,9 @@ STATISTICS = {
 }
 COMBINED = "starts combined by an interval-censored likelihood"
 POOLED = "the start-to-start spread pooled over the run's points ({df} degrees of freedom)"
+# Pooling from 2 df: two configs of two starts each (t = 4.30) already beat each one's own
+# spread on 1 df (t = 12.7); on 1 df it would be one point's own spread lent to the rest.
+POOL_MIN_DF = 2
 # Resamples per start: 999 gives the 95% interval's ends to about a percent; a report over
 # a run fits every start once (cached per start folder).
 RESAMPLES = 999
@@ -238,7 +241,9 @@ def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | 
     """The start-to-start spread of log capacity pooled over points (as analysis pools a
     metric's start-to-start noise): the resolved starts' variance about their point's mean,
     less the starts' own bootstrap variance, on sum(n - 1) degrees of freedom. None below
-    3 of them: each point's own starts then give its spread (a t-interval's width)."""
+    POOL_MIN_DF of them: each point's own starts then give its spread (a t-interval's width
+    on n - 1 df). The intervals on it are pooled t-intervals (fit.combine's spread_df), as
+    a two-sample t-test's on n1 + n2 - 2 df."""
     ss, df, within = 0.0, 0, []
     for caps in points:
         ys = [math.log(c.value) for c in caps if c.kind == "value"]
@@ -246,7 +251,7 @@ def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | 
             ss += float(np.sum((np.array(ys) - np.mean(ys)) ** 2))
             df += len(ys) - 1
             within += [c.log_se ** 2 for c in caps if c.kind == "value" and c.log_se is not None]
-    if df < 3:
+    if df < POOL_MIN_DF:
         return None
     var = ss / df - (float(np.mean(within)) if within else 0.0)
     return math.sqrt(max(var, 1e-6)), df
@@ -258,7 +263,7 @@ def point_capacities(folders: dict[str, tuple[PointFolder, set[int] | None]], sl
     start numbers to use, None: all; e.g. a search's confirmation starts); None where none
     completed. `floor`: the study's lowest load, for records that did not keep theirs.
     The start-to-start spread is pooled over the points (pooled_spread) where they measure
-    it on 3 degrees of freedom or more."""
+    it on POOL_MIN_DF degrees of freedom or more."""
     per_point = {pid: _fitted_starts(f, slo, floor, starts) for pid, (f, starts) in folders.items()}
     pooled = pooled_spread([caps for caps, _, _ in per_point.values()])
     out: dict[str, PointCapacity | None] = {}
@@ -266,7 +271,7 @@ def point_capacities(folders: dict[str, tuple[PointFolder, set[int] | None]], sl
         if not caps:
             out[pid] = None
             continue
-        config = fit.combine(caps, spread=pooled[0] if pooled else None)
+        config = fit.combine(caps, spread=pooled[0] if pooled else None, spread_df=pooled[1] if pooled else None)
         out[pid] = PointCapacity(pid, config, caps, stats_, per, pooled[1] if pooled else None)
     return out
 
