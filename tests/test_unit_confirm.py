@@ -256,3 +256,34 @@ def test_a_baseline_below_the_floor_in_two_starts_is_not_started_again(tmp_path)
     assert added and {u.point for u in added} == {"mbt=1024", "mbt=512"}
     assert rec.last.baseline_resolved and "at least" in rec.last.over_baseline
     assert "Not started again, below the lowest load in each start: mbt=256" in capacity_answer(Run.load(run))
+
+
+def test_a_half_width_target_starts_the_best_alone_once_both_gains_are_resolved(tmp_path):
+    """confirm.half_width: after both gains resolve, blocks of the best alone until its
+    interval is that narrow; the stop says resolved only then."""
+    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in RESOLVES.items()}, lo=1.0, hi=16.0,
+                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": 8, "half_width": 0.06}})
+    from vllm_study.report.run import Run
+    study = Run.load(run).study
+    planned = max(u.block for u in run.manifest().order)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
+    rec = confirmation.read(run.path)
+    first_resolved = next(v for v in rec.verdicts if v.resolved)
+    assert not first_resolved.precise and first_resolved.best_half_width > 0.06   # the target asked for more
+    assert rec.stop == confirmation.RESOLVED and rec.last.done and rec.last.best_half_width <= 0.06
+    after = [u for u in run.manifest().order if u.block > first_resolved.block]
+    assert after and {u.point for u in after} == {"mbt=1024"}   # the best alone
+    assert [v.block for v in rec.verdicts] == list(range(planned, max(u.block for u in run.manifest().order) + 1))
+    assert "within +-6% of its value" in study.confirm_plan
+
+
+def test_a_half_width_not_met_by_max_starts_says_so(tmp_path):
+    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in RESOLVES.items()}, lo=1.0, hi=16.0,
+                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": 5, "half_width": 0.001}})
+    from vllm_study.report.run import Run
+    study = Run.load(run).study
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
+    rec = confirmation.read(run.path)
+    assert rec.stop.startswith(confirmation.MAX_STARTS) and rec.last.resolved and not rec.last.precise
+    words = confirmation.stop_words(rec)
+    assert f"its interval +-{rec.last.best_half_width:.0%} of its value, wider than confirm.half_width" in words

@@ -384,9 +384,13 @@ class Confirm(_Strict):
     over the baseline and over the runner-up are both resolved (the ratio's 95% interval,
     or its bound, excludes 1: records.point_capacity.gain) or each of the three has
     `max_starts` starts (sweep.confirm_until_resolved; records/confirmation.py). A grid
-    study runs it; after a search's confirmation it is shown by --dry-run, not run yet."""
+    study runs it; after a search's confirmation it is shown by --dry-run, not run yet.
+    `half_width` (e.g. 0.10): once both are resolved, the best alone is started again until
+    its capacity's 95% interval reaches no further than that fraction of its value on
+    either side (within the same max_starts)."""
     until: Literal["resolved"] = "resolved"
     max_starts: int = Field(ge=2)
+    half_width: float | None = Field(None, gt=0, lt=1)
 
 
 class Capacity(_Strict):
@@ -543,7 +547,10 @@ class Study(_Strict):
         more = 3 * (self.confirm.max_starts - planned)
         return (f"confirm until resolved: then the best, the runner-up and {base} again, one fresh start each "
                 f"per shuffled block, until the best's gain over {base} and over the runner-up are resolved "
-                f"(95% interval excludes 1) or each has {self.confirm.max_starts} starts: at most {more} more "
+                f"(95% interval excludes 1)"
+                + (f" and the best's interval is within +-{self.confirm.half_width:.0%} of its value,"
+                   if self.confirm.half_width else "")
+                + f" or each has {self.confirm.max_starts} starts: at most {more} more "
                 "starts (not in the estimate)" + (". Planned only: a search's sweep does not run it yet"
                                                    if self.search else ""))
     def _check_live_knobs(self) -> None:

@@ -43,10 +43,18 @@ class Verdict(BaseModel):
     settled: list[str] = []                # below the lowest load in each of 2+ starts: not started again
     baseline_resolved: bool = False
     runner_up_resolved: bool = False
+    best_half_width: float | None = None   # the best's 95% interval, the farther end over its value (None: open)
+    precise: bool = True                   # within confirm.half_width (True where none is asked)
 
     @property
     def resolved(self) -> bool:
+        """Both gains resolved."""
         return self.baseline_resolved and self.runner_up_resolved
+
+    @property
+    def done(self) -> bool:
+        """Both gains resolved, and the best's interval within confirm.half_width."""
+        return self.resolved and self.precise
 
 
 class ConfirmRecord(BaseModel):
@@ -102,6 +110,11 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
         v.over_baseline, v.baseline_resolved = "the best is the baseline", True
     if runner is not None:
         v.over_runner_up, v.runner_up_resolved = _told_apart(caps[best], caps[runner])
+    c = caps[best].config
+    if c.kind == "value" and c.low is not None and c.high is not None:
+        v.best_half_width = max(c.high / c.value - 1, 1 - c.low / c.value)
+    want = study.confirm.half_width if study.confirm else None
+    v.precise = want is None or (v.best_half_width is not None and v.best_half_width <= want)
     return v
 
 
@@ -128,8 +141,9 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     Each is a start of its point alone, launched at its own limits (no `serves`), even
     where the planned starts served it in a group (live knobs): a confirmation start is a
     fresh server of that config, numbered after every start that served the point. A
-    config below the lowest load in each of 2+ starts (Verdict.settled) is left out."""
-    if v.resolved:
+    config below the lowest load in each of 2+ starts (Verdict.settled) is left out. Once
+    both gains are resolved and only confirm.half_width is left, a block is the best alone."""
+    if v.done:
         return RESOLVED
     if v.best is None or v.runner_up is None:
         return f"{NOTHING}: fewer than two points have a capacity"
@@ -144,12 +158,16 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     if open_ and all({v.best, p} <= set(v.at_highest) for p in open_):
         return (f"{NOTHING}: {v.best} and {' and '.join(open_)} met the SLO at the highest load, so more "
                 "starts cannot tell their capacities apart: raise capacity.hi")
+    if v.resolved and v.best in v.at_highest:
+        return (f"{NOTHING}: {v.best} met the SLO at the highest load, so its capacity is a bound with no "
+                "interval to narrow: raise capacity.hi")
     manifest = run.manifest()
     starts: dict[str, int] = {}
     for u in manifest.order:  # every point a start served (live knobs: a group's, not only its lead's)
         for p in u.points:
             starts[p] = max(starts.get(p, 0), u.start)
-    points = [p for p in dict.fromkeys([v.best, v.runner_up, v.baseline]) if p not in v.settled]
+    points = [v.best] if v.resolved else \
+        [p for p in dict.fromkeys([v.best, v.runner_up, v.baseline]) if p not in v.settled]
     full = [p for p in points if starts.get(p, 0) >= study.confirm.max_starts]
     if full:
         return f"{MAX_STARTS}: {', '.join(full)} {'has' if len(full) == 1 else 'have'} " \
@@ -176,6 +194,9 @@ def stop_words(rec: ConfirmRecord, v: Verdict | None = None) -> str | None:
     if v.runner_up:
         parts.append(f"over the runner-up {v.runner_up} {'resolved' if v.runner_up_resolved else 'not resolved'} "
                      f"({v.over_runner_up})")
+    if not v.precise:
+        parts.append("its interval " + (f"+-{v.best_half_width:.0%}" if v.best_half_width is not None else "open")
+                     + " of its value, wider than confirm.half_width")
     each = ", ".join(f"{p} {n}" for p, n in v.starts.items())
     settled = (f" Not started again, below the lowest load in each start: {', '.join(v.settled)} (a gain over it "
                "rests on the best's interval alone)." if v.settled else "")
