@@ -144,7 +144,10 @@ def run_bench(study, points, model: str, dummy: bool, prompts: Path, out: Path, 
                              "--server-ready-timeout", str(int(study.server.startup_timeout_s)),
                              "-o", str(out), "--experiment-name", "sweep", "--show-stdout", *warm]
     print("+ vllm bench sweep serve", shlex.join(cmd[len(sweep_command()):]), flush=True)
-    env = {**env, **study.server.env, **cpu_uni_env(full, {**env, **study.server.env})}
+    env = {**env, **study.server.env, **cpu_uni_env(full, {**env, **study.server.env}),
+           # its cache resets (POST /reset_prefix_cache) need the dev routes, whether or not this
+           # release of vLLM's tool sets it for its servers itself
+           "VLLM_SERVER_DEV_MODE": "1"}
     t0 = time.perf_counter()
     with open(out / "bench.log", "w") as log:  # its servers' logs too (--show-stdout): their start-up figures
         rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
