@@ -121,6 +121,16 @@ def sweep_command() -> list[str]:
     return [sys.executable, "-c", _MODULE_SWEEP]
 
 
+def sweep_help(env: dict) -> str:
+    """vLLM's tool's every option: vLLM's CLI (0.26 on one H200) groups its --help and lists
+    the options only under --help=all; a parser without groups takes --help=all as --help."""
+    for flag in ("--help=all", "--help"):
+        p = subprocess.run(sweep_command() + [flag], capture_output=True, text=True, env=env)
+        if p.returncode == 0 and "--serve-cmd" in p.stdout:
+            return p.stdout
+    return ""
+
+
 def run_bench(study, points, model: str, dummy: bool, prompts: Path, out: Path, env: dict) -> float:
     w = study.workload
     port = free_port()
@@ -135,7 +145,7 @@ def run_bench(study, points, model: str, dummy: bool, prompts: Path, out: Path, 
         "--skip-chat-template", "--disable-shuffle", "--custom-output-len", str(w.output_tokens),
         "--num-prompts", str(w.requests_per_round), "--ignore-eos", "--max-concurrency", str(w.concurrency),
         "--temperature", "0", "--disable-tqdm"]
-    help_text = subprocess.run(sweep_command() + ["--help"], capture_output=True, text=True, env=env).stdout
+    help_text = sweep_help(env)
     warm = ["--warmup-num-prompts", str(w.warmup_requests)] if "--warmup-num-prompts" in help_text else []
     if w.warmup_requests and not warm:
         print("this vllm bench sweep serve has no --warmup-num-prompts: its runs have no warm-up", flush=True)

@@ -174,3 +174,12 @@ def test_the_h200_study_runs_its_4_points_in_one_kit_start_and_alike_in_both_too
     points = expand(study, "gpu")
     groups, _ = live_groups(study, "gpu", points)
     assert len(points) == 4 and len(groups) == 1 and groups[0][0].id == "mbt=2048__mns=32"
+
+
+def test_vllms_sweep_options_are_read_from_its_whole_help():
+    """vLLM 0.26's CLI lists a subcommand's options only under --help=all: read from a
+    plain --help, the tool seemed to have no --warmup-num-prompts and its runs lost their
+    warm-up. The installed vLLM's tool, asked as the benchmark asks it."""
+    import os
+    text = _sweep_speed().sweep_help(dict(os.environ))
+    assert "--serve-cmd" in text and "--warmup-num-prompts" in text and "--num-runs" in text
