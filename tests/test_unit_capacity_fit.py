@@ -199,6 +199,8 @@ def test_a_gain_whose_baseline_interval_runs_below_the_loads_measured_says_its_e
     g = gain(best, runner_up)
     assert g.high is None and not g.resolved
     assert str(g) == f"1.34x [{g.low:.2f}, not bounded]"
+    assert best.half_width == pytest.approx(7.20 / 4.84 - 1) and runner_up.half_width is None
+
 
 def test_the_gain_over_a_baseline_below_its_lowest_load_is_a_lower_bound():
     best = ConfigCapacity(kind="value", value=1.9, low=1.7, high=2.1, starts=3)

@@ -12,9 +12,9 @@ from vllm_study.sweep import SweepOutcome, confirm_until_resolved, unit_finished
 GRID = {"grid": {"max_num_batched_tokens": [256, 512, 1024]}, "baseline": "mbt=256", "replicates": 2}
 
 
-def _run(tmp_path, caps: dict[str, list[float]], max_starts: int):
+def _run(tmp_path, caps: dict[str, list[float]], max_starts: int, **confirm):
     run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in caps.items()}, lo=1.0, hi=16.0,
-                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": max_starts}})
+                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": max_starts, **confirm}})
     from vllm_study.report.run import Run
     return run, Run.load(run).study
 
@@ -261,10 +261,7 @@ def test_a_baseline_below_the_floor_in_two_starts_is_not_started_again(tmp_path)
 def test_a_half_width_target_starts_the_best_alone_once_both_gains_are_resolved(tmp_path):
     """confirm.half_width: after both gains resolve, blocks of the best alone until its
     interval is that narrow; the stop says resolved only then."""
-    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in RESOLVES.items()}, lo=1.0, hi=16.0,
-                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": 8, "half_width": 0.06}})
-    from vllm_study.report.run import Run
-    study = Run.load(run).study
+    run, study = _run(tmp_path, RESOLVES, max_starts=8, half_width=0.06)
     planned = max(u.block for u in run.manifest().order)
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
     rec = confirmation.read(run.path)
@@ -278,10 +275,7 @@ def test_a_half_width_target_starts_the_best_alone_once_both_gains_are_resolved(
 
 
 def test_a_half_width_not_met_by_max_starts_says_so(tmp_path):
-    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in RESOLVES.items()}, lo=1.0, hi=16.0,
-                            study_over={**GRID, "confirm": {"until": "resolved", "max_starts": 5, "half_width": 0.001}})
-    from vllm_study.report.run import Run
-    study = Run.load(run).study
+    run, study = _run(tmp_path, RESOLVES, max_starts=5, half_width=0.001)
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
     rec = confirmation.read(run.path)
     assert rec.stop.startswith(confirmation.MAX_STARTS) and rec.last.resolved and not rec.last.precise

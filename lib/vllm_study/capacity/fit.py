@@ -310,6 +310,14 @@ class ConfigCapacity(BaseModel):
     spread: float | None = None    # start-to-start sigma of log capacity (fitted, or given)
     spread_measured: bool = True   # False: one start and no spread given (a value's interval is within-start only)
 
+    @property
+    def half_width(self) -> float | None:
+        """The 95% interval's farther end from the value, as a fraction of it; None for a
+        bound or an interval with an end beyond the loads measured."""
+        if self.kind != "value" or self.low is None or self.high is None:
+            return None
+        return max(self.high / self.value - 1, 1 - self.low / self.value)
+
     def __str__(self) -> str:
         if self.kind == "below":
             return f"below {self.value:.3g}"

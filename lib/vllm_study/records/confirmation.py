@@ -110,9 +110,7 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
         v.over_baseline, v.baseline_resolved = "the best is the baseline", True
     if runner is not None:
         v.over_runner_up, v.runner_up_resolved = _told_apart(caps[best], caps[runner])
-    c = caps[best].config
-    if c.kind == "value" and c.low is not None and c.high is not None:
-        v.best_half_width = max(c.high / c.value - 1, 1 - c.low / c.value)
+    v.best_half_width = caps[best].config.half_width
     want = study.confirm.half_width if study.confirm else None
     v.precise = want is None or (v.best_half_width is not None and v.best_half_width <= want)
     return v

@@ -265,14 +265,13 @@ def point_capacities(folders: dict[str, tuple[PointFolder, set[int] | None]], sl
     The start-to-start spread is pooled over the points (pooled_spread) where they measure
     it on POOL_MIN_DF degrees of freedom or more."""
     per_point = {pid: _fitted_starts(f, slo, floor, starts) for pid, (f, starts) in folders.items()}
-    pooled = pooled_spread([caps for caps, _, _ in per_point.values()])
+    spread, df = pooled_spread([caps for caps, _, _ in per_point.values()]) or (None, None)
     out: dict[str, PointCapacity | None] = {}
     for pid, (caps, stats_, per) in per_point.items():
         if not caps:
             out[pid] = None
             continue
-        config = fit.combine(caps, spread=pooled[0] if pooled else None, spread_df=pooled[1] if pooled else None)
-        out[pid] = PointCapacity(pid, config, caps, stats_, per, pooled[1] if pooled else None)
+        out[pid] = PointCapacity(pid, fit.combine(caps, spread=spread, spread_df=df), caps, stats_, per, df)
     return out
 
 
