@@ -18,3 +18,25 @@ def test_the_scheduler_axis_is_an_axis_of_the_report_and_gets_a_heatmap():
     assert r.axes == ["max_num_batched_tokens", "min_reuse_ratio"]
     assert plots.heatmap_grid(r) is None  # drawn, not "no second grid axis"
     assert plots.trend_vs_axis(r) is None
+
+
+STEADY = Path(__file__).resolve().parents[1] / "results" / "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e"
+
+
+def test_a_third_axis_gets_its_own_rows_and_lines_instead_of_sharing_a_cell():
+    """2048 / 1024 with caching on and off are two points in one (chunk, max_num_seqs)
+    cell: each gets a row of the heatmap and a line of the trends, neither hides the other."""
+    import matplotlib.pyplot as plt
+    r = report.Run.load(STEADY)
+    assert r.axes == ["max_num_batched_tokens", "max_num_seqs", "enable_prefix_caching"]
+    assert plots.heatmap_grid(r, names=["capacity_rps"]) is None
+    ax = plt.gcf().axes[0]
+    rows = [t.get_text() for t in ax.get_yticklabels()]
+    assert sorted(rows) == ["mns=1024, pc=off", "mns=1024, pc=on", "mns=64, pc=off", "mns=64, pc=on"]
+    cells = {t.get_text() for t in ax.texts}
+    assert {"4.85", "3.60", "3.33"} <= cells   # both 2048 / 1024 capacities, and 4096 / 64 / on's
+    plt.close("all")
+    assert plots.trend_vs_axis(r, ["capacity_rps"]) is None
+    labels = plt.gcf().axes[0].get_legend_handles_labels()[1]
+    assert {"mns=1024, pc=on", "mns=1024, pc=off", "mns=64, pc=on"} <= set(labels)
+    plt.close("all")

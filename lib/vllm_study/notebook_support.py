@@ -169,7 +169,8 @@ def answer_figure(r: report.Run) -> None:
     plt.show()
     x = f"`{r.axes[0]}`"
     if two:
-        caption = (f"x: {x}; y: `{r.axes[1]}`. In every panel yellow is the better end (low latency, high "
+        y = ", ".join(f"`{a}`" for a in r.axes[1:]) + (" (a row per combination)" if len(r.axes) > 2 else "")
+        caption = (f"x: {x}; y: {y}. In every panel yellow is the better end (low latency, high "
                    "throughput or hit rate); counts and shares that are neither better nor worse use the same "
                    "map. A red box: not told apart from the best point; `*`: not every planned round was "
                    "measured; grey *failed*: no round was measured.")

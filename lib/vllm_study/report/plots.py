@@ -32,10 +32,11 @@ def _nothing(r: Run) -> str | None:
     return None
 
 
-def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str, ax,
+def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str | list[str], ax,
             tied: set | None = None) -> None:
     """One cell per (x, y) point: the value, '*' where rounds are missing, grey + 'failed'
-    where none were measured, a box around the points tied with the best."""
+    where none were measured, a box around the points tied with the best. `y` may be
+    several axes (a row per combination of their values)."""
     m = metrics.get(metric)
     sub = est[est["metric"] == metric]
     table = sub.pivot_table(index=y, columns=x, values="value", aggfunc="first")
@@ -48,7 +49,7 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
     for side in ax.spines.values():
         side.set_visible(False)
     ax.set_xticks(np.arange(len(table.columns)) + 0.5, [axes.get(x).fmt(v) for v in table.columns])
-    ax.set_yticks(np.arange(len(table.index)) + 0.5, [axes.get(y).fmt(v) for v in table.index])
+    ax.set_yticks(np.arange(len(table.index)) + 0.5, [_values_label(y, v) for v in table.index])
     ax.tick_params(length=0)
     ax.set_facecolor("#d9d9d9")
     for (i, j), v in np.ndenumerate(values):
@@ -61,8 +62,24 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
         if tied and (table.index[i], table.columns[j]) in tied:
             ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
     ax.set_xlabel(axes.get(x).label)
-    ax.set_ylabel(axes.get(y).label)
+    ax.set_ylabel(axes.get(y).label if isinstance(y, str) else ", ".join(axes.get(a).short for a in y))
     ax.set_title(m.title)
+
+
+def _others(r: Run, x: str) -> list[str]:
+    """The axes other than `x`: a figure over `x` keeps each combination of their values
+    apart (a row of a heatmap, a line of a trend); drawing only one of them would put two
+    points in one cell and show whichever came first."""
+    return [a for a in r.axes if a != x]
+
+
+def _values_label(names: str | list[str], values) -> str:
+    """A row's or line's values: '1024' for one axis, 'mns=1024, pc=on' for several."""
+    if isinstance(names, str):
+        return axes.get(names).fmt(values)
+    if len(names) == 1:   # groupby on a one-column list gives 1-tuples
+        return f"{axes.get(names[0]).short}={axes.get(names[0]).fmt(values[0])}"
+    return ", ".join(f"{axes.get(a).short}={axes.get(a).fmt(v)}" for a, v in zip(names, values))
 
 
 def _dark(table: pd.DataFrame, v: float, m: metrics.Metric) -> bool:
@@ -72,7 +89,7 @@ def _dark(table: pd.DataFrame, v: float, m: metrics.Metric) -> bool:
     return (frac < 0.5) if m.cmap == "viridis" else (frac > 0.5)
 
 
-def _status_table(r: Run, x: str, y: str) -> pd.DataFrame:
+def _status_table(r: Run, x: str, y: str | list[str]) -> pd.DataFrame:
     rows = [{**s.values, "status": s.status} for s in r.summaries]
     return pd.DataFrame(rows).pivot_table(index=y, columns=x, values="status", aggfunc="first")
 
@@ -82,7 +99,8 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
         return "no second grid axis: no heatmap" + ("; see the trend lines below" if r.axes else "")
     if why := _nothing(r):
         return why
-    x, y = r.axes[0], r.axes[1]
+    x, ys = r.axes[0], _others(r, r.axes[0])
+    y = ys[0] if len(ys) == 1 else ys
     est = long_estimates(r)
     present = [n for n in names if n in set(est["metric"])]
     status = _status_table(r, x, y)
@@ -93,7 +111,8 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
         tied = None
         if not vb.empty:
             cells = est[(est["metric"] == n) & est["point"].isin(vb.index[vb["tied_with_best"]])]
-            tied = set(zip(cells[y], cells[x]))
+            rows = cells[y] if isinstance(y, str) else cells[ys].itertuples(index=False, name=None)
+            tied = set(zip(rows, cells[x]))
         heatmap(est, status, n, x, y, ax, tied)
     for ax in list(axs.flat)[len(present):]:
         ax.axis("off")
@@ -122,13 +141,13 @@ def _x_axis(ax, x: str, values) -> None:
 
 def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str | None:
     """Each metric against the first axis (log2 for sizes, as axes.py says), one line per
-    value of the second, with the 95% interval as a band."""
+    combination of the other axes' values, with the 95% interval as a band."""
     if not r.axes:
         return "an endpoint study has no grid axis: see the target comparison above"
     if why := _nothing(r):
         return why
     x = r.axes[0]
-    hue = r.axes[1] if len(r.axes) > 1 else None
+    hue = _others(r, x)
     est = long_estimates(r)
     names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
     if not names:
@@ -138,7 +157,7 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
         m = metrics.get(n)
         sub = est[est["metric"] == n].sort_values(x)
         for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
-            label = f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else None
+            label = _values_label(hue, key) if hue else None
             line, = ax.plot(part[x], part["value"], marker="o", label=label)
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
@@ -293,12 +312,13 @@ def pareto_plot(table: pd.DataFrame, out: Path | None = None) -> str | None:
 def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None, other: Run | None = None,
                out: Path | None = None) -> str | None:
     """One metric against one grid axis: each point's value with its 95% interval, every
-    round as a dot behind it (starts in different shades), a line per value of `hue`;
-    with `other`, that run's values dashed beside."""
+    round as a dot behind it (starts in different shades), a line per combination of the
+    other axes' values (`hue` named first in its label); with `other`, that run's values
+    dashed beside."""
     if not r.axes:
         return "an endpoint study has no grid axis: see the target comparison"
     x = x or r.axes[0]
-    hue = hue if hue is not None else next((a for a in r.axes if a != x), None)
+    hue = sorted(_others(r, x), key=lambda a: a != hue)
     m = metrics.get(metric)
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     for run, style, tag in ((r, "-", ""), (other, "--", " (other run)")):
@@ -311,7 +331,7 @@ def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None
         rounds = run.rounds[(run.rounds["group"] == "all") & (run.rounds["round_status"] == "ok")]
         for key, part in (est.groupby(hue) if hue else [(None, est)]):
             part = part.sort_values(x)
-            label = (f"{axes.get(hue).short}={axes.get(hue).fmt(key)}" if hue else metric) + tag
+            label = (_values_label(hue, key) if hue else metric) + tag
             line, = ax.plot(part[x], part["value"], style, marker="o", label=label)
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.15)
             dots = rounds[rounds["point"].isin(part["point"])]
