@@ -40,3 +40,30 @@ def test_a_third_axis_gets_its_own_rows_and_lines_instead_of_sharing_a_cell():
     labels = plt.gcf().axes[0].get_legend_handles_labels()[1]
     assert {"mns=1024, pc=on", "mns=1024, pc=off", "mns=64, pc=on"} <= set(labels)
     plt.close("all")
+
+
+def test_a_line_keeps_its_colour_in_a_panel_that_lacks_another_line():
+    """Capacity has no line for 4096 / 64 / caching off (below the floor); TTFT P90 has: each
+    combination is drawn in the same colour in both panels."""
+    import matplotlib.pyplot as plt
+    r = report.Run.load(STEADY)
+    assert plots.trend_vs_axis(r, ["capacity_rps", "ttft_p90_ms"]) is None
+    colours = [{line.get_label(): line.get_color() for line in ax.get_lines()} for ax in plt.gcf().axes[:2]]
+    assert "mns=64, pc=off" not in colours[0] and "mns=64, pc=off" in colours[1]
+    assert all(colours[1][k] == c for k, c in colours[0].items())
+    plt.close("all")
+
+
+def test_figures_are_saved_as_palette_pngs(tmp_path):
+    """A committed run's figures are palette PNGs (report.figure_file): a third of matplotlib's
+    RGBA file for the heatmap grid."""
+    import matplotlib.pyplot as plt
+    from PIL import Image
+    r = report.Run.load(STEADY)
+    out = tmp_path / "heatmaps.png"
+    assert plots.heatmap_grid(r, out=out) is None
+    plt.gcf().savefig(tmp_path / "rgba.png", dpi=110)
+    plt.close("all")
+    with Image.open(out) as im:
+        assert im.mode == "P"
+    assert out.stat().st_size < 0.5 * (tmp_path / "rgba.png").stat().st_size

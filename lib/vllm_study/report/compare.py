@@ -24,6 +24,7 @@ from ..vocab import metrics
 from . import report
 from ..analysis.intervals import Difference
 from ..define.params import Study
+from .figure_file import save_figure
 
 METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
 # What the requests were (and, for capacity, the search over their load, with its SLO):
@@ -214,7 +215,7 @@ def figure(df: pd.DataFrame, out: Path) -> Path | None:
         ax.set_xlabel("B vs A (%)")
     fig.tight_layout()
     path = Path(out) / "compare.png"
-    fig.savefig(path, dpi=100)
+    save_figure(fig, path, dpi=100)
     plt.close(fig)
     return path
 

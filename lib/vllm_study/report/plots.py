@@ -20,6 +20,7 @@ from matplotlib.textpath import TextPath
 from ..analysis import intervals as analysis
 from ..vocab import axes, metrics
 from .report import Run, long_estimates
+from .figure_file import save_figure
 
 PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
                 "measured; grey = failed")
@@ -119,7 +120,7 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
     fig.text(0.01, 0.002, PARTIAL_NOTE, fontsize=8)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     if out:
-        fig.savefig(out, dpi=110)
+        save_figure(fig, out, dpi=110)
     return None
 
 
@@ -152,13 +153,16 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
     if not names:
         return "none of the trend metrics was measured"
+    # one colour a line in every panel, though a panel may lack a line (a capacity below the floor)
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {k: cycle[i % len(cycle)] for i, (k, _) in enumerate(est.groupby(hue))} if hue else {}
     fig, axs = plt.subplots(1, len(names), figsize=(5 * len(names), 3.8), squeeze=False)
     for ax, n in zip(axs.flat, names):
         m = metrics.get(n)
         sub = est[est["metric"] == n].sort_values(x)
         for key, part in (sub.groupby(hue) if hue else [(None, sub)]):
             label = _values_label(hue, key) if hue else None
-            line, = ax.plot(part[x], part["value"], marker="o", label=label)
+            line, = ax.plot(part[x], part["value"], marker="o", label=label, color=colour.get(key))
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
@@ -173,7 +177,7 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
-        fig.savefig(out, dpi=110)
+        save_figure(fig, out, dpi=110)
     return None
 
 
@@ -214,7 +218,7 @@ def round_trend(r: Run, metric: str = "ttft_p90_ms", out: Path | None = None) ->
     ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     if out:
-        fig.savefig(out, dpi=110)
+        save_figure(fig, out, dpi=110)
     return None
 
 
@@ -237,7 +241,7 @@ def cache_size_curve(curve: pd.DataFrame, kv_tokens: int, unbounded: float, labe
     ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     if out:
-        fig.savefig(out, dpi=110)
+        save_figure(fig, out, dpi=110)
     return None
 
 
@@ -305,7 +309,7 @@ def pareto_plot(table: pd.DataFrame, out: Path | None = None) -> str | None:
                         arrowprops={"arrowstyle": "-", "color": "#d62728", "lw": 0.6, "alpha": 0.7,
                                     "shrinkA": 0, "shrinkB": 3})
     if out:
-        fig.savefig(out, dpi=100)
+        save_figure(fig, out, dpi=100)
     return None
 
 
@@ -342,5 +346,5 @@ def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None
     ax.legend(fontsize=8)
     fig.tight_layout()
     if out:
-        fig.savefig(out, dpi=100)
+        save_figure(fig, out, dpi=100)
     return None

@@ -12,6 +12,7 @@ from ..analysis import intervals as analysis
 from ..vocab import metrics
 from .config_search import JOURNAL, TRIAL_BLOCK, feasible
 from ..define.grid import DEFAULTS_POINT
+from ..report.figure_file import save_figure
 
 
 NOT_CONFIRMED = ("Nothing is decided yet: the confirmation starts have not run (the trials' own starts are not "
@@ -224,7 +225,7 @@ def history_figure(r, out: Path | None = None, below_at: float | None = None) ->
         bx.text(0.5, 0.5, "too few measured trials\nfor parameter importances", ha="center", va="center")
     fig.tight_layout()
     if out:
-        fig.savefig(out, dpi=100)
+        save_figure(fig, out, dpi=100)
     return None
 
 
