@@ -55,7 +55,7 @@ def test_a_line_keeps_its_colour_in_a_panel_that_lacks_another_line():
 
 
 def test_figures_are_saved_as_palette_pngs(tmp_path):
-    """A committed run's figures are palette PNGs (report.figure_file): a third of matplotlib's
+    """A committed run's figures are palette PNGs (vocab.figure_file): a third of matplotlib's
     RGBA file for the heatmap grid."""
     import matplotlib.pyplot as plt
     from PIL import Image

@@ -24,7 +24,7 @@ from ..vocab import metrics
 from . import report
 from ..analysis.intervals import Difference
 from ..define.params import Study
-from .figure_file import save_figure
+from ..vocab.figure_file import save_figure
 
 METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
 # What the requests were (and, for capacity, the search over their load, with its SLO):

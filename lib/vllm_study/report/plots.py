@@ -20,7 +20,7 @@ from matplotlib.textpath import TextPath
 from ..analysis import intervals as analysis
 from ..vocab import axes, metrics
 from .report import Run, long_estimates
-from .figure_file import save_figure
+from ..vocab.figure_file import save_figure
 
 PARTIAL_NOTE = ("boxed = cannot be told apart from the best point (95%); * = not every planned round was "
                 "measured; grey = failed")

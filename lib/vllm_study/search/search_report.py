@@ -12,7 +12,7 @@ from ..analysis import intervals as analysis
 from ..vocab import metrics
 from .config_search import JOURNAL, TRIAL_BLOCK, feasible
 from ..define.grid import DEFAULTS_POINT
-from ..report.figure_file import save_figure
+from ..vocab.figure_file import save_figure
 
 
 NOT_CONFIRMED = ("Nothing is decided yet: the confirmation starts have not run (the trials' own starts are not "
