@@ -25,9 +25,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import tarfile
 import time
 from pathlib import Path
+
+import detach  # tools/: this script's folder
 
 from vllm_study.define.study_file import load_study
 from vllm_study.records.results import RunFolder
@@ -80,47 +81,19 @@ def _forward_sigterm(signum, frame):
     raise KeyboardInterrupt
 
 
-def _alive(pid: int) -> bool:
-    """The slice `pid` is still running: a process of that id whose command is this tool."""
-    try:
-        return "study_slice" in Path(f"/proc/{pid}/cmdline").read_text()
-    except OSError:
-        return False
-
-
 def detached(a: argparse.Namespace, argv: list[str]) -> int:
     """--wait: start the slice in the background unless one of these --runs is running,
-    wait for it at most a.wait seconds, pack --runs. 0: the slice ended (its own exit
-    status is in its log); 3: it still runs (call again to wait for it)."""
-    pid_file, log = Path(f"{a.runs}.slice.pid"), Path(f"{a.runs}.slice.log")
-    pid = int(pid_file.read_text()) if pid_file.exists() else None
-    own = None
-    if pid is not None and _alive(pid):
-        print(f"waiting on the slice already running (pid {pid}; log {log})", flush=True)
-    else:
-        # the background slice packs nothing itself: the waiter packs what the runs hold
-        child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, "--wait", "--pack")]
-        with open(log, "ab") as out:
-            own = subprocess.Popen(child, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
-        pid = own.pid
-        pid_file.write_text(str(pid))
-        print(f"started the slice in the background (pid {pid}; log {log})", flush=True)
-    offset = log.stat().st_size if own is None and log.exists() else 0
-    deadline = time.monotonic() + a.wait
-    running = lambda: own.poll() is None if own else _alive(pid)  # noqa: E731
-    while running() and time.monotonic() < deadline:
-        time.sleep(2)
-    if log.exists():
-        with open(log, "rb") as f:
-            f.seek(offset)
-            sys.stdout.write(f.read().decode(errors="replace")[-6000:])
-    still = running()
+    wait for it at most a.wait seconds (tools/detach.py), pack --runs. 0: the slice ended
+    (its own exit status is in its log); 3: it still runs (call again to wait for it)."""
+    # the background slice packs nothing itself: the waiter packs what the runs hold
+    child = [sys.executable, str(Path(__file__).resolve()), *_without(argv, "--wait", "--pack")]
+    still = detach.wait_on(child, Path(f"{a.runs}.slice.pid"), Path(f"{a.runs}.slice.log"), a.wait,
+                           marker="study_slice", cwd=ROOT, what="the slice")
     if a.pack:
         pack(a.runs, a.pack)
     if still:
-        print(f"\nthe slice still runs (pid {pid}): the same command again waits for it", flush=True)
-        return 3
+        print("\nthe slice still runs: the same command again waits for it", flush=True)
+        return detach.STILL_RUNS
     return 0
 
 
@@ -138,9 +111,7 @@ def _without(argv: list[str], *flags: str) -> list[str]:
 
 
 def pack(runs: Path, to: Path) -> None:
-    with tarfile.open(to, "w:gz") as tar:
-        tar.add(runs, arcname="runs")
-    print(f"packed {runs} into {to}", flush=True)
+    detach.pack([runs], to, ["runs"])
 
 
 def main() -> int:
