@@ -61,6 +61,7 @@ def test_finding_the_run_names_the_runs_it_passed_over_only_when_it_takes_none(t
     import importlib.util
 
     from synthetic_run import make_run
+    sys.path.insert(0, str(TOOL.parent))   # as when it runs as a script: it imports tools/detach.py
     spec = importlib.util.spec_from_file_location("study_slice", TOOL)
     tool = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tool)
