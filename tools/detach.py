@@ -100,13 +100,11 @@ def main() -> int:
     rc_file = Path(f"{a.state}.rc")
     child = [sys.executable, str(Path(__file__).resolve()), "--state", str(a.state), "--wait", "0", "--child",
              "--", *cmd]
-    pid_file = Path(f"{a.state}.pid")
-    running = pid_file.exists() and alive(int(pid_file.read_text()), str(a.state))
-    if rc_file.exists() and not running:   # ended in an earlier call: not run twice
+    if rc_file.exists():   # the child's last act: it ended in an earlier call, not run twice
         print(f"it ended in an earlier call (remove {a.state}.* to run it anew)", flush=True)
         still = False
     else:
-        still = wait_on(child, pid_file, Path(f"{a.state}.log"), a.wait, str(a.state), Path.cwd())
+        still = wait_on(child, Path(f"{a.state}.pid"), Path(f"{a.state}.log"), a.wait, str(a.state), Path.cwd())
     if a.pack:
         pack(a.folder, a.pack)
     if still:

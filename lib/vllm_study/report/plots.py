@@ -78,8 +78,6 @@ def _values_label(names: str | list[str], values) -> str:
     """A row's or line's values: '1024' for one axis, 'mns=1024, pc=on' for several."""
     if isinstance(names, str):
         return axes.get(names).fmt(values)
-    if len(names) == 1:   # groupby on a one-column list gives 1-tuples
-        return f"{axes.get(names[0]).short}={axes.get(names[0]).fmt(values[0])}"
     return ", ".join(f"{axes.get(a).short}={axes.get(a).fmt(v)}" for a, v in zip(names, values))
 
 
