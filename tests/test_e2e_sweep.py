@@ -11,6 +11,7 @@ import time
 import pandas as pd
 import pytest
 
+from drawn import assert_drawn
 from e2e_support import REPO, UNI, kv_bytes, sweep, tiny, write
 from procs import group_gone
 from vllm_study.launch.slots import SLOT_LOCKS
@@ -86,7 +87,7 @@ def test_budget_resume_failure_and_report(tmp_path):
 
     assert (path / "report.ipynb").exists() and (path / "report.html").stat().st_size > 50_000
     for fig in ("heatmaps.png", "trends.png", "ttft_p90_by_round.png"):
-        assert (path / "figures" / fig).stat().st_size > 10_000, fig
+        assert_drawn(path / "figures" / fig)
     manifest = run.manifest()
     assert manifest.versions.vllm and manifest.git.sha and manifest.cpu_dtype["dtype"] in ("float32", "bfloat16")
     assert manifest.machine.cpu.capability  # the CPU features that decide vLLM's CPU speed
