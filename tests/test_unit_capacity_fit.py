@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from vllm_study.capacity.fit import (Bound, ConfigCapacity, StartCapacity, StepData, _StepSample,
-                                     bounds_from_slo, combine, crossing, fit_start, gain)
+from vllm_study.capacity.fit import (CENSORED_OFFSET, Bound, ConfigCapacity, StartCapacity, StepData, _StepSample,
+                                     _start_interval, bounds_from_slo, combine, crossing, fit_start, gain)
 
 TTFT = bounds_from_slo({"ttft_p90_ms": 1000})
 
@@ -108,6 +108,35 @@ def test_a_resolved_start_has_its_crossing_bracket_and_interval():
     assert s.bracket == (1.41, 2)
     assert 1.41 < s.low < s.value < s.high < 2
     assert s.log_se > 0
+
+
+@pytest.mark.parametrize("censored", [24, 25, 26])
+def test_an_end_is_open_where_its_tail_of_resamples_has_no_crossing(censored):
+    """999 resamples, `censored` of them below the lowest load (at its placeholder), the
+    rest crossing at twice the lowest load: the 2.5% percentile interpolates between the
+    two from 25 on, which is no capacity; the end is open there, whatever it lands on."""
+    lo_x, hi_x, point = 0.0, math.log(8), math.log(2.2)
+    dist = np.r_[np.full(censored, lo_x - CENSORED_OFFSET), np.full(999 - censored, math.log(2)),
+                 [math.log(3)]][:999]
+    ci = tuple(np.percentile(dist, [2.5, 97.5]))  # scipy's percentile method: linear, as here
+    low, high, se, cens = _start_interval(point, dist, ci, lo_x, hi_x, 0.95)
+    assert cens == pytest.approx(censored / 999)
+    if censored < 25:
+        assert low == pytest.approx(2)
+    else:
+        assert low is None
+        assert se >= (point - lo_x) / stats.norm.ppf(0.975)  # no surer than the way to the lowest load
+
+
+def test_a_start_open_on_one_side_weighs_no_more_than_its_distance_to_the_loads_edge():
+    """combine weighs resolved starts by their log_se: one whose interval runs past the
+    lowest load is at least that uncertain, not as sure as its closed side alone says."""
+    lo_x, hi_x, point = math.log(1), math.log(4), math.log(1.3)
+    dist = np.r_[np.full(100, lo_x - CENSORED_OFFSET), np.full(899, point)]
+    ci = tuple(np.percentile(dist, [2.5, 97.5]))
+    low, high, se, _ = _start_interval(point, dist, ci, lo_x, hi_x, 0.95)
+    assert low is None and high == pytest.approx(1.3)
+    assert se == pytest.approx((point - lo_x) / stats.norm.ppf(0.975))
 
 
 def test_a_wider_bracket_gives_a_wider_interval():

@@ -285,16 +285,29 @@ def fit_start(steps: Sequence[StepData], bounds: list[Bound], *, n_resamples: in
     data = tuple(np.arange(samples[k].n) for k in live)
     res = stats.bootstrap(data, statistic, n_resamples=n_resamples, vectorized=True, paired=False,
                           confidence_level=confidence, method="percentile", rng=seed)
-    dist = res.bootstrap_distribution
-    cens = float(np.mean((dist < lo_x - 1) | (dist > hi_x + 1)))
-    a, b = res.confidence_interval
-    low = math.exp(a) if a >= lo_x else None
-    high = math.exp(b) if b <= hi_x else None
-    z = stats.norm.ppf(0.5 + confidence / 2)
-    halves = [h for h in ((point - a) if low else None, (b - point) if high else None) if h is not None]
-    se = max(halves) / z if halves else None
+    low, high, se, cens = _start_interval(point, res.bootstrap_distribution, res.confidence_interval,
+                                          lo_x, hi_x, confidence)
     return StartCapacity(kind="value", value=math.exp(point), low=low, high=high, bracket=bracket,
                          log_se=se, censored_resamples=cens, **base)
+
+
+def _start_interval(point: float, dist: np.ndarray, ci: tuple[float, float], lo_x: float, hi_x: float,
+                    confidence: float) -> tuple[float | None, float | None, float, float]:
+    """A start's interval from its bootstrap (log load; a resample with no crossing inside
+    the loads sits CENSORED_OFFSET beyond them): low, high (None where open), the log-scale
+    standard error combine weighs it by, and the share of resamples censored.
+    An end is open where its tail's share of resamples has no crossing inside the loads:
+    the percentile there interpolates towards the placeholder, not towards a capacity.
+    An open side's half-width reaches past the loads measured at least, so the start is
+    no surer than that distance says."""
+    below, above = float(np.mean(dist < lo_x - 1)), float(np.mean(dist > hi_x + 1))
+    a, b = ci
+    tail = (1 - confidence) / 2
+    low = math.exp(a) if below < tail and a >= lo_x else None
+    high = math.exp(b) if above < tail and b <= hi_x else None
+    z = stats.norm.ppf(0.5 + confidence / 2)
+    se = max(point - a if low else point - lo_x, b - point if high else hi_x - point) / z
+    return low, high, se, below + above
 
 
 # -- over a config's starts ----------------------------------------------------------------
