@@ -186,3 +186,29 @@ def test_the_search_oracle_explains_a_grid_it_cannot_search(tmp_path):
     assert rc == 1 and "Traceback" not in err
     assert "the grid's 3 points give a search 1 trial(s) (a third of them), which is below the 2 trials a search " \
            "needs; pass --trials 2 or more" in err
+
+
+def test_the_search_answer_is_the_best_that_meets_the_slo_not_the_defaults_that_miss_it():
+    """vLLM's defaults are confirmed whatever their SLO: more tokens/s at 5 s TTFT P90 is
+    no answer under a 500 ms bound; without an SLO they compete on the objective alone."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from vllm_study.analysis import decision
+    from vllm_study.search import search_report
+    rows = [("vllm-defaults", "output_throughput", 900, 880, 920), ("mbt=512", "output_throughput", 700, 690, 710),
+            ("mbt=1024", "output_throughput", 950, 940, 960),
+            ("vllm-defaults", "ttft_p90_ms", 5000, 4900, 5100), ("mbt=512", "ttft_p90_ms", 300, 280, 320),
+            ("mbt=1024", "ttft_p90_ms", 400, 380, 420)]
+    iv = pd.DataFrame(rows, columns=["point", "metric", "value", "ci_low", "ci_high"])
+    r = SimpleNamespace(search=SimpleNamespace(objective="output_throughput", goal="maximize"), intervals=iv,
+                        summaries=[SimpleNamespace(point=p, status="ok" if p != "mbt=1024" else "partial")
+                                   for p in ("vllm-defaults", "mbt=512", "mbt=1024")],
+                        slo={"ttft_p90_ms": 500})
+    r.slo_verdicts = lambda: decision.slo_table(iv, r.slo, ["mbt=1024"])
+    assert search_report.best(r) == "mbt=512"      # mbt=1024's confirmation did not complete
+    r.slo = {"ttft_p90_ms": 200}
+    assert search_report.best(r) is None
+    r.slo = {}
+    assert search_report.best(r) == "vllm-defaults"

@@ -107,3 +107,48 @@ def test_a_capacity_study_without_its_capacities_is_refused_with_the_fix(tmp_pat
     _, r, _ = _capacity(tmp_path, {"mbt=256": 2.0, "mbt=512": 3.0})
     with pytest.raises(ValueError, match="capacities=run.capacities"):
         decision.recommend(r.rounds, r.intervals, {})
+
+
+# -- what an SLO verdict rests on ---------------------------------------------------
+def _with_goodput(tput: dict[str, float], goodput: tuple[float, ...], **extra) -> dict:
+    return {p: v | {"goodput": g} for (p, v), g in zip(_vals(tput, **extra).items(), goodput)}
+
+
+def test_a_point_with_failed_requests_never_surely_meets_the_slo(tmp_path):
+    """D's completed requests meet the SLO and it has the most goodput, but 4 of every
+    round's 16 requests failed: its latencies leave them out, so it is not said to meet."""
+    vals = _with_goodput({A: 100.0, B: 200.0, C: 110.0, D: 400.0}, (1.0, 2.0, 1.1, 4.0))
+    run = make_run(tmp_path, vals, {"slo": {"ttft_p90_ms": 500}}, counts={D: {"failed": [4.0]}})
+    r = report.Run.load(run.path)
+    assert decision.failed_requests(r.rounds) == {D: 4 * 3 * 2}  # 3 rounds x 2 starts
+    verdicts = r.slo_verdicts()
+    assert verdicts.at[D, "SLO"] == "not resolved" and verdicts.at[B, "SLO"] == "meets"
+    assert r.recommendation().point == B
+    assert "24 of its requests failed" in export.slo_shortfall(r, D, r.slo)
+    assert export.slo_shortfall(r, B, r.slo) is None
+
+
+def test_a_value_without_an_interval_misses_but_never_surely_meets(tmp_path):
+    """One start of one round: nothing measured a spread. Over the bound is a miss; under
+    it is not resolved, as one measurement cannot show the point meets it."""
+    vals = _vals({A: 100.0, B: 200.0, C: 110.0, D: 400.0})
+    vals[D]["ttft_p90_ms"] = 900.0
+    run = make_run(tmp_path, vals, {"slo": {"ttft_p90_ms": 500}, "rounds": 1, "replicates": 1})
+    r = report.Run.load(run.path)
+    assert r.intervals.query("metric == 'ttft_p90_ms'")["ci_low"].isna().all()
+    verdicts = r.slo_verdicts()
+    assert verdicts.at[D, "SLO"] == "misses" and (verdicts.drop(D)["SLO"] == "not resolved").all()
+    rec = r.recommendation()
+    assert rec.point == B and "none meets it with certainty" in rec.reason
+    assert "ttft_p90_ms <= 500: not resolved" in export.slo_shortfall(r, B, r.slo)
+
+
+def test_an_slo_given_at_report_time_does_not_rank_by_goodput_counted_under_the_studys(tmp_path):
+    """Goodput was counted against the study's 500 ms at measurement time; under 2000 ms
+    every point meets, and D, whose requests mostly missed 500 ms, serves the most."""
+    vals = _with_goodput({A: 100.0, B: 200.0, C: 110.0, D: 400.0}, (1.0, 3.0, 1.1, 0.5))
+    run = make_run(tmp_path, vals, {"slo": {"ttft_p90_ms": 500}})
+    assert report.Run.load(run.path).recommendation().point == B   # the study's own SLO: its goodput
+    rec = report.Run.load(run.path, {"ttft_p90_ms": 2000}).recommendation()
+    assert rec.point == D and rec.metric == "output_throughput"
+    assert "goodput was counted under the study's own SLO" in rec.reason

@@ -252,12 +252,12 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
             display(fidelity)
         return capacity_section.capacity_table(r)
     slo = r.slo
-    print(decision.recommend(r.rounds, r.intervals, slo, r.capacities).text())
+    print(r.recommendation().text())
     if not slo:
         print("\n(the study sets no `slo:`; with one, the recommendation is the highest goodput among "
               "the points that meet it)")
         return None
-    return decision.slo_table(r.intervals, slo, [s.point for s in r.summaries if s.status != "ok"])
+    return r.slo_verdicts()
 
 
 def fidelity(r: report.Run) -> pd.DataFrame | None:

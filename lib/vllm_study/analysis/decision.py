@@ -18,27 +18,45 @@ from ..records.point_capacity import PointCapacity, told_apart
 from ..vocab import metrics
 
 
-def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=()) -> pd.DataFrame:
+def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=(), failed=None) -> pd.DataFrame:
     """Per point and SLO bound: the value [interval] and 'meets' (the interval lies
     within the bound), 'misses' (it lies outside) or 'not resolved'; plus the overall
-    verdict (meets every bound / misses one / not resolved). A point in `incomplete`
-    (not every planned round ran) never meets it: the rounds it lacks were not measured."""
+    verdict (meets every bound / misses one / not resolved). A value with no interval
+    (nothing measured its spread: one round) misses where it lies outside the bound and
+    is not resolved where it lies within: one measurement cannot show it meets.
+    A point in `incomplete` (not every planned round ran) never meets it: the rounds it
+    lacks were not measured; nor does one in `failed` (point: its failed requests, from
+    failed_requests): its latencies are those of the requests that completed."""
     rows = {}
     for metric, bound in slo.items():
         m = metrics.get(metric)
         sub = intervals[intervals["metric"] == metric]
         for row in sub.itertuples():
-            lo, hi = (row.ci_low, row.ci_high) if np.isfinite(row.ci_low) else (row.value, row.value)
-            ok_lo, ok_hi = (hi <= bound, lo <= bound) if m.better != "higher" else (lo >= bound, hi >= bound)
+            if np.isfinite(row.ci_low):
+                lo, hi = row.ci_low, row.ci_high
+                ok_lo, ok_hi = (hi <= bound, lo <= bound) if m.better != "higher" else (lo >= bound, hi >= bound)
+            else:
+                ok_lo, ok_hi = False, (row.value <= bound if m.better != "higher" else row.value >= bound)
             verdict = "meets" if ok_lo else ("misses" if not ok_hi else "not resolved")
             rows.setdefault(row.point, {})[f"{m.label} <= {bound:g}" if m.better != "higher"
                                            else f"{m.label} >= {bound:g}"] = verdict
     t = pd.DataFrame.from_dict(rows, orient="index")
     if t.empty:
         return t
-    t["SLO"] = ["misses" if (r == "misses").any() else "meets" if (r == "meets").all() and p not in incomplete
+    short = set(incomplete) | set(failed or {})
+    t["SLO"] = ["misses" if (r == "misses").any() else "meets" if (r == "meets").all() and p not in short
                 else "not resolved" for p, r in t.iterrows()]
     return t.rename_axis("point")
+
+
+def failed_requests(rounds: pd.DataFrame) -> dict[str, int]:
+    """Points with requests that failed (an error, a timeout) in their rounds, with how
+    many: their latency figures cover only the requests that completed."""
+    if rounds.empty or "failed" not in rounds.columns:
+        return {}
+    whole = rounds[rounds["group"] == "all"] if "group" in rounds.columns else rounds
+    n = whole.groupby("point", sort=False)["failed"].sum()
+    return {str(p): int(k) for p, k in n.items() if k > 0}
 
 
 NOT_COMPLETE = ("no point completed every planned start and round: finish the run with "
@@ -80,7 +98,8 @@ class Recommendation:
 
 
 def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, float],
-              capacities: dict[str, PointCapacity | None] | None = None) -> Recommendation:
+              capacities: dict[str, PointCapacity | None] | None = None,
+              goodput_counts: bool = True) -> Recommendation:
     """The point with the highest goodput among those that meet (or may meet) the SLO;
     without an SLO, the highest output throughput; in a capacity study (`capacities`:
     report.Run.capacities, records.point_capacity's estimate per point), the highest
@@ -88,7 +107,8 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
     candidates (a point whose server died mid-run has figures from fewer rounds, or none at
     its load). Under open-loop load, output throughput is not a ranking: the arrival rate
     fixes it until a point saturates. Ties are the points whose difference from the best
-    is not resolved."""
+    is not resolved. `goodput_counts` False: the rounds' goodput was counted under another
+    SLO (the study's, where `slo` is given at report time), so it ranks nothing here."""
     measured = set(intervals["metric"]) if not intervals.empty else set()
     left_out = _incomplete(rounds)
     if capacities or "capacity_rps" in measured:
@@ -96,7 +116,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
             raise ValueError("a capacity study is ranked by records.point_capacity's estimates, not by the rounds' "
                              "per-start figures: pass capacities=run.capacities (report.Run)")
         return by_capacity(rounds, capacities, left_out)
-    judge = "goodput" if slo and "goodput" in measured else "output_throughput"
+    judge = "goodput" if slo and goodput_counts and "goodput" in measured else "output_throughput"
     data = analysis.MetricData.from_rounds(rounds, judge)
     none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
                                          [f"{p} ({st})" for p, st in left_out.items()])
@@ -110,13 +130,15 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                     "the arrival rate fixes it until a point saturates. Rank by goodput with an `slo:`, or "
                     "search each point's capacity within the SLO with `capacity:`")
     what = {"goodput": "goodput"}.get(judge, "output throughput")
+    failing = failed_requests(rounds)
     reason = f"the highest {what}; no SLO is set"
     if slo:
-        verdicts = slo_table(intervals, slo, left_out)
+        verdicts = slo_table(intervals, slo, left_out, failing)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
         if judge != "goodput":
-            what += " (goodput was not measured under this SLO)"
+            what += (" (goodput was counted under the study's own SLO, not this one)" if "goodput" in measured
+                     else " (goodput was not measured under this SLO)")
         if meets:
             candidates, reason = meets, f"the highest {what} among the points whose intervals meet every SLO bound"
         elif maybe:
@@ -127,6 +149,9 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                                   "no point meets the SLO: relax a bound, lower the load, or widen the grid")
     centers = {p: data.center(p) for p in candidates}
     best = max(centers, key=centers.get)
+    if best in failing:
+        reason += (f"; {failing[best]} of its requests failed (an error or a timeout): its latencies are those "
+                   "of the requests that completed")
     noise = data.noise()
     se, df, _ = data.se(best, noise)
     half = analysis._t(df) * se

@@ -69,7 +69,6 @@ def answer_text(r: Run) -> str:
     """The answer as `notebook_support.recommendation` prints it: a capacity study's
     capacity, else the recommendation under the SLO (with the note a study without one
     gets)."""
-    from ..analysis import decision
     if r.search:
         from ..search import search_report
         if not r.measured:  # stopped before (or during) its confirmation
@@ -79,7 +78,7 @@ def answer_text(r: Run) -> str:
     answer = capacity_answer(r)
     if answer:
         return answer
-    text = decision.recommend(r.rounds, r.intervals, r.slo, r.capacities).text()
+    text = r.recommendation().text()
     return text if r.slo else f"{text}\n\n{NO_SLO_NOTE}"
 
 
@@ -124,13 +123,11 @@ def _bound_words(slo: dict[str, float]) -> str:
 def answer_context(r: Run) -> str:
     """One sentence or two beside the answer: the SLO it was judged under (and how many
     points meet it), the study's size and where it ran, and the failures, if any."""
-    from ..analysis import decision
     m = r.manifest
     n = len(r.summaries)
     parts = []
     if r.slo and not is_capacity_study(r):
-        short = [s.point for s in r.summaries if s.status != "ok"]  # never surely within it
-        verdicts = decision.slo_table(r.intervals, r.slo, short) if not r.intervals.empty else pd.DataFrame()
+        verdicts = r.slo_verdicts() if not r.intervals.empty else pd.DataFrame()
         meets = int((verdicts["SLO"] == "meets").sum()) if "SLO" in verdicts else 0
         given = " (given at report time)" if r.slo_override else ""
         parts.append(f"SLO{given}: {_bound_words(r.slo)}; {meets} of {n} points meet every bound with their whole "
@@ -150,7 +147,6 @@ def answer_context(r: Run) -> str:
 def best_point(r: Run) -> str | None:
     """The point the answer names: a search's best confirmed configuration by its
     objective, else the recommendation (by capacity, or under the SLO)."""
-    from ..analysis import decision
     if not r.measured:
         return None
     if is_capacity_study(r):   # the highest capacity of records.point_capacity, as the answer says
@@ -159,7 +155,7 @@ def best_point(r: Run) -> str | None:
     if r.search:
         from ..search import search_report
         return search_report.best(r)
-    best = decision.recommend(r.rounds, r.intervals, r.slo).point
+    best = r.recommendation().point
     if best and below_everywhere(r, best):
         return None  # no point met the SLO at any load: nothing to run
     return best

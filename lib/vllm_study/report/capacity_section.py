@@ -30,11 +30,10 @@ def capacity_answer(r: Run) -> str | None:
     the study names them so), and the gain over it as a ratio with its interval (a lower
     bound where the baseline's capacity is below the lowest load), called resolved only
     where the interval excludes 1; last, the statistic it was judged by."""
-    from ..analysis import decision
     if not is_capacity_study(r):
         return None
     bounds = ", ".join(f"{metrics.get(k).label} <= {v:g} ms" for k, v in r.study.capacity.slo.items())
-    rec = decision.recommend(r.rounds, r.intervals, {}, r.capacities)
+    rec = r.recommendation({})
     best = rec.point
     pc = r.capacity(best) if best else None
     words = confirmation_words(r)
@@ -100,8 +99,7 @@ def best_capacity(r: Run) -> str | None:
     where it met the SLO at the highest load) among those whose every planned start
     completed, as decision.recommend ranks them; None where every capacity is below its
     lowest load."""
-    from ..analysis import decision
-    return decision.recommend(r.rounds, r.intervals, {}, r.capacities).point
+    return r.recommendation({}).point
 
 
 def statistic_sentence(r: Run) -> str:

@@ -155,15 +155,19 @@ class Exported:
 
 def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
     """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
-    within (misses it, or not resolved: the interval straddles it; or not measured), and
-    rounds that did not run (their requests are not in the intervals). None where it
-    meets every bound, or no SLO is set."""
+    within (misses it, or not resolved: the interval straddles it, or there is none; or
+    not measured), rounds that did not run and requests that failed (neither is in the
+    intervals). None where it meets every bound, or no SLO is set."""
     parts = []
     s = next(x for x in r.summaries if x.point == point)
     if slo and s.status != "ok":
         parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
                      + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
                      + ": the rounds that did not run are not in its figures")
+    failed = decision.failed_requests(r.rounds).get(point)
+    if slo and failed and not capacity_section.is_capacity_study(r):  # a capacity's fit counts them as misses
+        parts.append(f"{failed} of its requests failed (an error or a timeout): its latencies are those of the "
+                     "requests that completed")
     for metric, bound in (slo or {}).items():
         t = decision.slo_table(r.intervals[r.intervals["point"] == point], {metric: bound})
         verdict = t.at[point, "SLO"] if point in t.index else "not measured"
@@ -188,7 +192,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     either way: the caller decides what a shortfall means)."""
     r = report.Run.load(RunFolder(run), slo)
     slo = r.slo
-    rec = decision.recommend(r.rounds, r.intervals, slo, r.capacities)
+    rec = r.recommendation()
     point = point or answer.best_point(r)
     if point is None:
         # a capacity study's answer says why (e.g. every capacity is a bound below the lowest load)

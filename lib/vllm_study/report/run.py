@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import decision, intervals as analysis
 from ..vocab.axes import SCHEDULER_AXIS
 from ..define import grid_spec
 from ..define.search_space import Search
@@ -108,6 +108,21 @@ class Run:
     def slo(self) -> dict[str, float]:
         """The SLO given at report time, else the study's."""
         return self.slo_override or dict(self.study.slo)
+
+    def recommendation(self, slo: dict[str, float] | None = None):
+        """decision.recommend on this run: under `slo` (default: the report's), with the
+        capacities. The rounds' goodput was counted against the study's own SLO at
+        measurement time: under another (one given at report time) it ranks nothing."""
+        slo = self.slo if slo is None else slo
+        return decision.recommend(self.rounds, self.intervals, slo, self.capacities,
+                                  goodput_counts=slo == dict(self.study.slo) or not slo)
+
+    def slo_verdicts(self, slo: dict[str, float] | None = None) -> pd.DataFrame:
+        """decision.slo_table on this run: points not ok, and points with failed requests,
+        never meet it."""
+        return decision.slo_table(self.intervals, self.slo if slo is None else slo,
+                                  [s.point for s in self.summaries if s.status != "ok"],
+                                  decision.failed_requests(self.rounds))
 
     @property
     def measured(self) -> list[PointSummary]:

@@ -115,13 +115,32 @@ def _change(d: analysis.Difference, m: metrics.Metric) -> str:
 
 
 def best(r) -> str | None:
-    """The confirmed point with the best objective (its confirmation starts' value)."""
+    """The confirmed point with the best objective (its confirmation starts' value) among
+    those whose confirmation starts all completed and that meet the SLO (else may meet it:
+    none surely does); vLLM's defaults are confirmed whatever their SLO, so they compete
+    on the same terms. None where no such point was measured."""
     m = metrics.get(r.search.objective)
     iv = r.intervals[r.intervals["metric"] == m.name] if not r.intervals.empty else pd.DataFrame()
     if iv.empty:
         return None
+    ok = {s.point for s in r.summaries if s.status == "ok"}
+    candidates = [p for p in iv["point"] if p in ok]
+    if r.slo:
+        verdicts = slo_verdicts(r)
+        candidates = ([p for p in candidates if verdicts.get(p) == "meets"]
+                      or [p for p in candidates if verdicts.get(p) == "not resolved"])
+    if not candidates:
+        return None
+    iv = iv[iv["point"].isin(candidates)]
     row = iv.loc[iv["value"].idxmax() if r.search.goal == "maximize" else iv["value"].idxmin()]
     return str(row["point"])
+
+
+def slo_verdicts(r) -> dict[str, str]:
+    """Each confirmed point's SLO verdict in its confirmation starts (meets, misses, not
+    resolved); {} without an SLO."""
+    t = r.slo_verdicts() if r.slo and not r.intervals.empty else pd.DataFrame()
+    return t["SLO"].to_dict() if "SLO" in t else {}
 
 
 def summary_line(r) -> str:
@@ -155,9 +174,15 @@ def objective_lines(r) -> list[str]:
     and vLLM's defaults against it."""
     m = metrics.get(r.search.objective)
     top = best(r)
+    verdicts = slo_verdicts(r)
     if top is None:
+        if verdicts:
+            return ["No confirmed configuration, vLLM's defaults included, may meet the SLO with all its "
+                    "confirmation starts complete: " + ", ".join(f"{p} {v}" for p, v in verdicts.items()) + "."]
         return [f"No confirmation start measured {m.name}."]
-    lines = [f"{top}: {m.label} {metrics.with_interval(r.interval(top, m.name), m)} {m.unit}".rstrip() + "."]
+    slo_words = {"meets": "", "not resolved": ", SLO not resolved", "misses": ", misses the SLO"}
+    lines = [f"{top}: {m.label} {metrics.with_interval(r.interval(top, m.name), m)} {m.unit}".rstrip()
+             + (" (none surely meets the SLO)" if verdicts.get(top) == "not resolved" else "") + "."]
     for s in r.summaries:
         if s.point == top:
             continue
@@ -166,6 +191,7 @@ def objective_lines(r) -> list[str]:
             lines.append(f"{s.point}: not measured in its confirmation starts.")
             continue
         verdict = "not told apart from it" if not d.resolved else d.verdict()
+        verdict += slo_words.get(verdicts.get(s.point), "")
         who = "vLLM's defaults" if s.point == DEFAULTS_POINT else s.point
         lines.append(f"{who} ({s.point}) against it: {_change(d, m)}, {verdict}." if who != s.point else
                      f"{s.point} against it: {_change(d, m)}, {verdict}.")
