@@ -25,33 +25,24 @@ pytestmark = pytest.mark.e2e
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
 
 
-def _kill_when_busy(url: str, pgid: int, seen: float, killed: threading.Event, timeout_s: float = 300) -> None:
-    """SIGKILL the server's group once the next round has reached it: its prompt tokens
-    counter has moved past `seen`, its value before that round (a fixed delay outlasted
-    a whole round on a fast CPU; vLLM's running-requests gauge can still read > 0 after
-    the previous round ended, which killed the server between rounds)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+def _kill_when_busy(url: str, pgid: int, sending: threading.Event, killed: threading.Event,
+                    ended: threading.Event) -> None:
+    """SIGKILL the server's group once the next round's requests have reached it: the kit
+    has built the round's requests (`sending`: after its cache reset and first scrape, just
+    before it sends) and vLLM's prompt tokens counter has moved since. Server-side signals
+    alone raced on a loaded machine (a fixed delay outlasted a whole round; the running
+    gauge, and the counter read after the previous round settled, still moved between
+    rounds), killing the server before the round began. `ended`: the round returned."""
+    while not sending.wait(0.05):
+        if ended.is_set():
+            return
+    seen = counters.scrape(url)["values"].get(PROMPT_TOKENS, 0)
+    while not ended.is_set():
         if counters.scrape(url)["values"].get(PROMPT_TOKENS, 0) > seen:
             os.killpg(pgid, signal.SIGKILL)
             killed.set()
             return
         time.sleep(0.01)
-
-
-def _settled(url: str, quiet_s: float = 1.0, timeout_s: float = 30.0) -> float:
-    """The prompt-tokens counter once it has stopped moving for quiet_s: on a loaded machine
-    vLLM can publish round 0's last tokens after the round returned, and a `seen` read before
-    that made the killer fire between rounds (round 1 then never ran)."""
-    value, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        now = counters.scrape(url)["values"][PROMPT_TOKENS]
-        if now != value:
-            value, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return value
-        time.sleep(0.1)
-    return value
 
 
 def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
@@ -69,11 +60,18 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     run.warmup()
     run.run_round(0)
     pgid = run.server.proc.pid
-    killed = threading.Event()
-    seen = _settled(run.server.url)
-    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, seen, killed))
+    killed, sending, ended = threading.Event(), threading.Event(), threading.Event()
+    prepare = run._prepare_round
+
+    def prepared(*a, **k):  # the round's requests built: what the round does next is send them
+        out = prepare(*a, **k)
+        sending.set()
+        return out
+    run._prepare_round = prepared
+    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, sending, killed, ended))
     killer.start()
     run.run_round(1)
+    ended.set()
     killer.join()
     assert killed.is_set(), "round 1 ended before the server was seen running requests"
     run.run_round(2)  # a no-op once the start has failed
