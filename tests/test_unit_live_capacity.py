@@ -141,6 +141,9 @@ def test_a_server_that_dies_between_searches_fails_the_points_not_searched(tmp_p
 
         def alive(self):
             return self.up
+
+        def exited(self, wait_s=0):
+            return not self.up
     server = Server()
     for s in shared.starts:
         s.server = server

@@ -376,6 +376,17 @@ class VllmServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def exited(self, wait_s: float = 0) -> bool:
+        """The server process has ended, waiting up to wait_s for its exit to show (a
+        killed process closes its sockets a moment before its parent can see it exit)."""
+        if self.proc is None:
+            return False
+        try:
+            self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def stop(self, grace_s: float = 30) -> None:
         """SIGTERM the process group, then SIGKILL what is left after grace_s."""
         if self.proc is None:

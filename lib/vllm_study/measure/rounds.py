@@ -126,14 +126,20 @@ class RoundProtocol(StartWriter):
                                               else self.record.expected_prefix_hit_rate)  # the round's window's
         if trace:
             values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load, k)
-        died = self.server is not None and not self.server.alive()
+        died, lost = self.server is not None and self.server.exited(), None
         if not died:
-            if before is not None:
-                after = counters.scrape(self.url, self.api_key, self.proxy)
-                values |= self._round_server_figures(before, after, duration)
+            try:
+                if before is not None:
+                    after = counters.scrape(self.url, self.api_key, self.proxy)
+                    values |= self._round_server_figures(before, after, duration)
+            except OSError as e:
+                # a killed server's sockets close a moment before its exit can be seen: the
+                # round ends on its errors and this scrape finds nothing listening
+                died = self.server is not None and self.server.exited(wait_s=10)
+                lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())
-        ok = not died and values["completed"] > 0
+        ok = not died and not lost and values["completed"] > 0
         flag = model_departure(values, f"round {index + 1}" + (f" (window {k + 1})" if self.windows else ""))
         if flag:  # said where the start's warnings are, and by the sweep's console (sweep.model_flags)
             self.record.warnings.append(flag)
@@ -145,8 +151,8 @@ class RoundProtocol(StartWriter):
             w = self.windows.plan.windows[k]
             rec.window, rec.window_first, rec.window_last = k + 1, w.start, w.stop - 1
         if load is not None:
-            rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo,
-                                                      None if ok else "the server died" if died else "round failed")
+            why = None if ok else "the server died" if died else lost or "round failed"
+            rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo, why)
         self.rounds.append(rec)
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
@@ -154,6 +160,8 @@ class RoundProtocol(StartWriter):
             # rounds are numbered from 0 in the records, from 1 in words
             self._fail(f"server died during round {index + 1} of {self.record.rounds_planned}: "
                        f"{failure_reason(read_log(self.dir), self.server.proc.returncode)}")
+        elif lost:
+            self._fail(lost)
         elif ok:
             self.record.rounds_ok += 1
             self._save()
