@@ -242,6 +242,35 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     assert cli.main(["export", str(run.path), "--point", "mbt=512", "--out", str(tmp_path / "o")]) == 3
 
 
+def test_the_best_capacity_exports_with_exit_0_though_its_latency_at_capacity_straddles_the_bound(tmp_path,
+                                                                                                   capsys):
+    """A capacity study's SLO verdict is its capacity: at the capacity load each latency
+    sits at its bound by construction, so its interval there straddles the bound (here
+    TTFT P90 379 [358, 401] against 400) and says nothing about meeting it. --best
+    exports with exit 0 and the study's capacity.slo; an SLO given with --slo is judged
+    on those latencies as before; a capacity not resolved is exit 3."""
+    from synthetic_run import make_capacity_run
+
+    from vllm_study import cli
+    from vllm_study.report import export, report
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": (5.0, 6.0)}, lo=2.0, hi=8.0)
+    iv = report.Run.load(run.path).interval("mbt=512", "ttft_p90_ms")
+    assert iv["ci_low"] < 400 < iv["ci_high"]   # straddles: a plain study's export would say not resolved
+    assert cli.main(["export", str(run.path), "--best", "--out", str(tmp_path / "o")]) == 0
+    e = export.export_point(run.path, None, tmp_path / "o")
+    assert e.point == "mbt=512" and e.shortfall is None and e.by_capacity and e.slo == {"ttft_p90_ms": 400}
+    assert "- SLO: ttft_p90_ms <= 400" in e.notes.read_text()
+    capsys.readouterr()
+    assert cli.main(["export", str(run.path), "--best", "--slo", "ttft_p90_ms=390", "--out",
+                     str(tmp_path / "o")]) == 3
+    assert "does not surely meet the SLO given with --slo" in capsys.readouterr().err
+    split = make_capacity_run(tmp_path / "u", {"mbt=256": (1.0, 100.0), "mbt=512": 3.0}, lo=2.0, hi=8.0)
+    assert report.Run.load(split.path).capacity("mbt=256").config.kind == "unresolved"
+    assert cli.main(["export", str(split.path), "--point", "mbt=256", "--out", str(tmp_path / "o")]) == 3
+    assert ("does not surely meet the study's capacity.slo (no capacity within it is resolved): its capacity is "
+            "unresolved") in capsys.readouterr().err
+
+
 def test_a_study_below_its_floor_reads_below_the_floor_and_one_above_it_gets_a_number(tmp_path):
     """Halving from lo = 2 to floor 0.25: mbt=256 (capacity 0.1) is "below 0.25", never 0;
     mbt=512 (capacity 0.7) has a capacity found below lo."""

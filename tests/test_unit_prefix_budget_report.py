@@ -185,4 +185,4 @@ def test_export_judges_the_point_on_the_studys_own_slo(tmp_path, capsys):
     assert cli.main(["export", str(run.path), "--best", "--out", str(tmp_path / "a")]) == 0  # 512 meets it
     assert cli.main(["export", str(run.path), "--point", "mbt=256__kv=16MiB", "--out", str(tmp_path / "b")]) == 3
     err = capsys.readouterr().err
-    assert "does not surely meet the study's slo:" in err and "ttft_p90_ms <= 500: misses" in err
+    assert "does not surely meet the study's slo (its 95% interval" in err and "ttft_p90_ms <= 500: misses" in err

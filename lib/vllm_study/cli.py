@@ -129,9 +129,11 @@ def _decide(args) -> int:
             print(f"{e.config}\n{e.notes}\n")
             print(e.notes.read_text())
             if e.shortfall:
-                whose = "the SLO given with --slo" if e.slo_given else "the study's slo:"
-                print(f"{'warning' if args.force else 'error'}: {e.point} does not surely meet {whose} (its 95% "
-                      f"interval does not lie within every bound): {e.shortfall}. The files were written all "
+                whose = ("the study's capacity.slo (no capacity within it is resolved)" if e.by_capacity else
+                         ("the SLO given with --slo" if e.slo_given else "the study's slo")
+                         + " (its 95% interval does not lie within every bound)")
+                print(f"{'warning' if args.force else 'error'}: {e.point} does not surely meet {whose}: "
+                      f"{e.shortfall}. The files were written all "
                       f"the same: {e.config} and {e.notes}"
                       + (" (--force: exit 0)." if args.force else
                          f"; exit {EXIT_SLO_NOT_MET} (--force exports it with exit 0)."), file=sys.stderr)

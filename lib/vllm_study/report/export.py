@@ -151,15 +151,18 @@ class Exported:
     slo: dict[str, float]          # the SLO the point was judged on (empty: none)
     slo_given: bool                # given at export time, not the study's
     shortfall: str | None          # why the point does not surely meet the SLO; None: it does, or no SLO
+    by_capacity: bool = False      # judged by its capacity under the study's capacity.slo
 
 
 def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
     """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
     within (misses it, or not resolved: the interval straddles it, or there is none; or
     not measured), rounds that did not run and requests that failed (neither is in the
-    intervals). None where it meets every bound, or no SLO is set."""
+    intervals). None where it meets every bound, or no SLO is set. A capacity study under
+    its own capacity.slo is judged by its capacity: none found, or not resolved."""
     parts = []
     s = next(x for x in r.summaries if x.point == point)
+    capacity = capacity_section.is_capacity_study(r) and slo == dict(r.study.capacity.slo)
     if slo and s.status != "ok":
         parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
                      + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
@@ -168,6 +171,16 @@ def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | Non
     if slo and failed and not capacity_section.is_capacity_study(r):  # a capacity's fit counts them as misses
         parts.append(f"{failed} of its requests failed (an error or a timeout): its latencies are those of the "
                      "requests that completed")
+    if capacity:
+        # the capacity is the verdict: the fit found the load where the SLO stops being met;
+        # the latencies "at capacity" sit at their bounds by construction (below_everywhere:
+        # export_point's, with its words)
+        pc = r.capacity(point)
+        if pc is None:
+            parts.append("no start's capacity search completed")
+        elif pc.config.kind == "unresolved":
+            parts.append(f"its capacity is {pc.cell()}")
+        return "; ".join(parts) or None
     for metric, bound in (slo or {}).items():
         t = decision.slo_table(r.intervals[r.intervals["point"] == point], {metric: bound})
         verdict = t.at[point, "SLO"] if point in t.index else "not measured"
@@ -191,7 +204,9 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     """export's files, and whether the point surely meets the SLO (the files are written
     either way: the caller decides what a shortfall means)."""
     r = report.Run.load(RunFolder(run), slo)
-    slo = r.slo
+    # a capacity was searched under capacity.slo (which may differ from the study's slo)
+    by_capacity = capacity_section.is_capacity_study(r) and not r.slo_override
+    slo = dict(r.study.capacity.slo) if by_capacity else r.slo
     rec = r.recommendation()
     point = point or answer.best_point(r)
     if point is None:
@@ -215,7 +230,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     if capacity_section.below_everywhere(r, point):
         shortfall = "; ".join(filter(None, [f"the SLO was missed at every load measured (capacity "
                                             f"{capacity_section.below_lowest_load_words(r, point)})", shortfall]))
-    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall)
+    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall, by_capacity)
 
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,
