@@ -170,6 +170,19 @@ def resolved(v: float, se: float = 0.0) -> StartCapacity:
                          bracket=(v * 0.9, v * 1.1), lowest=0.125, highest=4, log_se=se)
 
 
+def test_a_start_fitted_from_margins_alone_weighs_as_the_median_start_not_as_exact():
+    """A start fitted from its rounds' recorded margins (no requests: no bootstrap, no
+    log_se) among bootstrapped ones takes their median se: it pulls the capacity as much
+    as a start that uncertain would, not as much as an exact one."""
+    margins_only = StartCapacity(kind="value", value=1.2, bracket=(1.1, 1.3), lowest=0.125, highest=4)
+    others = [resolved(2.0, 0.2), resolved(2.2, 0.3), resolved(2.4, 0.2)]
+    mixed = combine(others + [margins_only])
+    as_median = combine(others + [resolved(1.2, 0.2)])
+    as_exact = combine(others + [resolved(1.2, 0.0)])
+    assert mixed.value == pytest.approx(as_median.value) and mixed.low == pytest.approx(as_median.low)
+    assert mixed.value != pytest.approx(as_exact.value, rel=1e-3)
+
+
 def test_without_censoring_or_within_start_noise_the_interval_is_the_t_interval():
     vals = [1.8, 2.0, 2.1, 1.7]
     c = combine([resolved(v) for v in vals])

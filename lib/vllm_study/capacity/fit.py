@@ -358,9 +358,9 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
             confidence: float = 0.95) -> ConfigCapacity:
     """The config's capacity from its starts by an interval-censored likelihood: log
     capacity of a start ~ Normal(mu, sigma^2 + se_i^2), sigma the start-to-start spread,
-    se_i the start's own bootstrap spread; a start below L enters as P(< L), one at least
-    H as P(>= H), each with the resolved starts' median se (where it lies in its bracket
-    is unknown). mu and sigma by maximum likelihood (scipy.optimize); mu's interval by
+    se_i the start's own bootstrap spread (a start without one: the others' median); a
+    start below L enters as P(< L), one at least H as P(>= H), each with the resolved
+    starts' median se (where it lies in its bracket is unknown). mu and sigma by maximum likelihood (scipy.optimize); mu's interval by
     profile likelihood, its cut calibrated so that with no censoring and no se it is the
     t-interval on n - 1 df (the likelihood ratio is then n log(1 + T^2/(n-1)) exactly):
     two starts give a wide interval, as they should. `spread` (sigma pooled over the run's
@@ -382,9 +382,12 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
             return ConfigCapacity(kind="at_least", value=min(s.value for s in above), starts=n, censored=n,
                                   spread_measured=measured)
         return ConfigCapacity(kind="unresolved", starts=n, censored=n, spread_measured=measured)
-    se_of = [s.log_se if s.log_se is not None else 0.0 for s in res]
-    y, se = np.log([s.value for s in res]), np.array(se_of)
-    med_se = float(np.median(se))
+    known = [s.log_se for s in res if s.log_se is not None]
+    # the median start's se stands in where a start has none (fitted from its rounds'
+    # margins alone, no requests to resample; or censored): never 0, as if it were exact
+    med_se = float(np.median(known)) if known else 0.0
+    y = np.log([s.value for s in res])
+    se = np.array([s.log_se if s.log_se is not None else med_se for s in res])
     lo_c = np.log([s.value for s in below])
     hi_c = np.log([s.value for s in above])
     args = (y, se, lo_c, np.full(len(lo_c), med_se), hi_c, np.full(len(hi_c), med_se))
