@@ -1,6 +1,7 @@
 """End to end with servers of their own (real vLLM CPU builds on loopback): a start's
-record and a server killed mid-round, a port another process holds, and the prefix
-cache evicting under a small KV cache against what a never-evicting cache would hit.
+record and a server killed mid-round or before its warm-up, a port another process
+holds, and the prefix cache evicting under a small KV cache against what a
+never-evicting cache would hit.
 (A KV cache too small to start is in test_e2e_sweep, as a failed point of a sweep.)"""
 from __future__ import annotations
 
@@ -89,6 +90,25 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]
     assert len((tmp_path / "s1" / "rounds.jsonl").read_text().splitlines()) == 2  # both rounds on disk
     assert (tmp_path / "s1" / "server.log.gz").exists() and not (tmp_path / "s1" / "server.log").exists()
+    assert group_gone(pgid)
+
+
+def test_a_server_that_dies_before_its_warm_up_fails_the_start_with_its_own_reason(tmp_path):
+    """SIGKILLed once up (as vLLM dies of CUDA out of memory on its first long prompts):
+    the warm-up's requests find nothing listening; the start fails with what ended the
+    server, not with a connection error, and no round runs."""
+    plan = plan_of(tiny(rounds=2))
+    run = PointStart(plan, tmp_path / "s1", 1)
+    run.launch()
+    assert not run.failed, run.record.reason
+    pgid = run.server.proc.pid
+    os.killpg(pgid, signal.SIGKILL)
+    run.warmup()
+    assert run.record.warmup_errors == plan.study.workload.warmup_requests > 0
+    assert run.record.reason.startswith("server died during warm-up: ") and "killed by SIGKILL" in run.record.reason
+    run.run_round(0)  # a no-op once the start has failed
+    summary = run.finish()
+    assert run.rounds == [] and summary.status == "failed" and "died during warm-up" in summary.reasons[0]
     assert group_gone(pgid)
 
 

@@ -8,6 +8,9 @@ against a fake server whose latency follows the max_num_seqs in force, through a
 control channel: a point searched under another point's limits finds that one's capacity."""
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 from e2e_support import plan_of, tiny
 from synthetic_run import add_capacity_start, make_capacity_run
 
@@ -157,6 +160,63 @@ def test_a_server_that_dies_between_searches_fails_the_points_not_searched(tmp_p
     assert by_id[first].record.capacity and not by_id[first].failed
     assert by_id[second].failed and "the shared server died" in by_id[second].record.reason
     assert not by_id[second].rounds and by_id[second].record.capacity is None
+
+
+def test_a_server_gone_before_a_step_fails_the_start_with_what_ended_it(tmp_path, monkeypatch):
+    """A start of its own whose server has ended (its exit seen) before a step: no round
+    runs and the start fails with what ended the server (vLLM's log, else the signal),
+    not with the connection error its first request would meet."""
+    channel, steps = FakeChannel(), []
+    _fake_server(monkeypatch, channel, steps)
+    start = PointStart(plan_of(STUDY, 1), tmp_path / "s1", 1, 1)
+    _ready(start, channel)
+    start.live, channel.in_force = None, point_limits(start.point)
+
+    class Gone:
+        proc, log_path = SimpleNamespace(returncode=-9), tmp_path / "lead" / "server.log"
+
+        def exited(self, wait_s=0):
+            return True
+    start.server = Gone()
+    start.run_rounds()
+    planned = start.record.rounds_planned
+    assert start.failed and start.record.reason.startswith(f"server died before round 1 of {planned}: ")
+    assert "killed by SIGKILL" in start.record.reason
+    assert not start.rounds and not steps and not start.record.capacity.load
+
+
+def test_a_target_that_stops_answering_after_a_round_keeps_the_round_as_failed(tmp_path, monkeypatch):
+    """An endpoint the kit did not start answered /metrics before a round and its
+    requests, then not the scrape after it: the round is recorded, failed, with why, and
+    the start fails with the same reason (it had failed the start with the round lost)."""
+    from vllm_study.measure import counters
+    channel, steps = FakeChannel(), []
+    _fake_server(monkeypatch, channel, steps)
+    start = PointStart(plan_of(STUDY, 1), tmp_path / "s1", 1, 1)
+    _ready(start, channel)
+    start.live, channel.in_force = None, point_limits(start.point)
+    start.record.launch.has_metrics = True
+    scrapes = []
+
+    def scrape(*_a, **_k):
+        scrapes.append(1)
+        if len(scrapes) > 1:
+            raise ConnectionRefusedError(111, "Connection refused")
+        return {"values": {}, "info": {}, "hist": {}}
+    monkeypatch.setattr(counters, "scrape", scrape)
+
+    class NoSampler(contextlib.nullcontext):   # no gauges to sample: the fake serves none
+        def __init__(self, *_a, **_k):
+            super().__init__()
+
+        def result(self):
+            return {}
+    monkeypatch.setattr(counters, "RoundSampler", NoSampler)
+    rec = start.run_round(0, 2.0)
+    assert rec is not None, start.record.reason
+    assert rec.status == "failed" and [r.status for r in start.rounds] == ["failed"]
+    assert start.failed and start.record.reason.startswith("the server stopped answering after round 1: ")
+    assert rec.slo_met is False and rec.slo_why == start.record.reason
 
 
 def test_the_dry_run_says_each_point_searches_in_turn(tmp_path, capsys):

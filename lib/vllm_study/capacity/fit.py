@@ -360,13 +360,14 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
     capacity of a start ~ Normal(mu, sigma^2 + se_i^2), sigma the start-to-start spread,
     se_i the start's own bootstrap spread (a start without one: the others' median); a
     start below L enters as P(< L), one at least H as P(>= H), each with the resolved
-    starts' median se (where it lies in its bracket is unknown). mu and sigma by maximum likelihood (scipy.optimize); mu's interval by
-    profile likelihood, its cut calibrated so that with no censoring and no se it is the
-    t-interval on n - 1 df (the likelihood ratio is then n log(1 + T^2/(n-1)) exactly):
-    two starts give a wide interval, as they should. `spread` (sigma pooled over the run's
-    configs, say) fixes sigma: the cut is then t(spread_df)^2, the pooled t-interval's (a
-    spread estimated on few degrees of freedom is itself uncertain), or chi2(1)'s where
-    spread_df is None (a spread known from elsewhere)."""
+    starts' median se (where it lies in its bracket is unknown). mu and sigma by maximum
+    likelihood (scipy.optimize); mu's interval by profile likelihood, its cut calibrated
+    so that with no censoring and no se it is the t-interval on n - 1 df (the likelihood
+    ratio is then n log(1 + T^2/(n-1)) exactly): two starts give a wide interval, as they
+    should. `spread` (sigma pooled over the run's configs, say) fixes sigma: the cut is
+    then t(spread_df)^2, the pooled t-interval's (a spread estimated on few degrees of
+    freedom is itself uncertain), or chi2(1)'s where spread_df is None (a spread known
+    from elsewhere)."""
     if not starts:
         raise ValueError("combine needs at least one start's capacity")
     n = len(starts)

@@ -18,10 +18,8 @@ from ..launch import machine
 from ..workload import loads
 from ..define import models
 from ..define.grid import point_limits
-from ..records.results import (RoundRecord, append_round,
-                               now_utc, read_log)
+from ..records.results import RoundRecord, append_round, now_utc
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from ..launch.server import failure_reason
 from .primer import Primer, model_departure
 from .start_record import StartWriter, _step
 
@@ -100,11 +98,14 @@ class RoundProtocol(StartWriter):
             res = self._run_closed(self.workload.requests(n, "warmup"))
             self.record.warmup_errors = sum(1 for r in res if r["error"])
             self._save()
+            self._server_died("during warm-up", wait_s=10 if self.record.warmup_errors else 0)
 
     @_step
     def run_round(self, index: int, load: float | None = None) -> RoundRecord | None:
         """One measured round; `load`: a capacity step's load (judged against the SLO)."""
         launch = self.record.launch
+        if self._server_died(f"before round {index + 1} of {self.record.rounds_planned}"):  # 0-based in records
+            return None
         # a shared start (live knobs): this point's limits in force first, or no round (live_start.py)
         limits = self.live.enter(point_limits(self.point)) if self.live else None
         if launch.cache_reset:
@@ -132,9 +133,7 @@ class RoundProtocol(StartWriter):
                 if before is not None:
                     after = counters.scrape(self.url, self.api_key, self.proxy)
                     values |= self._round_server_figures(before, after, duration)
-            except OSError as e:
-                # a killed server's sockets close a moment before its exit can be seen: the
-                # round ends on its errors and this scrape finds nothing listening
+            except OSError as e:  # a killed server's sockets close a moment before its exit shows
                 died = self.server is not None and self.server.exited(wait_s=10)
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
             values |= sampler.result()
@@ -157,9 +156,7 @@ class RoundProtocol(StartWriter):
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
         if died:
-            # rounds are numbered from 0 in the records, from 1 in words
-            self._fail(f"server died during round {index + 1} of {self.record.rounds_planned}: "
-                       f"{failure_reason(read_log(self.dir), self.server.proc.returncode)}")
+            self._server_died(f"during round {index + 1} of {self.record.rounds_planned}", wait_s=10)  # seen gone
         elif lost:
             self._fail(lost)
         elif ok:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import functools
 import time
 
-from ..records.results import START
+from ..launch.server import failure_reason
+from ..records.results import START, read_log
 
 
 def _step(method):
@@ -35,6 +36,17 @@ class StartWriter:
     def _fail(self, reason: str) -> None:
         self.record.status, self.record.reason = "failed", reason
         self._save()
+
+    def _server_died(self, when: str, wait_s: float = 0) -> bool:
+        """Where the kit's own server has ended (waiting up to wait_s for its exit to show),
+        fail the start with vLLM's reason from its log ("CUDA out of memory", "killed by
+        SIGKILL"): a request or scrape that found nothing listening says none of it."""
+        server = getattr(self, "server", None)
+        if server is None or not server.exited(wait_s):
+            return False
+        log = read_log(server.log_path.parent)  # a shared start's: its lead's folder
+        self._fail(f"server died {when}: {failure_reason(log, server.proc.returncode)}")
+        return True
 
     def _save(self) -> None:
         self.record.save(self.dir / START)
