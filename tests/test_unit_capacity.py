@@ -267,7 +267,7 @@ def test_the_best_capacity_exports_with_exit_0_though_its_latency_at_capacity_st
     split = make_capacity_run(tmp_path / "u", {"mbt=256": (1.0, 100.0), "mbt=512": 3.0}, lo=2.0, hi=8.0)
     assert report.Run.load(split.path).capacity("mbt=256").config.kind == "unresolved"
     assert cli.main(["export", str(split.path), "--point", "mbt=256", "--out", str(tmp_path / "o")]) == 3
-    assert ("does not surely meet the study's capacity.slo (no capacity within it is resolved): its capacity is "
+    assert ("does not surely meet the study's capacity.slo (judged by its capacity): its capacity is "
             "unresolved") in capsys.readouterr().err
 
 

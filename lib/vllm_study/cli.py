@@ -129,7 +129,7 @@ def _decide(args) -> int:
             print(f"{e.config}\n{e.notes}\n")
             print(e.notes.read_text())
             if e.shortfall:
-                whose = ("the study's capacity.slo (no capacity within it is resolved)" if e.by_capacity else
+                whose = ("the study's capacity.slo (judged by its capacity)" if e.by_capacity else
                          ("the SLO given with --slo" if e.slo_given else "the study's slo")
                          + " (its 95% interval does not lie within every bound)")
                 print(f"{'warning' if args.force else 'error'}: {e.point} does not surely meet {whose}: "

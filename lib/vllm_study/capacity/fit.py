@@ -384,8 +384,8 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
                                   spread_measured=measured)
         return ConfigCapacity(kind="unresolved", starts=n, censored=n, spread_measured=measured)
     known = [s.log_se for s in res if s.log_se is not None]
-    # the median start's se stands in where a start has none (fitted from its rounds'
-    # margins alone, no requests to resample; or censored): never 0, as if it were exact
+    # the median start's se stands in where a resolved start has none (fitted from its
+    # rounds' margins alone: no requests to resample), never 0 as if it were exact
     med_se = float(np.median(known)) if known else 0.0
     y = np.log([s.value for s in res])
     se = np.array([s.log_se if s.log_se is not None else med_se for s in res])

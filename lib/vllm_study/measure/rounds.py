@@ -156,7 +156,7 @@ class RoundProtocol(StartWriter):
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
         if died:
-            self._server_died(f"during round {index + 1} of {self.record.rounds_planned}", wait_s=10)  # seen gone
+            self._server_died(f"during round {index + 1} of {self.record.rounds_planned}", wait_s=10)  # gone: at once
         elif lost:
             self._fail(lost)
         elif ok:
