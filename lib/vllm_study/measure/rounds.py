@@ -127,14 +127,14 @@ class RoundProtocol(StartWriter):
                                               else self.record.expected_prefix_hit_rate)  # the round's window's
         if trace:
             values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load, k)
-        died, lost = self.server is not None and self.server.exited(), None
+        died, lost = self._server_exited(), None
         if not died:
             try:
                 if before is not None:
                     after = counters.scrape(self.url, self.api_key, self.proxy)
                     values |= self._round_server_figures(before, after, duration)
             except OSError as e:  # a killed server's sockets close a moment before its exit shows
-                died = self.server is not None and self.server.exited(wait_s=10)
+                died = self._server_exited(wait_s=10)
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())

@@ -37,15 +37,20 @@ class StartWriter:
         self.record.status, self.record.reason = "failed", reason
         self._save()
 
-    def _server_died(self, when: str, wait_s: float = 0) -> bool:
-        """Where the kit's own server has ended (waiting up to wait_s for its exit to show),
-        fail the start with vLLM's reason from its log ("CUDA out of memory", "killed by
-        SIGKILL"): a request or scrape that found nothing listening says none of it."""
+    def _server_exited(self, wait_s: float = 0) -> bool:
+        """The kit's own server has ended (waiting up to wait_s for its exit to show); never
+        for an endpoint it did not start."""
         server = getattr(self, "server", None)
-        if server is None or not server.exited(wait_s):
+        return server is not None and server.exited(wait_s)
+
+    def _server_died(self, when: str, wait_s: float = 0) -> bool:
+        """Where the kit's own server has ended, fail the start with vLLM's reason from its
+        log ("CUDA out of memory", "killed by SIGKILL"): a request or scrape that found
+        nothing listening says none of it."""
+        if not self._server_exited(wait_s):
             return False
-        log = read_log(server.log_path.parent)  # a shared start's: its lead's folder
-        self._fail(f"server died {when}: {failure_reason(log, server.proc.returncode)}")
+        log = read_log(self.server.log_path.parent)  # a shared start's: its lead's folder
+        self._fail(f"server died {when}: {failure_reason(log, self.server.proc.returncode)}")
         return True
 
     def _save(self) -> None:

@@ -127,7 +127,7 @@ def answer_context(r: Run) -> str:
     n = len(r.summaries)
     parts = []
     if r.slo and not is_capacity_study(r):
-        verdicts = r.slo_verdicts() if not r.intervals.empty else pd.DataFrame()
+        verdicts = r.slo_verdicts()
         meets = int((verdicts["SLO"] == "meets").sum()) if "SLO" in verdicts else 0
         given = " (given at report time)" if r.slo_override else ""
         parts.append(f"SLO{given}: {_bound_words(r.slo)}; {meets} of {n} points meet every bound with their whole "

@@ -154,6 +154,11 @@ class Exported:
     by_capacity: bool = False      # judged by its capacity under the study's capacity.slo
 
 
+def by_capacity(r: report.Run, slo: dict[str, float]) -> bool:
+    """A capacity study under its own capacity.slo: its points are judged by their capacity."""
+    return capacity_section.is_capacity_study(r) and slo == dict(r.study.capacity.slo)
+
+
 def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | None:
     """Why `point` does not surely meet `slo`: each bound its 95% interval does not lie
     within (misses it, or not resolved: the interval straddles it, or there is none; or
@@ -162,7 +167,6 @@ def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | Non
     its own capacity.slo is judged by its capacity: none found, or not resolved."""
     parts = []
     s = next(x for x in r.summaries if x.point == point)
-    capacity = capacity_section.is_capacity_study(r) and slo == dict(r.study.capacity.slo)
     if slo and s.status != "ok":
         parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
                      + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
@@ -171,7 +175,7 @@ def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | Non
     if slo and failed and not capacity_section.is_capacity_study(r):  # a capacity's fit counts them as misses
         parts.append(f"{failed} of its requests failed (an error or a timeout): its latencies are those of the "
                      "requests that completed")
-    if capacity:
+    if by_capacity(r, slo):
         # the capacity is the verdict: the fit found the load where the SLO stops being met;
         # the latencies "at capacity" sit at their bounds by construction (below_everywhere:
         # export_point's, with its words)
@@ -205,8 +209,8 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     either way: the caller decides what a shortfall means)."""
     r = report.Run.load(RunFolder(run), slo)
     # a capacity was searched under capacity.slo (which may differ from the study's slo)
-    by_capacity = capacity_section.is_capacity_study(r) and not r.slo_override
-    slo = dict(r.study.capacity.slo) if by_capacity else r.slo
+    capacity_slo = dict(r.study.capacity.slo) if capacity_section.is_capacity_study(r) else None
+    slo = r.slo_override or capacity_slo or r.slo
     rec = r.recommendation()
     point = point or answer.best_point(r)
     if point is None:
@@ -230,7 +234,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
     if capacity_section.below_everywhere(r, point):
         shortfall = "; ".join(filter(None, [f"the SLO was missed at every load measured (capacity "
                                             f"{capacity_section.below_lowest_load_words(r, point)})", shortfall]))
-    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall, by_capacity)
+    return Exported(cfg_path, note_path, point, slo, bool(r.slo_override), shortfall, by_capacity(r, slo))
 
 
 def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo: dict, model: str,

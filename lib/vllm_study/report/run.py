@@ -119,9 +119,11 @@ class Run:
 
     def slo_verdicts(self, slo: dict[str, float] | None = None) -> pd.DataFrame:
         """decision.slo_table on this run: points not ok, and points with failed requests,
-        never meet it."""
-        return decision.slo_table(self.intervals, self.slo if slo is None else slo,
-                                  [s.point for s in self.summaries if s.status != "ok"],
+        never meet it. Empty without an SLO or a measured interval."""
+        slo = self.slo if slo is None else slo
+        if not slo or self.intervals.empty:
+            return pd.DataFrame()
+        return decision.slo_table(self.intervals, slo, [s.point for s in self.summaries if s.status != "ok"],
                                   decision.failed_requests(self.rounds))
 
     @property

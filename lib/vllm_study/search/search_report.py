@@ -139,7 +139,7 @@ def best(r) -> str | None:
 def slo_verdicts(r) -> dict[str, str]:
     """Each confirmed point's SLO verdict in its confirmation starts (meets, misses, not
     resolved); {} without an SLO."""
-    t = r.slo_verdicts() if r.slo and not r.intervals.empty else pd.DataFrame()
+    t = r.slo_verdicts()
     return t["SLO"].to_dict() if "SLO" in t else {}
 
 
