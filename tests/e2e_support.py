@@ -15,6 +15,8 @@ from vllm_study.launch.machine import cpu_dtype
 from vllm_study.define.models import kv_bytes_per_token
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.point import PointStart
+from vllm_study.launch.server import ServerStartError, VllmServer, free_port
+from vllm_study.measure.launcher import PORT_TRIES
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,3 +72,17 @@ def write(tmp_path: Path, study: dict) -> Path:
     f = tmp_path / "study.yaml"
     f.write_text(yaml.safe_dump(study, sort_keys=False))
     return f
+
+
+def serve_on_a_free_port(command, log_path: Path, **kw) -> VllmServer:
+    """A started VllmServer for `command(port)` on a port free_port picked, started again
+    on another where the port was taken before vLLM bound it, as the kit's launcher does
+    (free_port cannot rule that out: servers of other tests start beside this one)."""
+    for attempt in range(PORT_TRIES):
+        port = free_port()
+        try:
+            return VllmServer(command(port), port, log_path, **kw).start()
+        except ServerStartError as e:
+            if not e.reason.startswith("port in use") or attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")

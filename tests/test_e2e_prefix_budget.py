@@ -22,11 +22,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from e2e_support import serve_on_a_free_port
 from procs import group_gone
 from vllm_study.measure import client, counters
 from vllm_study.define.models import build_model_dir
 from vllm_study.prefix_budget import read_stats, stats_delta
-from vllm_study.launch.server import VllmServer, free_port, serve_command
+from vllm_study.launch.server import serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -87,10 +88,10 @@ def servers(tmp_path_factory):
         # vLLM's CPU default (a worker process), not UNI: the timings below were tuned on it;
         # with the model in the engine-core process queues drained before the age bound
         for name, extra in (("plugin", plugin_args), ("default", [])):
-            port = free_port()
-            srv = VllmServer(serve_command(model, port, ENGINE, "tiny", load_dummy=True, extra=extra),
-                             port, logs / f"{name}.log", startup_timeout_s=900)
-            started[name] = srv.start()
+            srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True,
+                                                                  extra=extra), logs / f"{name}.log",
+                                       startup_timeout_s=900)
+            started[name] = srv
             for i in range(3):  # first requests after a start are slow (kernel set-up)
                 complete(srv.url, shared_prompt(random.Random(900 + i)), 4)
         yield started, stats_path

@@ -11,14 +11,14 @@ import threading
 
 import pytest
 
-from e2e_support import UNI, measure, plan_of, tiny
+from e2e_support import UNI, measure, plan_of, serve_on_a_free_port, tiny
 from procs import group_gone
 from vllm_study.measure import client, counters
 from vllm_study.define import models
 from vllm_study.define.grid import PointPlan, expand
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.records.results import REQUESTS, TIME_DECIMALS
-from vllm_study.launch.server import VllmServer, _health, free_port, serve_command
+from vllm_study.launch.server import _health, free_port, serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -29,10 +29,9 @@ DEAD_PROXY = "http://127.0.0.1:9"   # nothing listens there: a proxy variable le
 def server(tmp_path_factory):
     plan = plan_of(tiny())
     model, dummy = models.resolve(plan.study.model)
-    port = free_port()
-    cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy, extra=UNI)
-    srv = VllmServer(cmd, port, tmp_path_factory.mktemp("srv") / "server.log", startup_timeout_s=600)
-    srv.start()
+    srv = serve_on_a_free_port(
+        lambda port: serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy, extra=UNI),
+        tmp_path_factory.mktemp("srv") / "server.log", startup_timeout_s=600)
     yield srv, model
     pgid = srv.proc.pid
     srv.stop()
