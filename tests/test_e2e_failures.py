@@ -13,13 +13,13 @@ import time
 
 import pytest
 
-from e2e_support import kv_bytes, measure, plan_of, tiny
+from e2e_support import kv_bytes, measure, plan_of, serve_on_a_free_port, tiny
 from procs import group_gone
 from test_e2e_server import _target_study
 from vllm_study.measure import counters
 from vllm_study.define import models
 from vllm_study.measure.point import PointStart
-from vllm_study.launch.server import VllmServer, free_port, serve_command
+from vllm_study.launch.server import serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -142,19 +142,21 @@ def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):
         grid={"max_num_batched_tokens": [200]}, workload={**tiny()["workload"], "system_prompt_tokens": 1024})
     ).point.warnings)
     model, dummy = models.resolve(plan.study.model)
-    port = free_port()
     # vLLM's CPU default here: a worker process of its own (no UNI)
-    srv = VllmServer(serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy),
-                     port, tmp_path / "server.log", startup_timeout_s=600)
+    srv = serve_on_a_free_port(lambda port: serve_command(model, port, plan.point.engine_args.cli(), "tiny",
+                                                          load_dummy=dummy),
+                               tmp_path / "server.log", startup_timeout_s=600)
     assert srv.uni_env == {}
     rates = {}
-    with srv:
+    try:
         for prefixes in (2, 6):
             study = _target_study(srv.url, {"system_prompt_tokens": 1024, "question_tokens": 16, "output_tokens": 8,
                                             "prefixes": prefixes, "concurrency": 1, "requests_per_round": 24})
             run, summary = measure(plan_of(study), tmp_path / f"p{prefixes}" / "s1")
             assert summary.status == "ok", summary.reasons
             rates[prefixes] = (run.record.expected_prefix_hit_rate, run.rounds[0].metrics["prefix_cache_hit_rate"])
+    finally:
+        srv.stop()
     (exp2, got2), (exp6, got6) = rates[2], rates[6]
     assert got2 == pytest.approx(exp2, abs=0.02)
     assert exp6 > 0.6 and got6 < exp6 / 2, rates

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from e2e_support import UNI
+from e2e_support import UNI, serve_on_a_free_port
 from procs import group_gone
 from vllm_study.measure import counters, live_knobs
 from vllm_study.define.models import build_model_dir, kv_bytes_per_token
-from vllm_study.launch.server import VllmServer, free_port, serve_command
+from vllm_study.launch.server import serve_command
 
 pytestmark = pytest.mark.e2e
 
@@ -52,15 +52,17 @@ def server(tmp_path_factory):
     model = str(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("model")))
     work = tmp_path_factory.mktemp("live")
     stats, control = work / "counters.json", work / "control.json"
-    port = free_port()
-    srv = VllmServer(serve_command(model, port, ENGINE, "tiny", load_dummy=True), port, work / "server.log",
-                     env=live_knobs.launch_env(control, stats), startup_timeout_s=900)
+    srv = None
     try:
-        srv.start()
+        srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True),
+                                   work / "server.log", env=live_knobs.launch_env(control, stats),
+                                   startup_timeout_s=900)
         _complete(srv.url, list(range(1000, 1100)))  # first request after a start: kernel set-up
         yield srv, stats, control
     finally:
-        pgid = srv.proc.pid if srv.proc is not None else None
+        if srv is None:  # a failed start stops its own server (VllmServer.start)
+            return
+        pgid = srv.proc.pid
         srv.stop()
         assert pgid is None or group_gone(pgid), "the server's process group outlived stop()"
 

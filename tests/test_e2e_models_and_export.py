@@ -8,11 +8,10 @@ import sys
 
 import pytest
 
-from e2e_support import REPO, no_proxy_env, sweep, tiny, write
+from e2e_support import REPO, no_proxy_env, serve_on_a_free_port, sweep, tiny, write
 from vllm_study.define import models
 from vllm_study.define.params import ModelSpec
 from vllm_study.records.results import RunFolder
-from vllm_study.launch.server import VllmServer, free_port
 
 
 @pytest.mark.e2e
@@ -53,17 +52,20 @@ def test_an_exported_config_serves_and_is_measured_as_a_plain_endpoint(tmp_path)
     synthetic = make_run(tmp_path / "synthetic", {point: {"output_throughput": 100.0, "ttft_p90_ms": 50.0}})
     cfg, _ = export(synthetic.path, point, tmp_path / "export")
     model, _ = models.resolve(ModelSpec(card="tiny-qwen2"))
-    port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--config", str(cfg), "--model", model,
-           "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager"]
-    with VllmServer(cmd, port, tmp_path / "server.log", env={"VLLM_SERVER_DEV_MODE": "0"}, startup_timeout_s=600):
+    srv = serve_on_a_free_port(
+        lambda port: [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--config", str(cfg), "--model",
+                      model, "--load-format", "dummy", "--host", "127.0.0.1", "--port", str(port), "--enforce-eager"],
+        tmp_path / "server.log", env={"VLLM_SERVER_DEV_MODE": "0"}, startup_timeout_s=600)
+    try:
         study = {"name": "plain", "model": {"card": "tiny-qwen2"}, "rounds": 2,
-                 "targets": [{"name": "direct", "base_url": f"http://127.0.0.1:{port}/v1", "model": "tiny"}],
+                 "targets": [{"name": "direct", "base_url": f"{srv.url}/v1", "model": "tiny"}],
                  "workload": {"kind": "random", "api": "completions", "input_tokens": 256, "output_tokens": 8,
                               "requests_per_round": 8, "concurrency": 4, "warmup_requests": 1}}
         r = subprocess.run([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)), "--results",
                             str(tmp_path / "results")], cwd=REPO, capture_output=True, text=True, timeout=900,
                            env=no_proxy_env())
+    finally:
+        srv.stop()
     log = (tmp_path / "server.log").read_text()
     assert "'max_num_batched_tokens': 256" in log and "'kv_cache_memory_bytes': 16777216" in log  # from the config
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
