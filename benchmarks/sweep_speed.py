@@ -19,7 +19,8 @@ and rounds); the kit's wall time over that limit; the same sum for vLLM bench's 
 start a point) beside it; and both tools' per-point medians over runs side by side
 ([min, max]: three runs are too few for an interval on a median). --out keeps both
 tools' files, sweep_speed.json (what ran, and each tool's wall time) and summary.json
-(the figures printed).
+(the figures printed). Given the --out of an invocation whose machine ended before both
+tools did, it goes on from there: a tool that finished is kept, one that did not runs again.
 
     python benchmarks/sweep_speed.py params/h200-sweep-speed.yaml --out results/sweep-speed/<run>
     python benchmarks/sweep_speed.py --summarize results/sweep-speed/<run>   # again, from its files
@@ -32,11 +33,13 @@ Reuse Budget axis. Live knobs are welcome: they change the kit's plan, not the p
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import gzip
 import json
 import os
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -255,6 +258,9 @@ def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
     kit_s, bench_s = meta["wall_s"].get("kit"), meta["wall_s"].get("vllm_bench")
     print(f"\n{len(points)} points x {meta['runs']} measured runs, cold compile caches for both; "
           f"order: {' then '.join(meta['order'])}")
+    if len({r["host"] for r in meta.get("ran", {}).values()}) > 1:
+        print("  the two tools ran on two machines (" + ", ".join(f"{who} on {r['host']} from {r['began'][:16]}"
+                                                              for who, r in meta["ran"].items()) + ")")
     for name, s, n in (("kit sweep", kit_s, len(starts)), ("vllm bench sweep serve", bench_s, bench_starts)):
         print(f"  {name:<24}{s:8.1f} s, {n} server start(s)" if s else f"  {name:<24}  not run")
     ratio = kit_s / bench_s if kit_s and bench_s else None
@@ -291,6 +297,32 @@ def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
     return summary
 
 
+def earlier(out: Path, meta: dict) -> tuple[dict, str | None]:
+    """The record of an earlier invocation into `out`, to go on from (its machine ended
+    before both tools did): a tool it finished keeps its files and wall time, so each
+    tool's wall time is one invocation's, and `ran` says on which host each ran."""
+    rec = out / "sweep_speed.json"
+    if not rec.exists():
+        return meta, f"{out} is not empty and holds no sweep_speed.json to go on from: give a new folder"
+    old = json.loads(rec.read_text())
+    if old["points"] != meta["points"] or old["runs"] != meta["runs"] or old["engine"] != meta["engine"]:
+        return meta, (f"{out} holds another study's invocation ({old['study']}: its points, runs or engine "
+                      "differ): give a new folder")
+    return {**meta, **old, "ran": old.get("ran", {})}, None
+
+
+def unfinished(out: Path, who: str) -> None:
+    """Clear what an earlier invocation of `who` left unfinished: it runs again from scratch."""
+    if who == "kit":
+        shutil.rmtree(out / "kit", ignore_errors=True)
+        return
+    for f in (out / "bench").iterdir():
+        if f.is_dir():
+            shutil.rmtree(f)
+        elif f.name != "prompts.jsonl":
+            f.unlink()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("params", nargs="?", type=Path, help="the study both tools run")
@@ -309,24 +341,32 @@ def main() -> int:
     if wrong := problems(study):
         print("this study cannot run the same way in both tools:\n  " + "\n  ".join(wrong), file=sys.stderr)
         return 2
-    if a.out.exists() and any(a.out.iterdir()):
-        print(f"{a.out} is not empty: give a new folder", file=sys.stderr)
-        return 2
     engine = resolve_engine(study.server.engine)
     points = expand(study, engine)
-    model, dummy = models.resolve(study.model)
-    from transformers import AutoTokenizer
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "bench").mkdir()
-    prompts = write_prompts(make_workload(AutoTokenizer.from_pretrained(model), study.workload).requests(
-        study.workload.requests_per_round), a.out / "bench" / "prompts.jsonl")
     order = ["vllm_bench", "kit"] if a.bench_first else ["kit", "vllm_bench"]
     meta = {"study": str(a.params), "engine": engine, "runs": study.rounds, "order": order,
-            "points": {p.id: p.values for p in points}, "wall_s": {}}
+            "points": {p.id: p.values for p in points}, "wall_s": {}, "ran": {}}
+    if a.out.exists() and any(a.out.iterdir()):
+        meta, wrong = earlier(a.out, meta)
+        if wrong:
+            print(wrong, file=sys.stderr)
+            return 2
+    model, dummy = models.resolve(study.model)
+    (a.out / "bench").mkdir(parents=True, exist_ok=True)
+    prompts = a.out / "bench" / "prompts.jsonl"
+    if not prompts.exists():  # a resumed invocation sends the prompts the finished tool sent
+        from transformers import AutoTokenizer
+        write_prompts(make_workload(AutoTokenizer.from_pretrained(model), study.workload).requests(
+            study.workload.requests_per_round), prompts)
     scratch = Path(tempfile.mkdtemp(prefix="sweep-speed-"))
     try:
         vllm_shim(scratch / "bin")
-        for who in order:
+        for who in meta["order"]:
+            if who in meta["wall_s"]:
+                print(f"{who}: ran in an earlier invocation ({meta['wall_s'][who]:.1f} s), kept", flush=True)
+                continue
+            unfinished(a.out, who)
+            meta["ran"][who] = {"host": socket.gethostname(), "began": dt.datetime.now(dt.timezone.utc).isoformat()}
             env = {**os.environ, **cold_env(scratch / who), "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}"}
             meta["wall_s"][who] = (run_kit(a.params, a.out / "kit", env) if who == "kit" else
                                    run_bench(study, points, model, dummy, prompts, a.out / "bench", env))

@@ -183,3 +183,26 @@ def test_vllms_sweep_options_are_read_from_its_whole_help():
     import os
     text = _sweep_speed().sweep_help(dict(os.environ))
     assert "--serve-cmd" in text and "--warmup-num-prompts" in text and "--num-runs" in text
+
+
+def test_an_unfinished_invocation_goes_on_keeping_the_tool_that_finished(tmp_path):
+    """The machine ended during vllm bench: the kit's run and wall time are kept, vllm
+    bench's partial files go (it runs again) and its prompts stay; another study's
+    folder, or a folder with no record, is refused."""
+    mod = _sweep_speed()
+    meta = {"study": "s.yaml", "engine": "gpu", "runs": 3, "order": ["kit", "vllm_bench"],
+            "points": {"mbt=512": {"max_num_batched_tokens": 512}}, "wall_s": {}, "ran": {}}
+    _write(tmp_path / "sweep_speed.json", {**meta, "wall_s": {"kit": 300.0},
+                                           "ran": {"kit": {"host": "a", "began": "2026-12-05T05:00"}}})
+    _write(tmp_path / "kit" / "run" / "manifest.json", {})
+    _write(tmp_path / "bench" / "sweep" / "point" / "run=0.json", {"duration": 1})
+    (tmp_path / "bench" / "prompts.jsonl").write_text("{}\n")
+    (tmp_path / "bench" / "bench.log").write_text("partial")
+    resumed, wrong = mod.earlier(tmp_path, meta)
+    assert wrong is None and resumed["wall_s"] == {"kit": 300.0} and resumed["ran"]["kit"]["host"] == "a"
+    mod.unfinished(tmp_path, "vllm_bench")
+    assert [f.name for f in (tmp_path / "bench").iterdir()] == ["prompts.jsonl"]
+    assert (tmp_path / "kit" / "run" / "manifest.json").exists()
+    other = {**meta, "points": {"mbt=2048": {"max_num_batched_tokens": 2048}}}
+    assert "another study's" in mod.earlier(tmp_path, other)[1]
+    assert "no sweep_speed.json" in mod.earlier(tmp_path / "bench", meta)[1]
