@@ -52,19 +52,16 @@ def server(tmp_path_factory):
     model = str(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("model")))
     work = tmp_path_factory.mktemp("live")
     stats, control = work / "counters.json", work / "control.json"
-    srv = None
+    # a start that fails stops its own server (VllmServer.start)
+    srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True),
+                               work / "server.log", env=live_knobs.launch_env(control, stats), startup_timeout_s=900)
     try:
-        srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True),
-                                   work / "server.log", env=live_knobs.launch_env(control, stats),
-                                   startup_timeout_s=900)
         _complete(srv.url, list(range(1000, 1100)))  # first request after a start: kernel set-up
         yield srv, stats, control
     finally:
-        if srv is None:  # a failed start stops its own server (VllmServer.start)
-            return
         pgid = srv.proc.pid
         srv.stop()
-        assert pgid is None or group_gone(pgid), "the server's process group outlived stop()"
+        assert group_gone(pgid), "the server's process group outlived stop()"
 
 
 def _round(url: str, stats, seed: int) -> None:
