@@ -74,14 +74,19 @@ def write(tmp_path: Path, study: dict) -> Path:
     return f
 
 
-def serve_on_a_free_port(command, log_path: Path, **kw) -> VllmServer:
+def serve_on_a_free_port(command, log_path: Path, hold=None, made=None, **kw) -> VllmServer:
     """A started VllmServer for `command(port)` on a port free_port picked, started again
     on another where the port was taken before vLLM bound it, as the kit's launcher does
-    (free_port cannot rule that out: servers of other tests start beside this one)."""
+    (free_port cannot rule that out: servers of other tests start beside this one).
+    `hold` goes to start(); `made(server)` is told of each server before it starts (a
+    caller that starts it in a thread watches it while it is held)."""
     for attempt in range(PORT_TRIES):
         port = free_port()
+        srv = VllmServer(command(port), port, log_path, **kw)
+        if made:
+            made(srv)
         try:
-            return VllmServer(command(port), port, log_path, **kw).start()
+            return srv.start(hold=hold)
         except ServerStartError as e:
             if not e.reason.startswith("port in use") or attempt == PORT_TRIES - 1:
                 raise

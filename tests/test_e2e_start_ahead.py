@@ -15,14 +15,12 @@ import time
 import psutil
 import pytest
 
-from e2e_support import UNI, plan_of, sweep, tiny, write
+from e2e_support import UNI, plan_of, serve_on_a_free_port, sweep, tiny, write
 from procs import group_gone
 from vllm_study.define import models
 from vllm_study.launch.slots import SlotLock
 from vllm_study.records.results import RunFolder, read_log
-from vllm_study.launch.server import (ENGINE_INIT_LINE, ServerStartError, VllmServer, _health, free_port, serve_command,
-                                      without_colours)
-from vllm_study.measure.launcher import PORT_TRIES
+from vllm_study.launch.server import ENGINE_INIT_LINE, _health, serve_command, without_colours
 
 pytestmark = pytest.mark.e2e
 
@@ -38,43 +36,25 @@ def _in_group(p: psutil.Process, pgid: int) -> bool:
         return False
 
 
-class _Start(threading.Thread):
-    """srv.start(hold=hold) in a thread, keeping the ServerStartError that ended it."""
-
-    def __init__(self, srv: VllmServer, hold):
-        super().__init__()
-        self.srv, self.hold, self.error = srv, hold, None
-
-    def run(self):
-        try:
-            self.srv.start(hold=self.hold)
-        except ServerStartError as e:
-            self.error = e
-
-
 def test_a_held_server_waits_frozen_for_its_slot_then_serves(tmp_path):
     plan = plan_of(tiny())
     model, dummy = models.resolve(plan.study.model)
     busy = SlotLock(tmp_path / "slot.lock")
     busy.acquire()  # the slot's previous server, still measuring
     waiter = SlotLock(tmp_path / "slot.lock")
-    deadline = time.monotonic() + 600
-    for attempt in range(PORT_TRIES):  # another port where this one was taken (as serve_on_a_free_port)
-        port = free_port()
-        cmd = serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy, extra=UNI)
-        srv = VllmServer(cmd, port, tmp_path / "server.log", startup_timeout_s=600)
-        started = _Start(srv, waiter.acquire)
-        t_begin = time.perf_counter()
-        started.start()
-        while time.monotonic() < deadline and ENGINE_INIT_LINE.decode() not in read_log(tmp_path):
-            if not started.is_alive():
-                break
-            time.sleep(0.2)
-        # vLLM binds its port before its engine initializes: a taken port ends the start here
-        if not (started.error and started.error.reason.startswith("port in use")) or attempt == PORT_TRIES - 1:
-            break
+    made = []  # (server, when its start began): a second where the first's port was taken
+    started = threading.Thread(target=serve_on_a_free_port, kwargs={
+        "command": lambda port: serve_command(model, port, plan.point.engine_args.cli(), "tiny", load_dummy=dummy,
+                                              extra=UNI),
+        "log_path": tmp_path / "server.log", "hold": waiter.acquire, "startup_timeout_s": 600,
+        "made": lambda srv: made.append((srv, time.perf_counter()))})
+    started.start()
     try:
-        assert started.is_alive(), f"{started.error}: {read_log(tmp_path)[-2000:]}"
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and ENGINE_INIT_LINE.decode() not in read_log(tmp_path):
+            assert started.is_alive(), read_log(tmp_path)[-2000:]
+            time.sleep(0.2)
+        srv, t_begin = made[-1]
         # the server's own watch may see the line after this loop does: the hold's clock
         # starts once the group is frozen (it failed once by 12 ms when timed from the line)
         while time.monotonic() < deadline and psutil.STATUS_STOPPED not in _states(srv.proc.pid):
@@ -104,7 +84,8 @@ def test_a_held_server_waits_frozen_for_its_slot_then_serves(tmp_path):
         assert time.monotonic() - t0 < 60
     finally:
         busy.release()
-        srv.stop()
+        for server, _ in made:
+            server.stop()
         started.join(60)
 
 
