@@ -1,6 +1,7 @@
 """The ray executor on this machine's own Ray (ray.init() starts a local cluster): a
 two-point CPU study runs as two Ray tasks, side by side; each task's start folder
-comes back into the run folder, and the manifest records that the starts overlapped."""
+comes back into the run folder, and the manifest records that the starts overlapped.
+A live-knobs group is one task whose start serves both points."""
 from __future__ import annotations
 
 import os
@@ -16,12 +17,12 @@ import psutil
 import pytest
 import yaml
 
-from e2e_support import UNI, tiny, write
+from e2e_support import UNI, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder, StartRecord
 
 pytestmark = pytest.mark.e2e
-ONE_EACH = {"extra_cli_args": UNI, "live_knobs": False}  # a Ray task runs one point's start
+ONE_EACH = {"extra_cli_args": UNI, "live_knobs": False}  # a start (and a Ray task) a point
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -47,6 +48,35 @@ def test_a_two_point_study_runs_as_ray_tasks(tmp_path):
     assert m.executor == "ray"
     assert len(m.overlaps) == 1 and m.overlaps[0]["seconds"] > 0  # the two starts ran side by side
 
+
+def test_a_live_knobs_group_runs_as_one_ray_task(tmp_path):
+    """Live knobs are on by default on the CPU engine: the two chunk sizes share one
+    server start, which one Ray task runs. Each point's start folder comes back into its
+    own place (the lead's with the server's launch and log, the other naming it), and
+    each round ran under its own point's limits."""
+    study = tiny(grid={"max_num_batched_tokens": [256, 512]}, rounds=1,
+                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    r = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--executor", "ray", "--no-report",
+              timeout=1200)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    run = RunFolder(next((tmp_path / "results").iterdir()))
+    (unit,) = run.manifest().order
+    lead = "mbt=512"
+    assert unit.point == lead and sorted(unit.serves) == ["mbt=256", lead]
+    starts = {p: run.point(p).start(1) for p in unit.serves}
+    assert all(s.status == "ok" and s.rounds_ok == 1 for s in starts.values()), \
+        {p: s.reason for p, s in starts.items()}
+    assert starts[lead].serves == unit.serves and starts[lead].launch.startup_s > 0
+    assert (run.point(lead).start_dir(1) / "server.log.gz").exists()
+    assert group_gone(starts[lead].launch.server_pgid)
+    assert starts["mbt=256"].served_by == f"{lead}/s1" and starts["mbt=256"].launch.command is None
+    assert not (run.point("mbt=256").start_dir(1) / "server.log.gz").exists()
+    for p in unit.serves:
+        (rnd,) = run.point(p).rounds()
+        assert rnd.status == "ok" and rnd.limits["max_num_batched_tokens"] == int(p.split("=")[1])
+        assert 0 < rnd.limits["peak_step_tokens"] <= rnd.limits["max_num_batched_tokens"]
+    assert {s.point: s.status for s in run.summaries()} == {p: "ok" for p in unit.serves}
+    assert run.manifest().executor == "ray"
 
 
 def _gone(p: psutil.Process) -> bool:
@@ -173,9 +203,10 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
     dies, raises = (u for u in run.manifest().order)
     tries = tmp_path / "tries"
 
-    def task(plan_json: str, unit: dict, point_id: str) -> bytes:  # in place of ray_cluster.ray_start
+    def task(plans: dict, unit: dict) -> dict:  # in place of ray_cluster.ray_start
         import os
         import signal
+        (point_id,) = plans
         with open(tries, "a") as f:
             f.write(point_id + "\n")
         if point_id == dies.point:
@@ -196,3 +227,42 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
         "the Ray task running this start failed: RayTaskError"), raised.reason
     assert "the task's code raised" in raised.reason
     assert all(unit_finished(run, u) and not unit_finished(run, u, retry_failed=True) for u in (dies, raises))
+
+
+def test_a_lost_ray_start_that_served_several_points_fails_each(tmp_path, monkeypatch):
+    """A shared start (live knobs) whose worker dies: every point it served has a failed
+    start with Ray's reason, the others naming the lead's, and --retry-failed runs the
+    whole start again."""
+    import ray
+
+    from vllm_study import executors
+    from vllm_study.executors import ray_cluster
+    from vllm_study.define.grid import expand
+    from vllm_study.define.study_file import study_from_dict
+    from vllm_study.sweep import create_run, unit_finished
+
+    study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1))
+    points = expand(study, "cpu")
+    run = create_run(tmp_path / "results", study, "cpu", points)
+    (unit,) = run.manifest().order
+    carried = tmp_path / "carried"
+
+    def task(plans: dict, unit: dict) -> dict:  # in place of ray_cluster.ray_start
+        import os
+        import signal
+        carried.write_text(" ".join(sorted(plans)))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    monkeypatch.setattr(ray_cluster, "ray_start", task)
+    try:
+        summary = executors.make("ray", run, study, "cpu", points)(unit, None, None)
+    finally:
+        ray.shutdown()
+    assert carried.read_text() == "mbt=128 mbt=256"  # every served point's plan went with the task
+    assert summary.point == unit.point == "mbt=256" and summary.status == "failed"
+    lead, other = run.point("mbt=256").start(1), run.point("mbt=128").start(1)
+    assert lead.serves == unit.serves and other.served_by == "mbt=256/s1"
+    for rec in (lead, other):
+        assert rec.status == "failed" and rec.reason.startswith("the Ray worker running this start died: ")
+    assert {s.point: s.status for s in run.summaries()} == {"mbt=128": "failed", "mbt=256": "failed"}
+    assert unit_finished(run, unit) and not unit_finished(run, unit, retry_failed=True)

@@ -7,7 +7,6 @@ import pytest
 
 from e2e_support import tiny
 from vllm_study.define.grid import expand, live_groups, point_limits, round_order, run_order
-from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure import counters, live_knobs
 from vllm_study.measure.unit import point_params
@@ -192,17 +191,6 @@ def test_export_leaves_out_the_live_limits_scheduler_and_its_control_file(tmp_pa
     line = shlex.split(note.read_text().splitlines()[2])
     assert "--scheduler-cls" not in line and live_knobs.SCHEDULER_CLS not in line
     assert not any(w.startswith((CONTROL_ENV, "VLLM_STUDY_PB_STATS")) for w in line) and "OMP_NUM_THREADS=1" in line
-
-
-def test_the_ray_executor_refuses_a_run_whose_starts_serve_several_points(tmp_path):
-    pytest.importorskip("ray")
-    from vllm_study import executors
-    from vllm_study.sweep import create_run
-    study, points = _points()
-    run = create_run(tmp_path / "results", study, "cpu", points)
-    assert [len(u.serves) for u in run.manifest().order] == [4]
-    with pytest.raises(StudyError, match="executor ray runs one point a server start.*server.live_knobs: false"):
-        executors.make("ray", run, study, "cpu", points)
 
 
 def test_no_cap_on_one_requests_prefill_is_the_largest_long_prefill_threshold():

@@ -1,7 +1,11 @@
 """Executor ray: each server start a Ray task that asks for its GPUs (num_gpus) on the
 cluster at --ray-address; the task returns its start folder and the driver writes it
 into the run folder. Ray schedules; the kit does not. No task is retried: a start whose
-worker dies is a failed start with Ray's reason, and the sweep goes on."""
+worker dies is a failed start with Ray's reason, and the sweep goes on.
+
+A start that serves several points (server.live_knobs, or a search's live batch) is one
+task too: it carries every served point's plan and brings back each one's start folder
+(the lead's holds the launch and the server log; the others name it in `served_by`)."""
 from __future__ import annotations
 
 import io
@@ -13,7 +17,6 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..define.grid import Unit
-from ..define.schema import StudyError
 from ..measure.point import summarize
 from ..records.results import RunFolder, now_utc, resume_hint
 from ..measure.unit import run_unit
@@ -30,14 +33,6 @@ class RayExecutor(Executor):
     def __init__(self, run, study, engine, points, ray_address=None, parallel=None):
         import ray
         super().__init__(run, study, engine, points)
-        if any(u.serves for u in run.manifest().order):  # a task ships one point's folder, not a group's
-            raise StudyError("executor ray runs one point a server start, and this run shares starts between "
-                             "points (server.live_knobs): set server.live_knobs: false in the study, or use "
-                             "--executor local or gpus")
-        if study.search and study.server.live_on(engine) and study.search.live_batch > 1:
-            raise StudyError("executor ray runs one point a server start, and this search shares starts between "
-                             "trials (server.live_knobs with search.live_batch > 1): set search.live_batch: 1 or "
-                             "server.live_knobs: false, or use --executor local or gpus")
         ray.init(address=ray_address, ignore_reinit_error=True, log_to_driver=False)
         have = ray.cluster_resources()
         tp = self.tp
@@ -50,10 +45,10 @@ class RayExecutor(Executor):
 
     def __call__(self, unit: Unit, slot, bar: tqdm | None, release=None):
         import ray
-        folder = self.run.point(unit.point)
+        plans = {p: self.run.point(p).plan_path.read_text() for p in unit.points}
         started = now_utc()
         try:
-            packed = ray.get(self.task.remote(folder.plan_path.read_text(), unit.model_dump(), unit.point))
+            packed = ray.get(self.task.remote(plans, unit.model_dump()))
         except ray.exceptions.RayError as e:
             # its worker died (the guard stopped what it ran) or the task raised: the start
             # failed, as data; the sweep goes on with the other units
@@ -62,6 +57,11 @@ class RayExecutor(Executor):
                        f"once the sweep has ended, this runs it again:\n    {resume_hint(self.run)} --retry-failed")
         else:
             unpack_start(self.run, unit, packed)
+        # the other served points' summaries, as the point notebook writes them under the
+        # other executors (a search reads each trial's); the lead's is returned
+        for p in unit.serves[1:]:
+            summarize(self.run.point(p), self.run.point(p).plan())
+        folder = self.run.point(unit.point)
         return summarize(folder, folder.plan())
 
 
@@ -72,25 +72,28 @@ def _pack(folder: Path) -> bytes:
     return buf.getvalue()
 
 
-def ray_start(plan_json: str, unit: dict, point_id: str) -> bytes:
-    """A Ray task body: one server start in a scratch run folder on the worker; returns
-    the start folder packed. The worker needs the kit installed (the same environment).
+def ray_start(plans: dict[str, str], unit: dict) -> dict[str, bytes]:
+    """A Ray task body: one server start in a scratch run folder on the worker; `plans`:
+    each point the start serves, its plan (point.json). Returns each point's start folder
+    packed. The worker needs the kit installed (the same environment).
     Its papermill, kernel and server each run in a session of their own and would outlive
     a killed worker: a guard process (orphan_guard) stops them and removes the scratch
-    folder if the worker dies. The scratch folder goes once the start folder is packed."""
+    folder if the worker dies. The scratch folder goes once the start folders are packed."""
     import ray
 
     scratch = Path(tempfile.mkdtemp(prefix="vllm-study-"))
     guard = orphan_guard.launch(scratch)
     done = False
     try:
-        folder = RunFolder(scratch).point(point_id)
-        folder.path.mkdir(parents=True)
-        folder.plan_path.write_text(plan_json)
+        run = RunFolder(scratch)
+        for point_id, plan_json in plans.items():
+            folder = run.point(point_id)
+            folder.path.mkdir(parents=True)
+            folder.plan_path.write_text(plan_json)
         u = Unit(**unit)
         gpus = [int(g) for g in ray.get_gpu_ids()] or None
-        run_unit(RunFolder(scratch), u, gpus=gpus)
-        packed = _pack(folder.start_dir(u.start))
+        run_unit(run, u, gpus=gpus)
+        packed = {p: _pack(run.point(p).start_dir(u.start)) for p in u.points}
         done = True
         return packed
     finally:
@@ -112,26 +115,30 @@ def lost_start_reason(error: BaseException) -> str:
 
 
 def record_lost_start(run: RunFolder, unit: Unit, rounds_planned: int, started_utc: str, reason: str) -> None:
-    """A failed start in the run folder for a Ray start that never came back (its worker
-    died, its node went away): its rounds are gone with the worker's scratch folder; the
-    report shows the reason and `--resume --retry-failed` runs it again."""
-    dest = _fresh_start_dir(run, unit)
-    StartRecord(point=unit.point, start=unit.start, block=unit.block, status="failed", reason=reason,
-                started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",
-                rounds_planned=rounds_planned).save(dest / START)
+    """A failed start in the run folder, for each point it served, for a Ray start that
+    never came back (its worker died, its node went away): its rounds are gone with the
+    worker's scratch folder; the report shows the reason and `--resume --retry-failed`
+    runs it again."""
+    lead = f"{unit.point}/s{unit.start}"
+    for p in unit.points:
+        StartRecord(point=p, start=unit.start, block=unit.block, status="failed", reason=reason,
+                    started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",
+                    rounds_planned=rounds_planned, serves=unit.serves if p == unit.point else [],
+                    served_by=None if p == unit.point else lead).save(_fresh_start_dir(run, p, unit.start) / START)
 
 
-def _fresh_start_dir(run: RunFolder, unit: Unit) -> Path:
-    """The unit's start folder in the run, emptied of an earlier try's files (a start run
+def _fresh_start_dir(run: RunFolder, point: str, start: int) -> Path:
+    """The point's start folder in the run, emptied of an earlier try's files (a start run
     again with --retry-failed): none of them may be read as this try's."""
-    dest = run.point(unit.point).start_dir(unit.start)
+    dest = run.point(point).start_dir(start)
     if dest.exists():
         shutil.rmtree(dest)
     dest.mkdir(parents=True)
     return dest
 
 
-def unpack_start(run: RunFolder, unit: Unit, packed: bytes) -> None:
-    dest = _fresh_start_dir(run, unit)
-    with tarfile.open(fileobj=io.BytesIO(packed), mode="r:gz") as tar:
-        tar.extractall(dest, filter="data")
+def unpack_start(run: RunFolder, unit: Unit, packed: dict[str, bytes]) -> None:
+    """Each served point's start folder, as the task packed it, into the run folder."""
+    for point, data in packed.items():
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as tar:
+            tar.extractall(_fresh_start_dir(run, point, unit.start), filter="data")
