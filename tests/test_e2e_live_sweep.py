@@ -72,3 +72,22 @@ def test_one_start_serves_four_points_under_the_limits_each_round_recorded(tmp_p
     html = (run.path / "report.html").read_text()
     assert all(p in html for p in unit.serves)
     assert {s.point: s.status for s in run.summaries()} == {p: "ok" for p in unit.serves}
+
+
+def test_precision_adds_a_start_that_serves_the_whole_group_again(tmp_path):
+    """One planned start gives no start-to-start spread, so every interval is too wide:
+    precision adds a block, and its start serves both points again, as the first did."""
+    study = tiny(grid={"max_num_batched_tokens": CHUNKS}, rounds=1,
+                 precision={"metric": "ttft_p90_ms", "relative_width": 0.2, "max_starts": 2},
+                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    done = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report", timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "precision: block 2, 1 more server start(s) for 2 point(s), start 2+" in done.stdout
+    run = RunFolder(next((tmp_path / "results").iterdir()))
+    lead = "mbt=512"
+    assert [(u.point, u.start, u.block, sorted(u.serves)) for u in run.manifest().order] == [
+        (lead, k, k, ["mbt=256", lead]) for k in (1, 2)]
+    for k in (1, 2):
+        assert run.point(lead).start(k).serves == [lead, "mbt=256"]
+        assert run.point("mbt=256").start(k).served_by == f"{lead}/s{k}"
+    assert {s.point: (s.status, s.starts_done) for s in run.summaries()} == {p: ("ok", 2) for p in ("mbt=256", lead)}

@@ -54,7 +54,6 @@ def test_the_default_is_on_for_cpu_and_off_for_gpu_and_false_turns_it_off():
 
 
 @pytest.mark.parametrize("over, why", [
-    ({"precision": {"metric": "ttft_p90_ms", "relative_width": 0.1, "max_starts": 3}}, "precision adds starts"),
     ({"server": {"extra_cli_args": ["--scheduler-cls", "my.Sched"]}}, "sets --scheduler-cls"),
 ])
 def test_what_cannot_share_a_start_is_refused_when_asked_and_falls_back_by_default(over, why):
@@ -64,6 +63,48 @@ def test_what_cannot_share_a_start_is_refused_when_asked_and_falls_back_by_defau
     study, points = _points(**over)  # the default: one start a point, and why
     groups, note = live_groups(study, "cpu", points)
     assert [len(g) for g in groups] == [1, 1, 1, 1] and why.split(":")[0] in note
+
+
+PRECISION = {"metric": "ttft_p90_ms", "relative_width": 0.2, "max_starts": 3}
+WIDE = "mbt=256__mns=2__bs=16"
+
+
+def _widths(monkeypatch, points):
+    """point_intervals as if WIDE's interval were 50% wide and every other point's 10%."""
+    import pandas as pd
+
+    from vllm_study import sweep
+    rows = [{"point": p.id, "metric": "ttft_p90_ms", "value": 100.0, "ci_low": 100.0, "scale": "log",
+             "ci_high": 150.0 if p.id == WIDE else 110.0} for p in points]
+    monkeypatch.setattr(sweep, "point_intervals", lambda rounds, names: pd.DataFrame(rows))
+
+
+def test_precision_adds_whole_shared_starts_where_one_of_their_points_is_wide(tmp_path, monkeypatch):
+    """With live knobs, a group one of whose points is still wide gets one more start that
+    serves the whole group again (each point's starts stay shared ones, and the group's
+    points stay compared within each); the other group gets none; max_starts caps it."""
+    from vllm_study.sweep import create_run, more_starts
+    study, points = _points(grid={**GRID, "block_size": [16, 32]}, replicates=2, precision=PRECISION)
+    run = create_run(tmp_path / "results", study, "cpu", points)
+    planned = run.manifest().order
+    assert len(planned) == 4 and all(len(u.serves) == 4 for u in planned)
+    _widths(monkeypatch, points)
+    (extra,) = more_starts(run, study)
+    lead = "mbt=512__mns=4__bs=16"
+    assert extra.point == lead and extra.serves[0] == lead
+    assert sorted(extra.serves) == sorted(p.id for p in points if p.values["block_size"] == 16)
+    assert (extra.start, extra.block) == (3, 3) and run.manifest().order[-1] == extra
+    assert more_starts(run, study) == []  # the group has max_starts (3) starts now
+
+
+def test_precision_adds_a_start_of_the_wide_point_alone_where_each_point_has_its_own(tmp_path, monkeypatch):
+    from vllm_study.sweep import create_run, more_starts
+    study, points = _points(grid={**GRID, "block_size": [16, 32]}, replicates=2, precision=PRECISION,
+                            server={"live_knobs": False})
+    run = create_run(tmp_path / "results", study, "cpu", points)
+    _widths(monkeypatch, points)
+    (extra,) = more_starts(run, study)
+    assert (extra.point, extra.serves, extra.start, extra.block) == (WIDE, [], 3, 3)
 
 
 def test_run_order_shuffles_groups_and_keeps_the_order_of_single_points():

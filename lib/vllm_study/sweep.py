@@ -195,7 +195,8 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             extra = more_starts(run, study)
             if not extra:
                 break
-            print(f"precision: {len(extra)} point(s) get server start {extra[0].start}+ (block {extra[0].block})")
+            print(f"precision: block {extra[0].block}, {len(extra)} more server start(s) for "
+                  f"{sum(len(u.points) for u in extra)} point(s), start {extra[0].start}+")
             outcome = _run_units(run, extra, study, t0, max_minutes, runner, outcome.lengths)
         if study.confirm:
             outcome = confirm_until_resolved(run, study, outcome, lambda units, o: _run_units(
@@ -363,20 +364,27 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
     """One more block for the points whose interval of `precision.metric` is wider than
     asked and that have fewer than `precision.max_starts` starts; appended to the
     manifest's order (so --resume runs it too). Empty when every point is precise
-    enough or at its cap."""
+    enough or at its cap. A start that serves several points (live knobs) comes again
+    whole where any of its points is wide: each point's starts stay of one kind, and the
+    points of a group stay compared within each start."""
     prec = study.precision
     manifest = run.manifest()
     iv = point_intervals(run.rounds_table(), [prec.metric])
-    starts = {}
+    starts: dict[str, int] = {}       # every point a start served: its last start's number
+    group: dict[str, tuple] = {}      # and the points of the first start that served it (lead first)
     for u in manifest.order:
-        starts[u.point] = max(starts.get(u.point, 0), u.start)
-    wide = [row.point for row in iv.itertuples()
-            if relative_width(row) > prec.relative_width and starts.get(row.point, 0) < prec.max_starts]
-    if not wide:
+        for p in u.points:
+            starts[p] = max(starts.get(p, 0), u.start)
+            group.setdefault(p, tuple(u.points))
+    wide = [row.point for row in iv.itertuples() if relative_width(row) > prec.relative_width]
+    groups = [g for g in dict.fromkeys(group.get(p, (p,)) for p in wide)
+              if max(starts.get(p, 0) for p in g) < prec.max_starts]
+    if not groups:
         return []
     block = max(u.block for u in manifest.order) + 1
-    random.Random(f"{study.order_seed}/{block}").shuffle(wide)
-    extra = [Unit(point=p, start=starts[p] + 1, block=block) for p in wide]
+    random.Random(f"{study.order_seed}/{block}").shuffle(groups)
+    extra = [Unit(point=g[0], start=max(starts[p] for p in g) + 1, block=block, serves=list(g) if len(g) > 1 else [])
+             for g in groups]
     manifest.order += extra
     manifest.save(run.manifest_path)
     return extra

@@ -437,8 +437,6 @@ def live_knobs_unsupported(study) -> str | None:
     """Why a study's points cannot share server starts through live scheduler limits, or None."""
     if study.targets:
         return "a targets study measures servers the kit does not launch"
-    if study.precision:
-        return "precision adds starts of single points, which a shared start cannot be compared with"
     if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
         return ("server.extra_cli_args sets --scheduler-cls: the limits change through the kit's own "
                 "scheduler plugin, which that class replaces")
