@@ -10,7 +10,6 @@ import pytest
 
 from e2e_support import kv_bytes, tiny
 from vllm_study.define.grid import PointMaker, expand, launch_limits, search_live_label
-from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.search import config_search as cs
 from vllm_study.sweep import create_run
@@ -162,15 +161,6 @@ def test_the_plan_says_how_many_trials_a_start_serves_and_why_none_share():
                                     "search": {**study.search.model_dump(mode="json"),
                                                "space": {"kv_cache_memory_bytes": [SMALL, ROOMY]}, "first": []}})
     assert "no knob of the space changes live" in search_live_label(only_restart, "cpu")
-
-
-def test_the_ray_executor_refuses_a_search_whose_starts_serve_several_trials(tmp_path):
-    pytest.importorskip("ray")
-    from vllm_study import executors
-    study = _study()
-    run = create_run(tmp_path / "results", study, "cpu", expand(study, "cpu"))
-    with pytest.raises(StudyError, match="search shares starts between trials.*search.live_batch: 1"):
-        executors.make("ray", run, study, "cpu", expand(study, "cpu"))
 
 
 def test_the_wall_time_estimate_counts_the_starts_a_shared_search_saves():

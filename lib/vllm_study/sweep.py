@@ -281,7 +281,7 @@ def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float
         def work(u: Unit, slot, release):
             if not runner.rounds_live:  # elsewhere the start's watcher names it once it measures
                 with lock:
-                    bar.set_description(f"{u.point} #{u.start}")
+                    bar.set_description(u.label)
             s = runner(u, slot, bar, release)
             if on_done:
                 on_done(u, s)

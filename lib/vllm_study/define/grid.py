@@ -89,6 +89,11 @@ class Unit(BaseModel):
     def points(self) -> list[str]:
         return self.serves or [self.point]
 
+    @property
+    def label(self) -> str:
+        """How the progress bar names it: 'mbt=512 #2', '(+3 live)' where it serves more."""
+        return f"{self.point} #{self.start}" + (f" (+{len(self.serves) - 1} live)" if self.serves else "")
+
 
 def _check_point(study: Study, args: EngineArgs, engine: str,
                  max_model_len: int | None) -> tuple[Effective, list[str], list[str]]:

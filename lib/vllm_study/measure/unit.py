@@ -108,8 +108,7 @@ def run_unit(run: RunFolder, unit: Unit, gpus: list[int] | None = None, bar: tqd
     params = point_params(folder.plan_path, sdir, unit, gpus, slot_lock, nbdir)
     out = (sdir / NOTEBOOK).resolve()
     stop = threading.Event()
-    label = f"{unit.point} #{unit.start}" + (f" (+{len(unit.serves) - 1} live)" if unit.serves else "") \
-        + (f" on GPUs {gpus}" if gpus else "")
+    label = unit.label + (f" on GPUs {gpus}" if gpus else "")
     served = tuple(run.point(p).start_dir(unit.start).resolve() for p in unit.serves[1:])
     watcher = threading.Thread(target=_watch_start, args=(sdir.resolve(), bar, on_started, stop, label, served),
                                daemon=True) if bar is not None or on_started is not None else None
