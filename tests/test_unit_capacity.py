@@ -324,7 +324,7 @@ def test_the_console_table_of_a_capacity_study_leads_with_capacity_and_bracket(t
     row = next(line for line in out.splitlines() if line.startswith("mbt=256 "))
     assert "3.00 [" in row and "s1: [2.83, 3.08]" in row
     # the committed H200 search, as its sweep and report end
-    t = report.short_table(report.Run.load(H200_RUN).folder)
+    t = report.short_table(report.Run.load(H200_RUN))
     assert list(t.columns[:3]) == ["status", "capacity (req/s)", "speed bracket per start"]
     assert t.loc["mbt=2048__pc=on", "capacity (req/s)"].startswith("6.50 [")
     assert t.loc["mbt=8192__pc=on", "capacity (req/s)"] == "< 1.87"

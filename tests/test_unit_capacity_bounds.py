@@ -62,7 +62,7 @@ def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run,
     assert pc.starts[1].value == pytest.approx(0.7, rel=1e-6)
     assert pc.statistics == ["margins", "margins"]
     table = capacity_section.capacity_table(r)
-    short = report.short_table(run)
+    short = report.short_table(r)
     for t in (table, short, report.point_table(r) if hasattr(report, "point_table") else table):
         for cell in t.astype(str).to_numpy().ravel():
             assert not cell.startswith("0.00") and "[0.00" not in cell, t
@@ -208,7 +208,7 @@ def test_a_capacity_over_concurrency_is_never_labelled_in_req_s(tmp_path):
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 5.0, "mbt=512": 0.5}, study_over=closed)
     r = report.Run.load(run.path)
     assert capacity_section.capacity_column(r) == "capacity (concurrency)"
-    for t in (capacity_section.capacity_table(r), report.short_table(run), report.headline_table(r)):
+    for t in (capacity_section.capacity_table(r), report.short_table(r), report.headline_table(r)):
         assert "capacity (req/s)" not in t.columns
         col = t["capacity (concurrency)"]
         assert col["mbt=512"] == "< 2" and col["mbt=256"].startswith("5 [")

@@ -115,7 +115,7 @@ def _conclude(run) -> int:
         print(capacity_section.search_trials(r).to_string())
         print("\n" + search_report.NOT_CONFIRMED.format(run=run.path))
         return 0
-    print(report.short_table(run).to_string())
+    print(report.short_table(r).to_string())
     return 0
 
 

@@ -14,7 +14,7 @@ import pandas as pd
 from ..analysis import intervals as analysis
 from ..vocab import metrics
 from ..define.params import TraceSpec
-from ..records.results import PointSummary, RunFolder
+from ..records.results import PointSummary
 from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study
 from .run import Run, _lookup, _per_start, status_label
 
@@ -187,10 +187,9 @@ def study_failed(r: Run) -> bool:
     return not r.measured and not trials
 
 
-def short_table(folder: RunFolder) -> pd.DataFrame:
+def short_table(r: Run) -> pd.DataFrame:
     """The console's table (sweep's and report's last words); a capacity study's leads with
     each point's capacity, its interval and each start's bracket."""
-    r = Run.load(folder)
     t = headline_table(r)
     keep = [c for c in t.columns if c in ("status", "TTFT P90 (ms)", "ITL P90 (ms)", "TPOT P50 (ms)",
                                           "output tokens/s (tok/s)", "prefix-cache hit rate")]
