@@ -60,17 +60,21 @@ def test_steps_at_one_load_are_pooled_before_the_fit():
     assert x == pytest.approx(lx, rel=1e-12)
 
 
-@pytest.mark.parametrize("q", [0.5, 0.9, 0.99])
-def test_resampled_quantiles_are_the_kits_percentiles(q):
+@pytest.mark.parametrize("q", [0.01, 0.5, 0.9, 0.99, 0.999])
+@pytest.mark.parametrize("n, most_gaps, decimals", [(25, 30, 6), (200, 120, 0)])
+def test_resampled_quantiles_are_the_kits_percentiles(q, n, most_gaps, decimals):
     """The counts-based quantile equals np.percentile over the pooled values of the same
-    requests drawn with repetition, per-request values and per-request gap arrays alike."""
+    requests drawn with repetition, per-request values and per-request gap arrays alike:
+    with ties (values rounded), requests without a gap, and pooled values many times the
+    requests (the rank is then found in stretches, _Pooled)."""
     rng = np.random.default_rng(3)
-    gaps = [rng.lognormal(3, 0.5, rng.integers(1, 30)) for _ in range(25)]
-    ttft = rng.lognormal(6, 0.4, 25)
+    gaps = [np.round(rng.lognormal(3, 0.5, rng.integers(0, most_gaps)), decimals) for _ in range(n)]
+    ttft = np.round(rng.lognormal(6, 0.4, n), decimals)
     b = [Bound(name="a", quantile=q, limit=1), Bound(name="b", quantile=q, limit=1)]
     s = _StepSample(StepData(load=1, latencies={"a": ttft, "b": gaps}), b)
-    idx = rng.integers(0, 25, (7, 25))
-    counts = np.stack([np.bincount(i, minlength=25) for i in idx])
+    assert n == 25 or len(s.sorted[1].marks) > 10  # many stretches
+    idx = rng.integers(0, n, (40, n))
+    counts = np.stack([np.bincount(i, minlength=n) for i in idx])
     got = s.quantiles(counts, b)
     for r, i in enumerate(idx):
         assert got[r, 0] == pytest.approx(np.percentile(ttft[i], 100 * q), rel=1e-12)

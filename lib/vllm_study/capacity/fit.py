@@ -147,6 +147,41 @@ def _monotone_crossings(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     return out
 
 
+class _Pooled:
+    """One bound's pooled values, sorted, with their requests, and where the rank of any
+    resample's quantile lies: a resample is a count per request, and the value at rank t
+    of the pooled values repeated that often is the first sorted value whose running count
+    exceeds t. That running count over all N values for each of 999 resamples (N is every
+    token gap of a step: 10^5 and more) was most of a capacity report's time, so it is
+    taken in two passes: counts @ `before` (a matrix product) gives the running count at
+    `marks`, K evenly spaced positions, which bracket each resample's rank; then the
+    running count within the one bracketed stretch of N/K values. Exact: the counts are
+    small integers, which a float64 product sums without rounding."""
+
+    def __init__(self, vals: np.ndarray, owner: np.ndarray, n: int):
+        self.vals, self.owner = vals, owner
+        N = len(vals)
+        # a stretch costs a gather per resample and value, a mark a multiply-add per
+        # resample and request (about 30 times cheaper): K balances the two
+        K = int(np.clip(round(math.sqrt(30 * N / max(n, 1))), 1, N))
+        self.marks = np.unique(np.linspace(0, N, K + 1).round().astype(int))
+        # before[j, i]: request j's values at sorted positions below marks[i]
+        per_stretch = [np.bincount(owner[a:b], minlength=n) for a, b in zip(self.marks[:-1], self.marks[1:])]
+        self.before = np.concatenate([np.zeros((n, 1)), np.cumsum(np.stack(per_stretch, 1), axis=1)], axis=1)
+        self.width = int(np.diff(self.marks).max())
+
+    def index(self, counts: np.ndarray, at_marks: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Per resample, how many sorted positions have a running count <= t (the position
+        of the value at rank t), at most N - 1."""
+        N, r, last = len(self.vals), np.arange(len(t)), len(self.marks) - 2
+        s = np.minimum((at_marks[:, 1:] <= t[:, None]).sum(axis=1), last)  # the stretch where the count passes t
+        start, end = self.marks[s], self.marks[s + 1]
+        pos = start[:, None] + np.arange(self.width)
+        ok = pos < end[:, None]
+        run = at_marks[r, s][:, None] + np.cumsum(counts[r[:, None], self.owner[np.minimum(pos, N - 1)]] * ok, axis=1)
+        return np.minimum(start + ((run <= t[:, None]) & ok).sum(axis=1), N - 1)
+
+
 class _StepSample:
     """One step's latencies per bound, sorted once, so the quantile of any resample of its
     requests is a cumulative count: no copy of the latencies per resample."""
@@ -154,9 +189,10 @@ class _StepSample:
     def __init__(self, step: StepData, bounds: list[Bound]):
         self.failed = step.failed
         self.n = 0
-        self.sorted: list[tuple[np.ndarray, np.ndarray]] = []   # per bound: values, owning request
+        self.sorted: list[_Pooled] = []   # per bound
         if step.failed:
             return
+        pooled = []
         for b in bounds:
             if b.name not in step.latencies:
                 raise ValueError(f"step at load {step.load:g} has no latencies for SLO bound {b.name}: "
@@ -167,7 +203,8 @@ class _StepSample:
                                  f"{self.n}; every bound's latencies come from the step's same requests")
             self.n = n
             o = np.argsort(vals, kind="stable")
-            self.sorted.append((vals[o], owner[o]))
+            pooled.append((vals[o], owner[o]))
+        self.sorted = [_Pooled(v, o, self.n) for v, o in pooled]
         if self.n < 2:
             raise ValueError(f"step at load {step.load:g} has {self.n} request(s) with latencies: a "
                              f"margin's interval needs at least 2 (a step with none answered is failed=True)")
@@ -176,14 +213,14 @@ class _StepSample:
         """Each bound's quantile over requests drawn `counts` times (resamples x requests),
         as np.percentile's default (linear) computes it over the pooled values."""
         out = np.empty((counts.shape[0], len(bounds)))
-        for k, ((vals, owner), b) in enumerate(zip(self.sorted, bounds)):
-            cum = np.cumsum(counts[:, owner], axis=1)           # pooled values up to each sorted one
-            total = cum[:, -1]
-            h = (total - 1) * b.quantile
+        as_float = counts.astype(float)
+        for k, (pooled, b) in enumerate(zip(self.sorted, bounds)):
+            at_marks = as_float @ pooled.before                # pooled values below each mark
+            h = (at_marks[:, -1] - 1) * b.quantile
             lo = np.floor(h)
-            i0 = np.minimum((cum <= lo[:, None]).sum(axis=1), len(vals) - 1)       # value at rank floor(h)
-            i1 = np.minimum((cum <= lo[:, None] + 1).sum(axis=1), len(vals) - 1)   # at rank floor(h) + 1
-            out[:, k] = vals[i0] + (h - lo) * (vals[i1] - vals[i0])
+            i0 = pooled.index(counts, at_marks, lo)            # the value at rank floor(h)
+            i1 = pooled.index(counts, at_marks, lo + 1)        # at rank floor(h) + 1
+            out[:, k] = pooled.vals[i0] + (h - lo) * (pooled.vals[i1] - pooled.vals[i0])
         return out
 
 
