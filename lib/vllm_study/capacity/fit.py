@@ -151,8 +151,8 @@ class _Pooled:
     """One bound's pooled values, sorted, with their requests, and where the rank of any
     resample's quantile lies: a resample is a count per request, and the value at rank t
     of the pooled values repeated that often is the first sorted value whose running count
-    exceeds t. That running count over all N values for each of 999 resamples (N is every
-    token gap of a step: 10^5 and more) was most of a capacity report's time, so it is
+    exceeds t. A running count over all N values for each of 999 resamples (N is every
+    token gap of a step: 10^5 and more) takes seconds per step and gigabytes, so it is
     taken in two passes: counts @ `before` (a matrix product) gives the running count at
     `marks`, K evenly spaced positions, which bracket each resample's rank; then the
     running count within the one bracketed stretch of N/K values. Exact: the counts are
