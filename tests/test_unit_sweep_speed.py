@@ -153,8 +153,9 @@ def test_the_summary_sets_the_kit_against_its_own_plan_and_vllm_bench_one_start_
     assert got["kit_over_limit"] == pytest.approx(100.0 / 83.140827)
     assert got["vllm_bench_plan_s"] == {"gpu_startup_s": pytest.approx(67.740827), "measure_s": 80.0}
     assert got["targets_met"] == {"ratio": True, "limit": True}
+    assert got["ratio_floor"] == pytest.approx(83.140827 / 400.0)  # the kit at its limit
     out = capsys.readouterr().out
-    assert "1 server start(s)" in out and "2 server start(s)" in out
+    assert "1 server start(s)" in out and "2 server start(s)" in out and "floor of the ratio          0.21" in out
 
 
 def test_a_study_with_live_knobs_is_one_both_tools_can_run():
