@@ -206,6 +206,16 @@ def test_the_dry_run_shows_each_start_and_the_points_it_serves(tmp_path, capsys)
     assert "live knobs: none shared (server.live_knobs: false); one server start a point" in capsys.readouterr().out
 
 
+def test_the_dry_run_shows_the_args_every_start_adds_as_a_shell_would_take_them(tmp_path, capsys):
+    import yaml
+    from vllm_study.sweep import dry_run
+    extra = ["--distributed-executor-backend", "uni", "--compilation-config", '{"compile_ranges_endpoints": [128]}']
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump(tiny(server={"extra_cli_args": extra}), sort_keys=False))
+    dry_run([str(tmp_path / "s.yaml")], "cpu")
+    assert ("--enforce-eager --distributed-executor-backend uni --compilation-config "
+            """'{"compile_ranges_endpoints": [128]}'\n""") in capsys.readouterr().out
+
+
 def test_export_leaves_out_the_live_limits_scheduler_and_its_control_file(tmp_path):
     """What let the kit lower the limits between rounds is no serving setting."""
     import shlex

@@ -9,6 +9,7 @@ import contextlib
 import datetime as dt
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -569,7 +570,8 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
                 print(f"  start {i} launches as {g[0].id}" + (f" and serves: {', '.join(p.id for p in g)}"
                                                              if len(g) > 1 else ""))
     for p in points:
-        print(f"\n{p.id}\n  vllm args: {' '.join(p.engine_args.cli())}")
+        # the point's own args, then server.extra_cli_args (every start's), as the launch gives them
+        print(f"\n{p.id}\n  vllm args: {shlex.join(p.engine_args.cli() + list(study.server.extra_cli_args))}")
         if p.prefix_budget:
             print(f"  scheduler: Prefix Reuse Budget, min_reuse_ratio {p.prefix_budget.min_reuse_ratio:g}, "
                   f"max_defer_ms {p.prefix_budget.max_defer_ms:g}")
