@@ -266,3 +266,29 @@ def test_a_lost_ray_start_that_served_several_points_fails_each(tmp_path, monkey
         assert rec.status == "failed" and rec.reason.startswith("the Ray worker running this start died: ")
     assert {s.point: s.status for s in run.summaries()} == {"mbt=128": "failed", "mbt=256": "failed"}
     assert unit_finished(run, unit) and not unit_finished(run, unit, retry_failed=True)
+
+
+def test_a_task_whose_notebook_died_before_the_served_points_folders_brings_back_the_lead_s(tmp_path,
+                                                                                           monkeypatch):
+    """The worker's side, without vLLM: the notebook makes the served points' folders, so
+    one that died first leaves only the lead's start folder, which comes back alone (a
+    missing folder must not fail the task: the lead's own reason would be lost)."""
+    import ray
+
+    from vllm_study.define.grid import Unit
+    from vllm_study.executors import ray_cluster
+
+    def died_early(run, unit, gpus=None):  # in place of run_unit: the lead's record only
+        d = run.point(unit.point).start_dir(unit.start)
+        d.mkdir(parents=True)
+        (d / "start.json").write_text('{"status": "failed"}')
+
+    monkeypatch.setattr(ray, "get_gpu_ids", lambda: [])
+    monkeypatch.setattr(ray_cluster, "run_unit", died_early)
+    unit = Unit(point="mbt=256", start=1, block=1, serves=["mbt=256", "mbt=128"])
+    packed = ray_cluster.ray_start({"mbt=256": "{}", "mbt=128": "{}"}, unit.model_dump())
+    assert list(packed) == ["mbt=256"]
+    run = RunFolder(tmp_path / "run")
+    ray_cluster.unpack_start(run, unit, packed)
+    assert (run.point("mbt=256").start_dir(1) / "start.json").read_text() == '{"status": "failed"}'
+    assert not run.point("mbt=128").start_dir(1).exists()

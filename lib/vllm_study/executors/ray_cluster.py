@@ -93,7 +93,9 @@ def ray_start(plans: dict[str, str], unit: dict) -> dict[str, bytes]:
         u = Unit(**unit)
         gpus = [int(g) for g in ray.get_gpu_ids()] or None
         run_unit(run, u, gpus=gpus)
-        packed = {p: _pack(run.point(p).start_dir(u.start)) for p in u.points}
+        # the notebook makes the served points' folders: one that died before leaves none to
+        # bring back (as it leaves none under the other executors)
+        packed = {p: _pack(d) for p in u.points if (d := run.point(p).start_dir(u.start)).is_dir()}
         done = True
         return packed
     finally:
