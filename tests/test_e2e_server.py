@@ -70,7 +70,10 @@ def test_server_answers_and_counts_prefix_hits(server):
     for r, q in zip(results, reqs):
         assert r.prompt_tokens == q.prompt_tokens  # the workload's exact length, as the server counts it
         assert r.output_tokens == 16               # ignore_eos: fixed output length
-        assert len(r.itl_s) == 15 and r.ttft_s > 0 and r.tpot_s > 0
+        # one gap a content chunk: 15 where each chunk carries one token. vLLM's API server
+        # merges the tokens a request's stream has not sent yet into one chunk when it falls
+        # behind (a loaded machine), so fewer, never more
+        assert 1 <= len(r.itl_s) <= 15 and r.ttft_s > 0 and r.tpot_s > 0
     d = counters.round_deltas(before, after)
     assert d["prefix_cache_queries"] == sum(q.prompt_tokens for q in reqs)
     # 4 later requests reuse the 512-token prefix: at least 3 full 128-token blocks each
