@@ -378,14 +378,13 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
             starts[p] = max(starts.get(p, 0), u.start)
             group.setdefault(p, tuple(u.points))
     wide = [row.point for row in iv.itertuples() if relative_width(row) > prec.relative_width]
-    groups = [g for g in dict.fromkeys(group.get(p, (p,)) for p in wide)
-              if max(starts.get(p, 0) for p in g) < prec.max_starts]
+    last = {g: max(starts.get(p, 0) for p in g) for g in dict.fromkeys(group.get(p, (p,)) for p in wide)}
+    groups = [g for g, n in last.items() if n < prec.max_starts]
     if not groups:
         return []
     block = max(u.block for u in manifest.order) + 1
     random.Random(f"{study.order_seed}/{block}").shuffle(groups)
-    extra = [Unit(point=g[0], start=max(starts[p] for p in g) + 1, block=block, serves=list(g) if len(g) > 1 else [])
-             for g in groups]
+    extra = [Unit(point=g[0], start=last[g] + 1, block=block, serves=list(g) if len(g) > 1 else []) for g in groups]
     manifest.order += extra
     manifest.save(run.manifest_path)
     return extra

@@ -121,7 +121,7 @@ def record_lost_start(run: RunFolder, unit: Unit, rounds_planned: int, started_u
     never came back (its worker died, its node went away): its rounds are gone with the
     worker's scratch folder; the report shows the reason and `--resume --retry-failed`
     runs it again."""
-    lead = f"{unit.point}/s{unit.start}"
+    lead = f"{unit.point}/{run.point(unit.point).start_dir(unit.start).name}"  # as live_start names it
     for p in unit.points:
         StartRecord(point=p, start=unit.start, block=unit.block, status="failed", reason=reason,
                     started_utc=started_utc, finished_utc=now_utc(), host="unknown (a Ray worker)",
