@@ -56,7 +56,7 @@ from vllm_study.define import models
 from vllm_study.launch import startup_log
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.define.grid import expand
-from vllm_study.launch.machine import resolve_engine, vllm_distribution
+from vllm_study.launch.machine import NvmlProbe, cpu_info, resolve_engine, vllm_distribution
 from vllm_study.define.study_file import load_study
 from vllm_study.records.results import RunFolder, read_log
 from vllm_study.launch.server import cpu_uni_env, free_port, serve_command
@@ -261,8 +261,9 @@ def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
     print(f"\n{len(points)} points x {meta['runs']} measured runs, cold compile caches for both; "
           f"order: {' then '.join(meta['order'])}")
     if len({r["host"] for r in meta.get("ran", {}).values()}) > 1:
-        print("  the two tools ran on two machines (" + ", ".join(f"{who} on {r['host']} from {r['began'][:16]}"
-                                                              for who, r in meta["ran"].items()) + ")")
+        print("  the two tools ran on two machines (" + ", ".join(
+            f"{who} on {r['host']} ({r.get('device', '?')}) from {r['began'][:16]}" for who, r in meta["ran"].items())
+              + ")")
     for name, s, n in (("kit sweep", kit_s, len(starts)), ("vllm bench sweep serve", bench_s, bench_starts)):
         print(f"  {name:<24}{s:8.1f} s, {n} server start(s)" if s else f"  {name:<24}  not run")
     ratio = kit_s / bench_s if kit_s and bench_s else None
@@ -320,6 +321,21 @@ def earlier(out: Path, meta: dict) -> tuple[dict, str | None]:
     return {**meta, **old, "ran": old.get("ran", {})}, None
 
 
+def this_device() -> str:
+    """The card (or CPU) both tools' wall times belong to: a resumed invocation must run on
+    the same kind, or its tool's time would not compare with the kept one's."""
+    gpus = NvmlProbe().describe()
+    return " + ".join(g.name for g in gpus) if gpus else cpu_info().model
+
+
+def other_device(meta: dict, device: str) -> str | None:
+    kept = {who: r["device"] for who, r in meta["ran"].items() if who in meta["wall_s"] and "device" in r}
+    if any(d != device for d in kept.values()):
+        return (f"the tools kept in {meta['study']}'s folder ran on {kept}, this machine is {device}: their "
+                "wall times would not compare; resume on that device, or give a new folder")
+    return None
+
+
 def unfinished(out: Path, who: str) -> None:
     """Clear what an earlier invocation of `who` left unfinished: it runs again from scratch."""
     if who == "kit":
@@ -360,6 +376,10 @@ def main() -> int:
         if wrong:
             print(wrong, file=sys.stderr)
             return 2
+    device = this_device()
+    if wrong := other_device(meta, device):
+        print(wrong, file=sys.stderr)
+        return 2
     model, dummy = models.resolve(study.model)
     (a.out / "bench").mkdir(parents=True, exist_ok=True)
     prompts = a.out / "bench" / "prompts.jsonl"
@@ -375,7 +395,8 @@ def main() -> int:
                 print(f"{who}: ran in an earlier invocation ({meta['wall_s'][who]:.1f} s), kept", flush=True)
                 continue
             unfinished(a.out, who)
-            meta["ran"][who] = {"host": socket.gethostname(), "began": dt.datetime.now(dt.timezone.utc).isoformat()}
+            meta["ran"][who] = {"host": socket.gethostname(), "device": device,
+                                "began": dt.datetime.now(dt.timezone.utc).isoformat()}
             env = {**os.environ, **cold_env(scratch / who), "PATH": f"{scratch / 'bin'}:{os.environ['PATH']}"}
             meta["wall_s"][who] = (run_kit(a.params, a.out / "kit", env) if who == "kit" else
                                    run_bench(study, points, model, dummy, prompts, a.out / "bench", env))

@@ -207,3 +207,18 @@ def test_an_unfinished_invocation_goes_on_keeping_the_tool_that_finished(tmp_pat
     other = {**meta, "points": {"mbt=2048": {"max_num_batched_tokens": 2048}}}
     assert "another study's" in mod.earlier(tmp_path, other)[1]
     assert "no sweep_speed.json" in mod.earlier(tmp_path / "bench", meta)[1]
+
+
+def test_a_resumed_invocation_on_another_device_is_refused():
+    """The kit finished on an H200 and the session ended: vllm bench resumed on an H100
+    would put two cards' wall times in one ratio."""
+    mod = _sweep_speed()
+    meta = {"study": "s.yaml", "wall_s": {"kit": 300.0},
+            "ran": {"kit": {"host": "a", "device": "NVIDIA H200", "began": "2026-12-05T05:00"},
+                    "vllm_bench": {"host": "a", "device": "NVIDIA H100 80GB HBM3", "began": "2026-12-05T05:06"}}}
+    assert mod.other_device(meta, "NVIDIA H200") is None  # vllm bench did not finish: it runs again here
+    wrong = mod.other_device(meta, "NVIDIA H100 80GB HBM3")
+    assert "NVIDIA H200" in wrong and "resume on that device" in wrong
+    older = {**meta, "ran": {"kit": {"host": "a", "began": "x"}}}  # a record from before devices were kept
+    assert mod.other_device(older, "NVIDIA H200") is None
+    assert isinstance(mod.this_device(), str) and mod.this_device()
