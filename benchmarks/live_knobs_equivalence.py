@@ -23,6 +23,14 @@ either way) has a zero-width interval: nothing varied.
 (at their own value, never lowered): lowered against those isolates what the launch value
 fixes (torch.compile's range, CUDA graph sizes) from what the plugin's scheduling does.
 
+--kit-measuring gives the lowered start the rest of what a sweep's start carries: the
+kit's counting flags (--custom-histogram-buckets; on a GPU --enable-mfu-metrics, unless
+the study says --no-enable-mfu-metrics) and its 0.5 s sampling of /metrics and NVML
+during rounds. With --launch equal to the one value it compares a sweep's start at its
+launch point with the server vLLM's own tools launch:
+    python benchmarks/live_knobs_equivalence.py params/h200-sweep-speed.yaml --launch 2048 \\
+        --values 2048 --kit-measuring --pairs 4 --rounds 3 --out results/live-knobs-equivalence/<run>
+
 The rule: a metric is "equal" where its interval lies within +-3%; "not resolved"
 where it holds 0 and lies within +-5%; "differs" where it excludes 0 and leaves +-3%;
 "too wide" where it holds 0 but leaves +-5% (more pairs may still settle it). Live
@@ -56,11 +64,13 @@ from scipy import stats as sps
 
 from vllm_study.define import models
 from vllm_study.define.grid import expand
+from vllm_study.define.schema import parse_flags
 from vllm_study.define.study_file import load_study, study_from_dict
 from vllm_study.define.traces import read_trace
-from vllm_study.launch.machine import resolve_engine
+from vllm_study.launch.machine import NvmlProbe, resolve_engine
 from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
+from vllm_study.measure.launcher import counting_flags
 from vllm_study.measure.rounds import _send_to_finish
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.workload.trace_workload import TraceWorkload
@@ -162,7 +172,8 @@ def summary(starts: list[dict], values: list[int]) -> dict:
 def report(plan: dict, s: dict) -> str:
     pct = lambda x: "    -" if x is None else f"{x:+.1%}"  # noqa: E731
     fresh = "fresh starts at each value" + (" (the kit's scheduler too)" if runs_plugin("fresh", plan) else "")
-    lines = [f"{plan['knob']}: launched at {plan['launch']} and lowered live, over {fresh}; "
+    kit = " with the kit's measuring" if plan.get("kit_measuring") else ""
+    lines = [f"{plan['knob']}: launched at {plan['launch']}{kit} and lowered live, over {fresh}; "
              f"{s['method']}; rounds a value {plan['rounds']}",
              f"{'value':>7}  {'metric':<18} {'lowered':>10} {'fresh':>10} {'ratio':>7}  {'95% interval':<18} "
              f"pairs  verdict"]
@@ -243,7 +254,8 @@ class Bench:
         # the kit's own checks of every launch (e.g. max_num_seqs <= max_num_batched_tokens)
         grid = {a.knob: [a.launch, *(v for v in plan["values"] if v != a.launch)]}
         self.study = study_from_dict({**s.model_dump(exclude_unset=True), "grid": grid})
-        self.points = {p.values[a.knob]: p for p in expand(self.study, resolve_engine(self.study.server.engine))}
+        self.engine = resolve_engine(self.study.server.engine)
+        self.points = {p.values[a.knob]: p for p in expand(self.study, self.engine)}
         self.model, self.dummy = models.resolve(self.study.model)
         from transformers import AutoTokenizer
         tok, w = AutoTokenizer.from_pretrained(self.model), self.study.workload
@@ -275,11 +287,16 @@ class Bench:
         if plugin:
             env |= live_knobs.launch_env(control, counters_file)
             extra += ["--scheduler-cls", live_knobs.SCHEDULER_CLS]
+        measuring = way == "lowered" and self.plan.get("kit_measuring", False)
+        if measuring:
+            chunks = (a.launch, *values) if a.knob == "max_num_batched_tokens" else ()
+            extra += counting_flags(self.engine, chunks, {f"--{k}" for k in parse_flags(extra)})
         port = free_port()
         cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
                             self.dummy, extra)
         t0 = time.perf_counter()
-        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "rounds": []}
+        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "rounds": [], "extra_cli_args": extra,
+               "sampling_s": counters.RoundSampler.PERIOD_S if measuring else None}
         with VllmServer(cmd, port, work / "server.log", env=env, startup_timeout_s=s.server.startup_timeout_s) as srv:
             rec["startup_s"] = srv.startup_s
             cache = counters.cache_config(counters.scrape(srv.url))
@@ -296,7 +313,11 @@ class Bench:
                     t_round = time.perf_counter()
                     counters.reset_prefix_cache(srv.url)  # every round starts cold
                     before = counters.scrape(srv.url)
-                    results = self._send(srv.url, self.requests, self.times)
+                    if measuring:  # as a sweep's rounds sample: a thread beside the client
+                        with counters.RoundSampler(srv.url, NvmlProbe()):
+                            results = self._send(srv.url, self.requests, self.times)
+                    else:
+                        results = self._send(srv.url, self.requests, self.times)
                     after = counters.scrape(srv.url)
                     m = stats.round_metrics(results, _send_to_finish(results))
                     m["preemptions"] = counters.round_deltas(before, after)["preemptions"]
@@ -353,6 +374,8 @@ def run(a) -> None:
             "launch": a.launch, "values": values, "rounds": a.rounds, "seed": a.seed, "pairs": a.pairs}
     if a.fresh_scheduler == "kit":  # vLLM's, the default, is left out: plans written before stay the same
         plan["fresh_scheduler"] = "kit"
+    if a.kit_measuring:  # likewise
+        plan["kit_measuring"] = True
     a.out.mkdir(parents=True, exist_ok=True)
     check_plan(a.out, plan)
     starts = read_starts(a.out)
@@ -398,6 +421,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0, help="shuffles the values' order in each pair")
     ap.add_argument("--fresh-scheduler", choices=("vllm", "kit"), default="vllm",
                     help="the fresh starts' scheduler: vLLM's own, or the kit's live-limits one at their value")
+    ap.add_argument("--kit-measuring", action="store_true",
+                    help="the lowered start also carries the kit's counting flags and its 0.5 s sampling")
     ap.add_argument("--minutes", type=float, default=0, help="begin no start that would end after this (0: no limit)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--summarize", type=Path, metavar="DIR", help="print the summary of DIR's files, run nothing")

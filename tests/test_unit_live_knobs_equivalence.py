@@ -176,3 +176,16 @@ def test_fresh_starts_run_the_kits_scheduler_only_where_the_plan_says_so(tmp_pat
     s = {"by_value": {}, "passes": False, "widest": None, "method": "m"}
     assert "over fresh starts at each value (the kit's scheduler too);" in eq.report(kit, s)
     assert "over fresh starts at each value;" in eq.report(plan, s)
+
+
+def test_kit_measuring_is_part_of_the_plan_and_the_report(tmp_path):
+    """--kit-measuring gives the lowered start a sweep's counting flags and sampling: a
+    run without it, begun before, is another design, and the report says which it is."""
+    plan = {"knob": "max_num_batched_tokens", "launch": 2048, "values": [2048], "rounds": 3, "seed": 0,
+            "pairs": 4, "params": "p.yaml", "params_sha256": "x"}
+    eq.check_plan(tmp_path, plan)
+    with pytest.raises(SystemExit, match="kit_measuring"):
+        eq.check_plan(tmp_path, plan | {"kit_measuring": True})
+    s = {"by_value": {}, "passes": False, "widest": None, "method": "m"}
+    assert "launched at 2048 with the kit's measuring and lowered live" in eq.report(plan | {"kit_measuring": True}, s)
+    assert "launched at 2048 and lowered live" in eq.report(plan, s)

@@ -175,8 +175,9 @@ GAUGES = {"kv": "vllm:kv_cache_usage_perc", "running": "vllm:num_requests_runnin
 class RoundSampler:
     """Samples vLLM's gauges from /metrics and the GPU through NVML every `period_s`
     while a round runs. Use as a context manager; read `.result()` afterwards."""
+    PERIOD_S = 0.5
 
-    def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = 0.5,
+    def __init__(self, base_url: str | None, nvml: NvmlProbe, period_s: float = PERIOD_S,
                  api_key: str | None = None, proxy: str | None = None):
         self.base_url, self.nvml, self.period_s, self.api_key, self.proxy = base_url, nvml, period_s, api_key, proxy
         self.gauges: dict[str, list[float]] = {}

@@ -264,8 +264,18 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
     elif live:  # the Prefix Reuse Budget scheduler above takes the control file too
         flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
     mbt = plan.point.effective.max_num_batched_tokens
-    if mbt and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
-        flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(mbt, *served_chunks))]
-    if plan.engine == "gpu" and "--enable-mfu-metrics" not in given and vllm_accepts("--enable-mfu-metrics"):
+    return flags + counting_flags(plan.engine, (mbt, *served_chunks) if mbt else (), given)
+
+
+def counting_flags(engine: str, chunks: tuple[int, ...], given: set[str]) -> list[str]:
+    """The counting half of measurement_flags: histogram bounds at the chunk budgets
+    (`chunks`, the launch's first) and, on a GPU, vLLM's per-step FLOP and byte estimates.
+    A flag in `given` (the study's extra_cli_args) is the study's: --no-enable-mfu-metrics
+    there leaves the estimates out."""
+    flags = []
+    if chunks and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
+        flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(*chunks))]
+    if engine == "gpu" and not given & {"--enable-mfu-metrics", "--no-enable-mfu-metrics"} \
+            and vllm_accepts("--enable-mfu-metrics"):
         flags.append("--enable-mfu-metrics")
     return flags
