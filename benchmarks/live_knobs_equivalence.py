@@ -28,7 +28,7 @@ kit's counting flags (--custom-histogram-buckets; on a GPU --enable-mfu-metrics,
 the study says --no-enable-mfu-metrics) and its 0.5 s sampling of /metrics and NVML
 during rounds. With --launch equal to the one value it compares a sweep's start at its
 launch point with the server vLLM's own tools launch:
-    python benchmarks/live_knobs_equivalence.py params/h200-sweep-speed.yaml --launch 2048 \\
+    python benchmarks/live_knobs_equivalence.py params/h200-kit-measuring-footprint.yaml --launch 2048 \\
         --values 2048 --kit-measuring --pairs 4 --rounds 3 --out results/live-knobs-equivalence/<run>
 
 The rule: a metric is "equal" where its interval lies within +-3%; "not resolved"

@@ -699,6 +699,7 @@ def test_the_study_can_leave_vllms_flop_estimates_out():
     assert json.loads(on[on.index("--custom-histogram-buckets") + 1]) == {"request_tokens": [512, 2048]}
     assert ("--enable-mfu-metrics" in on) == vllm_accepts("--enable-mfu-metrics")
     assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), {"--no-enable-mfu-metrics"})
+    assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), {"--no_enable_mfu_metrics"})
     assert "--enable-mfu-metrics" not in counting_flags("cpu", (2048,), set())
     assert counting_flags("gpu", (), {"--no-enable-mfu-metrics"}) == []
 

@@ -272,6 +272,7 @@ def counting_flags(engine: str, chunks: tuple[int, ...], given: set[str]) -> lis
     (`chunks`, the launch's first) and, on a GPU, vLLM's per-step FLOP and byte estimates.
     A flag in `given` (the study's extra_cli_args) is the study's: --no-enable-mfu-metrics
     there leaves the estimates out."""
+    given = {g.replace("_", "-") for g in given}  # vLLM takes --a_b for --a-b
     flags = []
     if chunks and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
         flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(*chunks))]
