@@ -48,6 +48,7 @@ far) before that many minutes; a rerun with the same --out continues where it st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import json
@@ -64,7 +65,6 @@ from scipy import stats as sps
 
 from vllm_study.define import models
 from vllm_study.define.grid import expand
-from vllm_study.define.schema import parse_flags
 from vllm_study.define.study_file import load_study, study_from_dict
 from vllm_study.define.traces import read_trace
 from vllm_study.launch.machine import NvmlProbe, resolve_engine
@@ -290,7 +290,7 @@ class Bench:
         measuring = way == "lowered" and self.plan.get("kit_measuring", False)
         if measuring:
             chunks = (a.launch, *values) if a.knob == "max_num_batched_tokens" else ()
-            extra += counting_flags(self.engine, chunks, {f"--{k}" for k in parse_flags(extra)})
+            extra += counting_flags(self.engine, chunks, extra)
         port = free_port()
         cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
                             self.dummy, extra)
@@ -313,10 +313,8 @@ class Bench:
                     t_round = time.perf_counter()
                     counters.reset_prefix_cache(srv.url)  # every round starts cold
                     before = counters.scrape(srv.url)
-                    if measuring:  # as a sweep's rounds sample: a thread beside the client
-                        with counters.RoundSampler(srv.url, NvmlProbe()):
-                            results = self._send(srv.url, self.requests, self.times)
-                    else:
+                    # as a sweep's rounds sample: a thread beside the client
+                    with counters.RoundSampler(srv.url, NvmlProbe()) if measuring else contextlib.nullcontext():
                         results = self._send(srv.url, self.requests, self.times)
                     after = counters.scrape(srv.url)
                     m = stats.round_metrics(results, _send_to_finish(results))

@@ -695,13 +695,13 @@ def test_the_study_can_leave_vllms_flop_estimates_out():
     --no-enable-mfu-metrics keeps it off (the kit's flag, added after, would win)."""
     from vllm_study.launch.machine import vllm_accepts
     from vllm_study.measure.launcher import counting_flags
-    on = counting_flags("gpu", (2048, 512), set())
+    on = counting_flags("gpu", (2048, 512), [])
     assert json.loads(on[on.index("--custom-histogram-buckets") + 1]) == {"request_tokens": [512, 2048]}
     assert ("--enable-mfu-metrics" in on) == vllm_accepts("--enable-mfu-metrics")
-    assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), {"--no-enable-mfu-metrics"})
-    assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), {"--no_enable_mfu_metrics"})
-    assert "--enable-mfu-metrics" not in counting_flags("cpu", (2048,), set())
-    assert counting_flags("gpu", (), {"--no-enable-mfu-metrics"}) == []
+    assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), ["--no-enable-mfu-metrics"])
+    assert "--enable-mfu-metrics" not in counting_flags("gpu", (2048,), ["--no_enable_mfu_metrics"])
+    assert "--enable-mfu-metrics" not in counting_flags("cpu", (2048,), [])
+    assert counting_flags("gpu", (), ["--no-enable-mfu-metrics"]) == []
 
 
 def test_chunk_not_a_multiple_of_the_block_says_where_it_splits_the_prompts():

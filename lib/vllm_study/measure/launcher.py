@@ -254,7 +254,6 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
     them and the study does not set them itself: a histogram bound at the chunk budget
     (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py).
     `live`: the start's limits change at runtime (the kit's scheduler plugin)."""
-    given = {f"--{k}" for k in parse_flags(plan.study.server.extra_cli_args)}
     flags = []
     pb = plan.point.prefix_budget
     if pb:
@@ -264,15 +263,15 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
     elif live:  # the Prefix Reuse Budget scheduler above takes the control file too
         flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
     mbt = plan.point.effective.max_num_batched_tokens
-    return flags + counting_flags(plan.engine, (mbt, *served_chunks) if mbt else (), given)
+    return flags + counting_flags(plan.engine, (mbt, *served_chunks) if mbt else (), plan.study.server.extra_cli_args)
 
 
-def counting_flags(engine: str, chunks: tuple[int, ...], given: set[str]) -> list[str]:
+def counting_flags(engine: str, chunks: tuple[int, ...], extra_cli_args: list[str]) -> list[str]:
     """The counting half of measurement_flags: histogram bounds at the chunk budgets
     (`chunks`, the launch's first) and, on a GPU, vLLM's per-step FLOP and byte estimates.
-    A flag in `given` (the study's extra_cli_args) is the study's: --no-enable-mfu-metrics
-    there leaves the estimates out."""
-    given = {g.replace("_", "-") for g in given}  # vLLM takes --a_b for --a-b
+    A flag in `extra_cli_args` (the study's) is the study's: --no-enable-mfu-metrics there
+    leaves the estimates out."""
+    given = {f"--{k}".replace("_", "-") for k in parse_flags(extra_cli_args)}  # vLLM takes --a_b for --a-b
     flags = []
     if chunks and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
         flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(*chunks))]
