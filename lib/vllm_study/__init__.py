@@ -14,7 +14,7 @@ LAYERS = (
     ("define",),                 # the study file, its grid of points, the models and traces it names
     ("records", "workload"),     # what a run folder holds; the requests a round sends
     ("measure", "analysis"),     # one server start and its rounds; intervals and the decision over a run
-    ("search", "executors"),     # the configuration search; where each start runs
+    ("search", "executors", "predict"),  # the configuration search; where each start runs; predicted configs
     ("report",),                 # the report, its figures, compare, export
     ("",),                       # cli, sweep, doctor, notebook_support, point_notebook
 )
