@@ -25,8 +25,9 @@ fixes (torch.compile's range, CUDA graph sizes) from what the plugin's schedulin
 
 --kit-measuring gives the lowered start the rest of what a sweep's start carries: the
 kit's counting flags (--custom-histogram-buckets; on a GPU --enable-mfu-metrics, unless
-the study says --no-enable-mfu-metrics) and its 0.5 s sampling of /metrics and NVML
-during rounds. With --launch equal to the one value it compares a sweep's start at its
+the study says --no-enable-mfu-metrics), its 0.5 s sampling of /metrics and NVML
+during rounds, and the plugin's step records (all of the start's steps, warm-up
+included, kept as steps/r0.npz in its folder). With --launch equal to the one value it compares a sweep's start at its
 launch point with the server vLLM's own tools launch:
     python benchmarks/live_knobs_equivalence.py params/h200-kit-measuring-footprint.yaml --launch 2048 \\
         --values 2048 --kit-measuring --pairs 4 --rounds 3 --out results/live-knobs-equivalence/<run>
@@ -72,6 +73,7 @@ from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
 from vllm_study.measure.rounds import _send_to_finish
+from vllm_study.prefix_budget import steps
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.workload.trace_workload import TraceWorkload
 
@@ -291,6 +293,7 @@ class Bench:
         if measuring:
             chunks = (a.launch, *values) if a.knob == "max_num_batched_tokens" else ()
             extra += counting_flags(self.engine, chunks, extra)
+            env[steps.STEPS_ENV] = str(work / "steps.raw")  # the plugin records every engine step, as in a sweep
         port = free_port()
         cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
                             self.dummy, extra)
@@ -331,6 +334,12 @@ class Bench:
                         f"{k} {m[k]:.4g}" for k in METRICS if m.get(k) is not None)
                         + (f"  ({m['failed']} requests failed)" if m["failed"] else ""), flush=True)
         rec["wall_s"] = time.perf_counter() - t0
+        raw = work / "steps.raw"
+        if raw.exists():  # kept whole, column-wise, for a step-time model of this GPU
+            rows = steps.read_raw(raw)
+            rec["step_records"] = {"steps": len(rows), "raw_bytes": raw.stat().st_size}
+            steps.save_round(work, 0, rows)
+            raw.unlink()
         with open(work / "server.log", "rb") as f, gzip.open(work / "server.log.gz", "wb") as z:
             shutil.copyfileobj(f, z)
         (work / "server.log").unlink()
