@@ -204,6 +204,12 @@ def test_the_dry_run_shows_each_start_and_the_points_it_serves(tmp_path, capsys)
     (tmp_path / "s.yaml").write_text(yaml.safe_dump({**study, "server": {"live_knobs": False}}, sort_keys=False))
     dry_run([str(tmp_path / "s.yaml")], "cpu")
     assert "live knobs: none shared (server.live_knobs: false); one server start a point" in capsys.readouterr().out
+    # on the GPU engine they are off by default, and the dry run says on what evidence
+    (tmp_path / "s.yaml").write_text(yaml.safe_dump({**study, "server": {"engine": "gpu"}}, sort_keys=False))
+    dry_run([str(tmp_path / "s.yaml")], "gpu")
+    out = capsys.readouterr().out
+    assert "live knobs: none shared (off by default on the gpu engine: on one H200, TTFT P50 at chunk 2048" in out
+    assert "3.9% [1.8%, 6.0%] below fresh starts" in out and "server.live_knobs: true turns them on" in out
 
 
 def test_the_dry_run_shows_the_args_every_start_adds_as_a_shell_would_take_them(tmp_path, capsys):

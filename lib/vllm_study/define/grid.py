@@ -403,10 +403,9 @@ def search_sharing(study: Study, engine: str) -> tuple[list[str], str | None]:
     """A search's knobs that change live, and why its starts serve one trial each (None:
     a start serves up to search.live_batch trials, config_search.TrialSource)."""
     live = [k for k in study.search.space if k in live_axes(study.engine_args)]
-    why = ("server.live_knobs: false" if study.server.live_knobs is False
-           else f"off by default on the {engine} engine" if not study.server.live_on(engine)
-           else "search.live_batch: 1" if study.search.live_batch == 1
-           else live_knobs_unsupported(study) or ("" if live else "no knob of the space changes live"))
+    why = (study.server.live_off_why(engine)
+           or ("search.live_batch: 1" if study.search.live_batch == 1
+               else live_knobs_unsupported(study) or ("" if live else "no knob of the space changes live")))
     return live, why or None
 
 

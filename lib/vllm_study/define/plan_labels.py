@@ -35,9 +35,8 @@ def live_label(study: Study, engine: str, points: list[Point]) -> str:
     shared = [g for g in groups if len(g) > 1]
     if not shared:
         if not why:
-            why = ("server.live_knobs: false" if study.server.live_knobs is False
-                   else f"off by default on the {engine} engine" if not study.server.live_on(engine)
-                   else "no two points differ only in live limits")
+            why = (study.server.live_off_why(engine)
+                   or "no two points differ only in live limits")
         return f"live knobs: none shared ({why}); one server start a point"
     how = ("each point runs its own capacity search in turn, its limits set before every step" if study.capacity
            else "lowers them between rounds")
