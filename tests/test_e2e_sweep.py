@@ -15,6 +15,7 @@ from drawn import assert_drawn
 from e2e_support import REPO, UNI, kv_bytes, sweep, tiny, write
 from procs import group_gone
 from vllm_study.launch.slots import SLOT_LOCKS
+from vllm_study.prefix_budget import steps
 from vllm_study.records.results import RunFolder, StartRecord
 
 # the second point's 512-token KV cache cannot hold one 2,048-token request: it must fail
@@ -84,6 +85,7 @@ def test_budget_resume_failure_and_report(tmp_path):
     # token reaches the client: below the client's, in every round
     assert (0 < rounds["server_ttft_mean_ms"]).all()
     assert (rounds["server_ttft_mean_ms"] < rounds["ttft_mean_ms"]).all()
+    _check_step_records(run, ok_id)
 
     assert (path / "report.ipynb").exists() and (path / "report.html").stat().st_size > 50_000
     for fig in ("heatmaps.png", "trends.png", "ttft_p90_by_round.png"):
@@ -96,6 +98,25 @@ def test_budget_resume_failure_and_report(tmp_path):
     assert resumed.machine.host == manifest.machine.host
     for s in run.point(ok_id).starts():  # nothing left running
         assert group_gone(s.launch.server_pgid)
+
+
+def _check_step_records(run: RunFolder, point: str) -> None:
+    """The engine's step records, cut per round: every prompt token computed once less
+    what the cache held, one decode step per output token past the first (each prefill's
+    last step samples the first), every step inside the round's sending."""
+    start_dir = run.point(point).start_dir(1)
+    start = run.point(point).start(1)
+    assert "VLLM_STUDY_STEPS" in start.launch.kit_env and "--scheduler-cls" in start.launch.command
+    assert not (start_dir / "steps.raw").exists()  # the raw file went with the server
+    for rec in run.point(point).rounds():
+        rows = steps.load_round(steps.round_path(start_dir, rec.round))
+        m = rec.metrics
+        assert m["completed"] == m["requests"] and rows["preempted"].sum() == 0
+        assert rows["prefill_tokens"].sum() + rows["cached_tokens"].sum() == m["prompt_tokens"]
+        assert rows["decode_tokens"].sum() == m["output_tokens"] - m["completed"]
+        assert rows["cached_tokens"].sum() > 0  # the shared system prompt, from the second request on
+        assert (rows["t_done"] > rows["t_scheduled"]).all() and (steps.cycles(rows) > 0).all()
+        assert rows["t_scheduled"][-1] - rows["t_scheduled"][0] <= m["duration_s"]
 
 
 @pytest.mark.e2e

@@ -9,10 +9,12 @@ import sys
 import yaml
 
 from synthetic_run import make_run
-from vllm_study.report import compare, export
+from vllm_study.report import compare, export, report
+from vllm_study.records.results import RunFolder
 from vllm_study.define import models
 from vllm_study.launch import server
 from vllm_study.launch.machine import vllm_distribution
+from vllm_study.measure.launcher import STEPS_SCHEDULER_CLS
 from vllm_study.define.params import ModelSpec
 from vllm_study.measure.point import summarize
 
@@ -37,8 +39,10 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     # what point.py records for a start: serve_command's argv and the variables the kit set
     (tmp_path / "tiny-qwen2").mkdir()  # the folder served, still where the run was made
     command = server.serve_command(str(tmp_path / "tiny-qwen2"), 40123, plan.point.engine_args.cli(), "tiny", True,
-                                   UNI + ["--custom-histogram-buckets", "[1, 256]"])
-    kit_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0"}
+                                   UNI + ["--custom-histogram-buckets", "[1, 256]",
+                                          "--scheduler-cls", STEPS_SCHEDULER_CLS])  # step records: measurement
+    kit_env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "0",
+               "VLLM_STUDY_STEPS": str(tmp_path / "steps.raw")}
     for st in folder.starts():
         st.launch = st.launch.model_copy(update={"command": command, "kit_env": kit_env})
         st.save(folder.start_dir(st.start) / "start.json")
@@ -53,8 +57,18 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     assert cfg_path.read_text().splitlines()[1] == "# " + note.read_text().splitlines()[2].strip()
     cfg = yaml.safe_load(cfg_path.read_text())
     assert cfg["distributed-executor-backend"] == "uni" and cfg["max-num-batched-tokens"] == 256
-    assert "custom-histogram-buckets" not in cfg and "load-format" not in cfg
+    assert "custom-histogram-buckets" not in cfg and "load-format" not in cfg and "scheduler-cls" not in cfg
     assert "the launch a start of this point recorded" in note.read_text()
+    # the Prefix Reuse Budget's scheduler is the point's admission rule: it stays
+    budget = command[:-1] + ["vllm_study.prefix_budget.PrefixBudgetScheduler"]
+    argv, env, _ = export.launch(report.Run.load(RunFolder(run.path), None), B, {})
+    assert "--scheduler-cls" not in argv and "VLLM_STUDY_STEPS" not in env
+    for st in folder.starts():
+        st.launch = st.launch.model_copy(update={"command": budget})
+        st.save(folder.start_dir(st.start) / "start.json")
+    summarize(folder, plan)
+    argv, _, _ = export.launch(report.Run.load(RunFolder(run.path), None), B, {})
+    assert argv[argv.index("--scheduler-cls") + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
 
 
 def test_export_of_a_run_made_elsewhere_points_at_this_machines_interpreter_and_card_folder(tmp_path):

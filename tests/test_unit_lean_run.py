@@ -17,6 +17,8 @@ from PIL import Image
 
 from synthetic_run import make_run
 
+from vllm_study.prefix_budget import steps
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -65,6 +67,8 @@ def _dress(run: Path) -> None:
             f.write('{"ttft": 0.1}\n')
         with gzip.open(start / "server.log.gz", "wt") as f:
             f.write("INFO started\n")
+        (start / "steps.raw").write_bytes(b"\0" * 64)  # a start that stopped before its finish
+        steps.save_round(start, 0, np.zeros(3, dtype=steps.DTYPE))
 
 
 def _starts(run: Path) -> list[Path]:
@@ -91,6 +95,8 @@ def test_lean_run_keeps_what_is_read_and_drops_the_rest(tmp_path):
     starts = _starts(run)
     assert starts and all(not (s / "point.ipynb").exists() and not (s / "requests.jsonl.gz").exists()
                           and (s / "server.log.gz").exists() for s in starts)
+    assert all(not (s / "steps.raw").exists() and len(steps.load_round(steps.round_path(s, 0))) == 3
+               for s in starts)  # the rounds' engine steps stay
     assert _jsons(run) == values and "\n  " not in (starts[0] / "start.json").read_text()
     for name, old in pngs.items():
         new = (run / "figures" / name).read_bytes()

@@ -687,7 +687,30 @@ def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])
     # no path: it would key the compile cache
     assert cfg == {"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 250}}
-    assert "--scheduler-cls" not in flags_off
+    # without the budget: the step-records scheduler (vLLM's own scheduling, each step recorded)
+    assert flags_off[flags_off.index("--scheduler-cls") + 1] == "vllm_study.prefix_budget.StepRecordsScheduler"
+    s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8]}, server={"step_records": False}))
+    off, on = expand(s, "cpu")[:2]
+    assert "--scheduler-cls" not in PointStart(PointPlan(study=s, point=off, engine="cpu"),
+                                               tmp_path / "c")._measurement_flags()
+    assert "--scheduler-cls" in PointStart(PointPlan(study=s, point=on, engine="cpu"),
+                                           tmp_path / "d")._measurement_flags()
+
+
+def test_step_records_are_on_for_launched_servers_and_say_why_not(tmp_path):
+    from vllm_study.measure.launcher import step_records_env
+    on = study_from_dict(_study())
+    env, warnings = {}, []
+    raw = step_records_env(on, tmp_path, env, warnings)
+    assert raw == tmp_path / "steps.raw" and env == {"VLLM_STUDY_STEPS": str(raw)} and warnings == []
+    own = study_from_dict(_study(server={"extra_cli_args": ["--scheduler-cls", "my.Sched"]}))
+    env, warnings = {}, []
+    assert step_records_env(own, tmp_path, env, warnings) is None and env == {}
+    assert len(warnings) == 1 and "--scheduler-cls" in warnings[0] and "step_records: false" in warnings[0]
+    said_off = study_from_dict(_study(server={"extra_cli_args": ["--scheduler-cls", "my.Sched"],
+                                              "step_records": False}))
+    env, warnings = {}, []
+    assert step_records_env(said_off, tmp_path, env, warnings) is None and (env, warnings) == ({}, [])
 
 
 def test_the_study_can_leave_vllms_flop_estimates_out():

@@ -19,6 +19,8 @@ In place; a second pass changes nothing but, at most, a few bytes of a PNG:
   fifth of the bytes of the H200 steady-state run's requests). Not 3 digits: their 0.5%
   moved that run's fitted capacity 1% (3.33 to 3.37 req/s) where ITL P99's margin runs
   flat along its bound; 4 digits moved an interval's end by 0.01 req/s.
+- points/*/s*/steps.raw: removed (a start that stopped before its finish leaves it); the
+  rounds' engine steps stay, in steps/r<round>.npz (the step-time model's data).
 - point.json, summary.json, start.json: written without indentation (same values).
 - every *.png: re-encoded losslessly (RGBA without transparency as RGB, then oxipng);
   a re-encoding that changes a pixel or is not smaller is not kept.
@@ -42,6 +44,7 @@ from PIL import Image
 COMPACT = ("point.json", "summary.json", "start.json")
 ITL_DIGITS = 4   # significant: relative, so a gap of microseconds stays above 0
 REQUESTS, NOTEBOOK, LOGS = "requests.jsonl.gz", "point.ipynb", ("server.log", "server.log.gz")
+STEPS_RAW = "steps.raw"
 
 
 def strip_images(nb) -> None:
@@ -138,7 +141,7 @@ def lean(run: Path, drop_logs: bool = False) -> tuple[int, int]:
         _rewrite(run / "report.ipynb", strip_report)
     keep = keeps_requests(run)
     for start in sorted(d for d in run.glob("points/*/s*") if d.is_dir()):
-        gone = [NOTEBOOK] + ([] if keep else [REQUESTS]) + (list(LOGS) if drop_logs else [])
+        gone = [NOTEBOOK, STEPS_RAW] + ([] if keep else [REQUESTS]) + (list(LOGS) if drop_logs else [])
         for name in gone:
             (start / name).unlink(missing_ok=True)
         if keep and (start / REQUESTS).is_file():

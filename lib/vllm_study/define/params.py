@@ -268,6 +268,9 @@ class Server(_Strict):
     # default): on for the CPU engine; off for the GPU engine until the equivalence
     # benchmark on one H200 shows a lowered start measures as a fresh one does.
     live_knobs: bool | None = None
+    # Each engine step recorded through the kit's scheduler plugin, kept per round in
+    # steps/r<round>.npz (docs/measurement.md, "Step records"); false: vLLM's scheduler.
+    step_records: bool = True
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
 

@@ -18,6 +18,7 @@ from ..launch.machine import vllm_accepts
 from ..records.results import LOG, now_utc, read_log
 from ..prefix_budget.knobs import CONTROL_ENV
 from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
+from ..prefix_budget.steps import STEPS_ENV
 from ..launch.slots import compile_cache_env
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
                              serve_command, stop_group_from_file)
@@ -39,10 +40,12 @@ def _non_default_args(log_text: str) -> dict | None:
 
 
 # What _start_server sets for this start's place, not for the engine: its slot's GPUs and
-# compile cache, the plugin's counter file and control file, a start ahead's ready timeout.
-# Recorded in launch.kit_env with the rest; an exported config leaves them out (export.py).
-PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV,
+# compile cache, the plugin's counter file, control file and step records, a start ahead's
+# ready timeout. Recorded in launch.kit_env with the rest; an exported config leaves them
+# out (export.py).
+PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV, STEPS_ENV,
                        "VLLM_ENGINE_READY_TIMEOUT_S"})
+STEPS_SCHEDULER_CLS = "vllm_study.prefix_budget.StepRecordsScheduler"
 
 
 PORT_TRIES = 2  # a start whose port was taken before vLLM bound it is started once more
@@ -185,6 +188,7 @@ class Launcher(StartWriter):
             env[PB_STATS_ENV] = str(self.pb_stats_path)
         if self.live:  # the plugin's control file, and its counters file that answers it
             env.update(self.live.env())
+        self.steps_raw = step_records_env(s, self.dir, env, self.record.warnings)
         if s.server.ahead_on(self.plan.engine):
             # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
             # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
@@ -249,11 +253,37 @@ class Launcher(StartWriter):
         return measurement_flags(self.plan, self.live is not None, self.served_chunks)
 
 
+def step_records_off(study) -> str | None:
+    """Why a study's starts record no engine steps, or None where they do."""
+    if study.targets:
+        return "a targets study measures servers the kit does not launch"
+    if not study.server.step_records:
+        return "server.step_records is false"
+    if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
+        return ("server.extra_cli_args sets --scheduler-cls: steps are recorded by the kit's own scheduler "
+                "plugin, which that class replaces (set server.step_records: false to say so and silence this)")
+    return None
+
+
+def step_records_env(study, start_dir: Path, env: dict, warnings: list[str]) -> Path | None:
+    """The raw file of the start's engine step records (prefix_budget/step_records.py; the
+    rounds cut it, rounds.save_steps), named in `env`; None, with a warning where the study
+    wants records its own scheduler class cannot write."""
+    off = step_records_off(study)
+    if off is None:
+        env[STEPS_ENV] = str(start_dir / "steps.raw")
+        return start_dir / "steps.raw"
+    if study.server.step_records:
+        warnings.append(f"no step records: {off}")
+    return None
+
+
 def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> list[str]:
     """Flags that make the server count what the report needs, where this vLLM takes
     them and the study does not set them itself: a histogram bound at the chunk budget
-    (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py).
-    `live`: the start's limits change at runtime (the kit's scheduler plugin)."""
+    (counters.long_prefills) and, on a GPU, vLLM's FLOP and byte estimates (machine.py);
+    the kit's scheduler plugin where the point uses the Prefix Reuse Budget, `live` (the
+    start's limits change at runtime) or the start records its engine steps."""
     flags = []
     pb = plan.point.prefix_budget
     if pb:
@@ -262,6 +292,8 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
                                                 "max_defer_ms": pb.max_defer_ms}})]
     elif live:  # the Prefix Reuse Budget scheduler above takes the control file too
         flags += ["--scheduler-cls", LIVE_SCHEDULER_CLS]
+    elif step_records_off(plan.study) is None:  # both above record steps too
+        flags += ["--scheduler-cls", STEPS_SCHEDULER_CLS]
     mbt = plan.point.effective.max_num_batched_tokens
     return flags + counting_flags(plan.engine, (mbt, *served_chunks) if mbt else (), plan.study.server.extra_cli_args)
 

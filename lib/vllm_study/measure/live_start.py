@@ -87,6 +87,7 @@ class SharedStart:
         s.tokenizer, s.workload = lead.tokenizer, lead.workload
         s.server = lead.server  # its rounds see the server die; finish() leaves stopping it to the lead
         s.live = lead.live
+        s.steps_raw = lead.steps_raw  # the one engine's records; each point keeps its own rounds' steps
         launched = lead.record.launch  # what the rounds read per point; the rest stays in the lead's record
         s.record.launch = s.record.launch.model_copy(update={
             "cache_config": launched.cache_config, "has_metrics": launched.has_metrics,

@@ -13,6 +13,7 @@ finish, and the point's summary over its starts.
 from __future__ import annotations
 
 import platform
+import shutil
 from pathlib import Path
 
 from . import stats
@@ -22,6 +23,7 @@ from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, S
                                compress_log, now_utc)
 from ..records.point_capacity import rps_per_load
 from ..launch.slots import SlotLock
+from ..prefix_budget import steps
 from ..launch.server import VllmServer
 from .launcher import Launcher
 from .rounds import RoundProtocol
@@ -42,6 +44,7 @@ class PointStart(Launcher, RoundProtocol):
         for stale in self.dir.iterdir():  # a re-run of a start starts clean (its notebook aside)
             if stale.is_file() and stale.suffix != ".ipynb":
                 stale.unlink()
+        shutil.rmtree(self.dir / steps.ROUNDS_DIR, ignore_errors=True)
         self.gpu_indices = gpu_indices
         self.server: VllmServer | None = None
         self.url = self.model_name = self.api_key = self.proxy = None  # set by launch()
@@ -65,6 +68,8 @@ class PointStart(Launcher, RoundProtocol):
             self.slot_lock.release()
         if self.server:
             compress_log(self.dir)
+        # the rounds kept their steps (steps/r<k>.npz); the rest (warm-up, priming, gaps) goes
+        (self.dir / "steps.raw").unlink(missing_ok=True)
         if not self.failed:
             if self.study.capacity:
                 self.record.status = "ok" if self.record.capacity else "failed"

@@ -20,8 +20,12 @@ from ..define import models
 from ..define.grid import point_limits
 from ..records.results import RoundRecord, append_round, now_utc
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from ..prefix_budget import steps
 from .primer import Primer, model_departure
 from .start_record import StartWriter, _step
+
+
+STEPS_SETTLE_S = 1.0  # the longest wait for a round's last step records (its last step in flight)
 
 
 class RoundProtocol(StartWriter):
@@ -119,7 +123,7 @@ class RoundProtocol(StartWriter):
         sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
                                         api_key=self.api_key, proxy=self.proxy)
         with sampler:
-            t0 = time.perf_counter()
+            t0, sent = time.perf_counter(), time.monotonic()  # monotonic: the engine's step clock
             results = [r.to_dict() for r in client.run_sync(sending)]
             duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
@@ -138,6 +142,7 @@ class RoundProtocol(StartWriter):
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())
+            save_steps(self, index, sent)
         ok = not died and not lost and values["completed"] > 0
         flag = model_departure(values, f"round {index + 1}" + (f" (window {k + 1})" if self.windows else ""))
         if flag:  # said where the start's warnings are, and by the sweep's console (sweep.model_flags)
@@ -223,6 +228,30 @@ class RoundProtocol(StartWriter):
         result.requests_per_s = _requests_per_s(result, rate, self.rounds)
         self.record.capacity = result
         self._mark("measured", save=True)
+
+
+def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
+    """The engine steps scheduled since round `index` began sending (monotonic t0), as the
+    start's steps/r<index>.npz (prefix_budget/steps.py); called once the round's figures
+    are in, before anything else is sent. The engine writes its rows when it holds no
+    request, so the round's are on disk by now but for a step still in flight: the file
+    is read once it has stopped growing (at most STEPS_SETTLE_S)."""
+    raw = start.steps_raw
+    if raw is None:
+        return
+    t1 = time.monotonic()
+    try:
+        size, deadline = -1, time.monotonic() + STEPS_SETTLE_S
+        while (now := raw.stat().st_size) != size and time.monotonic() < deadline:
+            size = now
+            time.sleep(0.05)
+        rows = steps.between(steps.read_raw(raw), t0, t1)
+    except FileNotFoundError:  # the engine never wrote a row: said once
+        why = f"no step records: the engine wrote no {raw.name} (is its scheduler the kit's?)"
+        if why not in start.record.warnings:
+            start.record.warnings.append(why)
+        return
+    steps.save_round(start.dir, index, rows)
 
 
 def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,

@@ -28,6 +28,7 @@ def _step(method):
 class StartWriter:
     """Keeps `self.record` (a StartRecord) in `self.dir`/start.json: the launcher, the
     round protocol and the point notebook write through it."""
+    steps_raw = None  # Path of the engine's step records, set at launch where the start records them
 
     @property
     def failed(self) -> bool:

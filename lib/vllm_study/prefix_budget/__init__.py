@@ -16,19 +16,23 @@ use the budget. Everything else is vLLM's default scheduling.
 With VLLM_STUDY_KNOBS_CONTROL set, the same scheduler (or ``LiveLimitsScheduler``,
 without the budget rule) also takes max_num_batched_tokens, max_num_seqs and
 long_prefill_token_threshold from a control file, capped at the launch values
-(``knobs``, ``live``; the kit's side is vllm_study.live_knobs).
+(``knobs``, ``live``; the kit's side is vllm_study.live_knobs). With VLLM_STUDY_STEPS
+set, every one of the kit's schedulers (and ``StepRecordsScheduler``, vLLM's own
+scheduling otherwise) records each engine step (``step_records``, ``steps``).
 
 Modules: ``policy`` (the rule as pure functions, parameter validation),
-``counters_file`` (counters file, read_stats, stats_delta), ``knobs`` (the control
+``counters_file`` (counters file, read_stats, stats_delta), ``steps`` (step records'
+file format), ``step_records`` (the engine side: a row an engine step), ``knobs`` (the control
 message's checks), ``live`` (the control channel in the engine), ``scheduler`` (the
 vLLM subclasses; it imports vLLM only when the engine builds the scheduler).
 """
 from .policy import CONFIG_KEY, Decision, Params, decide, params_from_config, passes_alone
-from .scheduler import LiveLimitsScheduler, PrefixBudgetMixin, PrefixBudgetScheduler, scheduler_class
+from .scheduler import (LiveLimitsScheduler, PrefixBudgetMixin, PrefixBudgetScheduler, StepRecordsScheduler,
+                        scheduler_class)
 from .counters_file import StatsRecorder, percentile, read_stats, stats_delta
 from .knobs import CONTROL_ENV, Limits, Refused, check_message
 
 __all__ = ["CONFIG_KEY", "Decision", "Params", "decide", "params_from_config", "passes_alone",
            "PrefixBudgetMixin", "PrefixBudgetScheduler", "scheduler_class",
            "StatsRecorder", "percentile", "read_stats", "stats_delta",
-           "LiveLimitsScheduler", "CONTROL_ENV", "Limits", "Refused", "check_message"]
+           "LiveLimitsScheduler", "StepRecordsScheduler", "CONTROL_ENV", "Limits", "Refused", "check_message"]

@@ -77,6 +77,7 @@ from functools import lru_cache
 from .policy import Decision, decide, params_from_config, passes_alone
 from .counters_file import STATS_ENV, StatsRecorder, stats_path_for  # noqa: F401 (STATS_ENV: point.py)
 from .live import LiveLimitsMixin
+from .step_records import StepRecordsMixin
 
 # Under the "vllm" logger: vLLM's logging config gives that tree its handler in the
 # EngineCore process, where a logger of our own would print nothing.
@@ -259,21 +260,34 @@ class PrefixBudgetMixin:
                 self._pb_stats.add("admitted_idle_undeferred")
 
 
-@lru_cache(maxsize=None)
-def scheduler_class(async_scheduling: bool, budget: bool = True) -> type:
+# The kit's scheduler kinds: (class-name stem, the mixins before vLLM's base). Every
+# kind records steps (step_records.py; nothing without VLLM_STUDY_STEPS) and takes live
+# limits (live.py; nothing without VLLM_STUDY_KNOBS_CONTROL).
+KINDS = {"budget": ("PrefixBudget", (StepRecordsMixin, LiveLimitsMixin, PrefixBudgetMixin)),
+         "live": ("LiveLimits", (StepRecordsMixin, LiveLimitsMixin)),
+         "steps": ("StepRecords", (StepRecordsMixin,))}
+
+
+def scheduler_class(async_scheduling: bool, budget: bool | str = True) -> type:
     """The concrete class for an engine with async scheduling on or off (built on first
-    use, so this package imports without vLLM). budget=False leaves the Prefix Reuse
-    Budget out: vLLM's own admission with live limits only (live.py)."""
+    use, so this package imports without vLLM). `budget`: a KINDS key, or True for
+    "budget" and False for "live" (vLLM's own admission with live limits only)."""
+    return _scheduler_class(bool(async_scheduling), budget if isinstance(budget, str) else
+                            "budget" if budget else "live")
+
+
+@lru_cache(maxsize=None)
+def _scheduler_class(async_scheduling: bool, kind: str) -> type:
     if async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler as Base
     else:
         from vllm.v1.core.sched.scheduler import Scheduler as Base
-    name = ("PrefixBudget" if budget else "LiveLimits") + ("Async" if async_scheduling else "Sync")
-    mixins = (LiveLimitsMixin, PrefixBudgetMixin) if budget else (LiveLimitsMixin,)
-    return type(name + "Scheduler", (*mixins, Base), {"__module__": __name__})
+    stem, mixins = KINDS[kind]
+    return type(stem + ("Async" if async_scheduling else "Sync") + "Scheduler", (*mixins, Base),
+                {"__module__": __name__})
 
 
-def _build(args, kwargs, budget: bool):
+def _build(args, kwargs, budget: bool | str):
     vllm_config = kwargs["vllm_config"] if "vllm_config" in kwargs else args[0]
     impl = scheduler_class(bool(vllm_config.scheduler_config.async_scheduling), budget)
     return impl(*args, **kwargs)
@@ -296,12 +310,20 @@ class LiveLimitsScheduler:
         return _build(args, kwargs, budget=False)
 
 
+class StepRecordsScheduler:
+    """vLLM's own scheduling, recording each engine step to VLLM_STUDY_STEPS
+    (step_records.py), async or sync as the engine's config asks:
+    `--scheduler-cls vllm_study.prefix_budget.StepRecordsScheduler`."""
+
+    def __new__(cls, *args, **kwargs):
+        return _build(args, kwargs, budget="steps")
+
+
 def __getattr__(name: str):
     # `--scheduler-cls vllm_study.prefix_budget.scheduler.PrefixBudgetAsyncScheduler`
-    # (or ...SyncScheduler, LiveLimitsAsyncScheduler, LiveLimitsSyncScheduler) picks a
-    # variant explicitly.
-    for budget, stem in ((True, "PrefixBudget"), (False, "LiveLimits")):
-        for async_scheduling, kind in ((True, "Async"), (False, "Sync")):
-            if name == f"{stem}{kind}Scheduler":
-                return scheduler_class(async_scheduling, budget)
+    # (or ...SyncScheduler, LiveLimits..., StepRecords...) picks a variant explicitly.
+    for kind, (stem, _) in KINDS.items():
+        for async_scheduling, variant in ((True, "Async"), (False, "Sync")):
+            if name == f"{stem}{variant}Scheduler":
+                return scheduler_class(async_scheduling, kind)
     raise AttributeError(name)

@@ -30,7 +30,7 @@ from . import answer, capacity_section, run as report_run
 from ..launch import server
 from ..define.params import Load, ModelSpec
 from ..define.schema import parse_flags
-from ..measure.launcher import PLACE_ENV
+from ..measure.launcher import PLACE_ENV, STEPS_SCHEDULER_CLS
 from ..measure.live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from ..records.results import RunFolder
 
@@ -110,8 +110,10 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
     argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg)
-                       # the live-limits scheduler only let the kit lower limits between rounds
-                       | ({"scheduler-cls"} if LIVE_SCHEDULER_CLS in cmd else set()))
+                       # the live-limits scheduler only let the kit lower limits between rounds, the
+                       # step-records one only recorded steps: measurement, as --enable-mfu-metrics is.
+                       # The Prefix Reuse Budget's stays: it is the point's admission rule.
+                       | ({"scheduler-cls"} if {LIVE_SCHEDULER_CLS, STEPS_SCHEDULER_CLS} & set(cmd) else set()))
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
 
 
