@@ -120,3 +120,23 @@ def test_compare_of_the_same_workload_lists_other_differences_and_keeps_its_verd
     assert "  engine_args.max_model_len: 2048 -> 4096" in head and "workloads differ" not in head
     assert "left out" not in head
     assert f"resolved (B vs A): {A} TTFT P90 +" in line and "worse" in line
+
+
+def test_compare_of_one_start_runs_of_the_same_study_calls_no_difference_resolved(tmp_path):
+    """Two runs of one study, one start a point: restarts move every value by ~15% while
+    rounds scatter 2%, so round-only intervals would call restart noise 'worse'."""
+    one = {"replicates": 1}
+    ra = make_run(tmp_path / "a", _values([A, B, C, D]), one, start_sd=0.15, round_sd=0.02, seed=1)
+    rb = make_run(tmp_path / "b", _values([A, B, C, D]), one, start_sd=0.15, round_sd=0.02, seed=2)
+    df = compare.compare(ra.path, rb.path)
+    assert not df["verdict"].isin(["better", "worse", "higher", "lower"]).any()
+    assert (df["verdict"] == compare.ONE_START).any()   # apart by more than the rounds' noise
+    head, table, line = compare.compare_runs(ra.path, rb.path)
+    first = head.splitlines()[0]
+    assert first.startswith("A and B measured each point from one server start") and "not in these" in first
+    assert "the studies are the same" in head and "none is resolved" in line
+    assert "better" not in line and "worse" not in line
+    # with starts replicated on one side only, still no resolved difference
+    rc = make_run(tmp_path / "c", _values([A, B, C, D]), start_sd=0.15, round_sd=0.02, seed=3)
+    head, _, line = compare.compare_runs(ra.path, rc.path)
+    assert head.splitlines()[0].startswith("A measured each point") and "worse" not in line
