@@ -29,7 +29,8 @@ from ..analysis.intervals import Difference
 from ..define.params import Study
 from ..vocab.figure_file import save_figure
 
-METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
+METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "stall_p90_ms", "tpot_p50_ms", "output_throughput",
+           "prefix_cache_hit_rate")
 # What the requests were (and, for capacity, the search over their load, with its SLO):
 # where these differ, every metric moves by itself (the hit rate with the request count),
 # so B - A is no effect. Another seed or timeout draws or waits on the same workload.
@@ -263,6 +264,11 @@ def header(ra: report.Run, rb: report.Run) -> str:
     if not same_workload(diffs):
         lines.append("the workloads differ (* above): the numbers are shown side by side, but no change below is "
                      "an effect of the other differences; verdicts say only higher or lower")
+    for name in METRICS:   # a figure the kit added later: a run made before has none
+        has = [who for who, r in (("A", ra), ("B", rb)) if name in r.rounds.columns and r.rounds[name].notna().any()]
+        if len(has) == 1:
+            lines.append(f"{metrics.get(name).label}: not recorded by {'B' if has == ['A'] else 'A'} "
+                         "(made before the kit recorded it), so not compared")
     pa, pb = [[s.point for s in r.measured] for r in (ra, rb)]
     for who, mine, theirs in (("A", pa, pb), ("B", pb, pa)):
         alone = [p for p in mine if p not in theirs]
