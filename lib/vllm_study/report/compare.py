@@ -108,10 +108,7 @@ def compare(run_a, run_b, names=METRICS) -> pd.DataFrame:
 def one_start_runs(ra: report.Run, rb: report.Run) -> list[str]:
     """'A' and/or 'B': the runs in which no point was measured from two or more server
     starts, so nothing in them measured start-to-start spread."""
-    def one(r: report.Run) -> bool:
-        ok = analysis.ok_rounds(r.rounds)
-        return ok.empty or int(ok.groupby("point")["start"].nunique().max()) < 2
-    return [who for who, r in (("A", ra), ("B", rb)) if one(r)]
+    return [who for who, r in (("A", ra), ("B", rb)) if analysis.single_start(r.rounds)]
 
 
 ONE_START = "not resolved (one start)"
