@@ -32,8 +32,8 @@ from .define.schema import StudyError
 from .define.study_file import load_study
 from .define.traces import TraceError
 from .records import confirmation
-from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
-                              resume_hint, write_atomic)
+from .records.results import (NO_COMMIT, ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu,
+                              read_rounds, resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
 from .measure.point import summarize
 from .measure.primer import model_departure
@@ -101,6 +101,8 @@ def _refuse(problems: list) -> None:
 
 def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
     git = git_state(REPO)
+    if git.sha is None:   # said before the run, and kept in its manifest
+        print(f"warning: {NO_COMMIT}", file=sys.stderr)
     groups, _ = live_groups(study, engine, points)
     run = RunFolder.create(results, study.name, git)
     write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
@@ -111,6 +113,7 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
              # a search's order grows as its trials are proposed (config_search.TrialSource)
              order=[] if study.search else run_order(points, study.replicates, study.order_seed, groups),
              warnings={p.id: p.warnings for p in points if p.warnings},
+             notes=[NO_COMMIT] if git.sha is None else [],
              params=study.model_dump(mode="json")).save(run.manifest_path)
     for p in points:
         run.point(p.id).save_plan(PointPlan(study=study, point=p, engine=engine))
