@@ -140,3 +140,17 @@ def test_compare_of_one_start_runs_of_the_same_study_calls_no_difference_resolve
     rc = make_run(tmp_path / "c", _values([A, B, C, D]), start_sd=0.15, round_sd=0.02, seed=3)
     head, _, line = compare.compare_runs(ra.path, rc.path)
     assert head.splitlines()[0].startswith("A measured each point") and "worse" not in line
+
+
+def test_the_reports_comparisons_of_a_one_start_run_say_start_spread_is_not_in_them(tmp_path, capsys):
+    from vllm_study.analysis import intervals
+    from vllm_study.report import effects, report
+    one = make_run(tmp_path / "one", _values([A, B, C, D]), {"replicates": 1}, seed=1)
+    r = report.Run.load(one.path)
+    effects.comparison_table(r)
+    assert intervals.SINGLE_START_NOTE in capsys.readouterr().out
+    assert intervals.SINGLE_START_NOTE in effects.axis_effect_notes(r, "max_num_batched_tokens")
+    two = report.Run.load(make_run(tmp_path / "two", _values([A, B, C, D]), seed=1).path)
+    effects.comparison_table(two)
+    assert "one server start per point" not in capsys.readouterr().out
+    assert intervals.SINGLE_START_NOTE not in effects.axis_effect_notes(two, "max_num_batched_tokens")
