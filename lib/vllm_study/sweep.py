@@ -503,16 +503,22 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     gpus = describe().gpus
     groups, _ = live_groups(study, engine, points) if not study.search else ([[p] for p in points], None)
     gpu = gpus[0].name if gpus else "NVIDIA H100"
-    primed = [priming_s(study, p.engine_args, engine, gpu, gpus[0].memory_total_bytes if gpus else None)
+    history = None
+    if study.workload.kind == "trace" and study.workload.trace.prime == "history":
+        from .workload import windows
+        history = windows.history_tokens(study.workload.trace, study.workload.seed)
+    primed = [priming_s(study, p.engine_args, engine, gpu, gpus[0].memory_total_bytes if gpus else None, history)
               for p in points]
     priming = sum(primed) / len(primed) if primed else 0.0
     minutes = estimate_minutes(study, engine, len(points), gpu, len(groups), priming)
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
     if priming:
+        kv = ("the KV size from kv_cache_memory_bytes" if engine != "gpu" else f"the KV size modelled on its {gpu}"
+              if gpus else f"the KV size modelled on an {gpu}: this machine has no GPU")
         print(f"  of which priming: about {max(primed):.0f} s before each round of a point with prefix caching "
-              f"({sum(1 for x in primed if x)} of {len(points)} points), its KV cache's size prefilled"
-              + ("" if gpus else f" (the KV size modelled on an {gpu}: this machine has no GPU)"))
+              f"({sum(1 for x in primed if x)} of {len(points)} points): its KV cache's size prefilled, or its "
+              f"window's history where that holds less ({kv})")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.confirm:
