@@ -752,7 +752,7 @@ def test_the_wall_time_estimate_counts_priming_from_a_modelled_kv_size():
 
 def test_the_cpu_engines_priming_estimate_uses_its_kv_size_its_rate_and_the_history_there_is(capsys, tmp_path):
     """On a 2-core EPYC the tiny Qwen2 primed a 128 MiB cache (131k tokens) of the Mooncake
-    conversation trace in 24.8 s a round, which one request's prefill rate modelled at 53 s;
+    conversation trace in 24.7-34.6 s a round, which one request's prefill rate modelled at 53 s;
     a window whose history holds fewer tokens than the cache is primed with that history.
     The dry run names the CPU's KV size, not a GPU's."""
     from vllm_study import cli

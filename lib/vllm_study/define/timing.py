@@ -41,8 +41,9 @@ KIT_S_PER_START, REPORT_S = 15.0, 40.0
 # Priming on the CPU engine: the history's prefills go in batched (workload.concurrency at
 # once, chunked at max_num_batched_tokens), faster than one request's prefill (_flops). On a
 # 2-core AMD EPYC, the tiny Qwen2 (40M parameters), the Mooncake conversation trace, chunk
-# 1024, 4 in flight: a 128 MiB cache (131k tokens) primed in 24.8 s a round, where one
-# request's rate (0.2 TFLOP/s) modelled 53 s; 16k tokens of KV, 1 in flight: 2.8 and 6.3 s.
+# 1024, 4 in flight: a 128 MiB cache (131k tokens) primed in 24.7-34.6 s a round (3 rounds),
+# where one request's rate (0.2 TFLOP/s) modelled 53 s and this rate models 26 s; 16k tokens
+# of KV, 1 in flight: 2.8 and 6.3 s (3.3 s modelled).
 CPU_PRIME_FLOPS = 0.4e12
 # what a GPU start holds besides weights and KV (activations, CUDA graphs): one H200,
 # Qwen2.5-7B at 0.92 kept 118.3 GB of KV of 138.7 GB, 15.2 of weights
