@@ -117,6 +117,12 @@ def request_itl_figure(name: str) -> str | None:
     return None
 
 
+def slo_bound_names(stats) -> list[str]:
+    """What an SLO may bound: each latency at each of `stats`, each per-request figure at each percentile."""
+    return [f"{lat}_{s}_ms" for lat in LATENCIES for s in stats] + \
+        [f"{fig}_p{p}_ms" for fig in REQUEST_ITL for p in PERCENTILES]
+
+
 def request_itl_ms(gaps_s, figure: str) -> float | None:
     """One request's figure (REQUEST_ITL key) from its gaps in seconds, in ms; None without a gap."""
     return float(REQUEST_ITL[figure][2](gaps_s)) * 1000 if len(gaps_s) else None
