@@ -112,3 +112,16 @@ def test_a_run_made_before_the_stall_figures_says_it_did_not_record_them(tmp_pat
     assert "stall P90: not recorded by A (made before the kit recorded it)" in head
     t = report.headline_table(ns.load_run(ns.resolve_run(str(b.path)), quiet=True))
     assert t.loc[points, metrics.get("stall_p90_ms").title].str.contains(r"\[").all()
+
+
+def test_a_stall_bound_on_a_run_that_did_not_record_it_is_not_measured_and_never_met():
+    from pathlib import Path
+
+    from vllm_study import notebook_support as ns
+    from vllm_study.analysis import decision
+
+    old = Path(__file__).resolve().parents[1] / "results" / "20261130T211048Z-h200-qwen2.5-72b-tp2-343f2b5"
+    r = ns.load_run(ns.resolve_run(str(old)), quiet=True)
+    t = decision.slo_table(r.intervals, {"stall_p90_ms": 200, "ttft_p90_ms": 5000})
+    assert (t["stall P90 <= 200"] == "not measured").all() and (t["TTFT P90 <= 5000"] == "meets").all()
+    assert not (t["SLO"] == "meets").any()
