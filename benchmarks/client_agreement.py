@@ -251,6 +251,9 @@ def summarize(runs: dict, point_id: str, out: Path, bound: float = 0.02) -> dict
     summary = agreement(runs, bound)
     n = f"{len(runs['kit'])} and {len(runs['vllm_bench'])} runs"
     print(f"\ngeometric means over runs [95%] ({n}); kit over vllm bench, Welch 95% interval:")
+    print("  (both clients measured one server start, alternately: its start-to-start spread is common to both "
+          "and not in these intervals; they say whether the clients agree on this start, not how far another "
+          "start of the server would read)")
     for metric, label in LABELS.items():
         if metric in summary:
             x = summary[metric]

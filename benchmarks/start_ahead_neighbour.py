@@ -156,7 +156,9 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the summary covers the rounds that finished", flush=True)
     summary = paired(rows)
-    print(f"\nwith a neighbour importing over without, {a.pairs} pairs planned (mean log ratio, 95% t interval):")
+    print(f"\nwith a neighbour importing over without, {a.pairs} pairs planned (mean log ratio, 95% t interval; "
+          "every pair on one measuring server start, so the interval holds round-to-round spread, not "
+          "start-to-start spread: another start may show a different effect):")
     for m, x in summary.items():
         resolved = x["low"] > 0 or x["high"] < 0
         within = -a.bound <= x["low"] and x["high"] <= a.bound

@@ -19,7 +19,8 @@ start-up (model loading plus engine init, which holds torch.compile, CUDA graph 
 and the KV cache, from that start's server log) plus the start's measuring time (warm-up
 and rounds); the kit's wall time over that limit; the same sum for vLLM bench's plan (one
 start a point) beside it; and both tools' per-point medians over runs side by side
-([min, max]: three runs are too few for an interval on a median). --out keeps both
+([min, max]: three runs are too few for an interval on a median; all of one start per tool,
+so start-to-start spread is in neither range and the tools are not told apart). --out keeps both
 tools' files, sweep_speed.json (what ran, and each tool's wall time) and summary.json
 (the figures printed). Given the --out of an invocation whose machine ended before both
 tools did, it goes on from there: a tool that finished is kept, one that did not runs again.
@@ -62,6 +63,13 @@ from vllm_study.records.results import RunFolder, read_log
 from vllm_study.launch.server import cpu_uni_env, free_port, serve_command
 
 # (label, the kit's round metric, vllm bench's result key)
+# Each tool measures a point from one server start: its runs' [min, max] holds run-to-run
+# spread only, and plain vLLM's starts alone spread 114-148 ms in TTFT P50 at one point
+# where their runs agree within a few ms (one H100, results/sweep-speed/20261205-h200/FINDINGS.md)
+SINGLE_START = ("one server start per tool at each point: the ranges hold run-to-run spread only, not "
+                "start-to-start spread, so ranges that do not overlap tell two starts apart, not the two tools")
+
+
 METRICS = (("TTFT P50 ms", "ttft_p50_ms", "median_ttft_ms"), ("TPOT P50 ms", "tpot_p50_ms", "median_tpot_ms"),
            ("output tok/s", "output_throughput", "output_throughput"))
 COLD_CACHES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -297,6 +305,7 @@ def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
                                                               b.get("runs", [])]}}
     print("\nper point: median [min, max] over runs; vLLM's model loading + engine init; warm-up and runs "
           "(a point served by another's start: both are that start's)")
+    print(SINGLE_START)
     print(pd.DataFrame(table).to_string(index=False, float_format="%.1f"))
     summary = {"wall_s": meta["wall_s"], "ratio": ratio, "ratio_floor": floor, "limit_s": limit,
                "limit_parts_s": limit_parts,

@@ -3,7 +3,7 @@
 - Every relative link, and every repository path written in backticks (inline code or a
   fenced block), names a file or folder of the repository. Placeholders (`results/<run>`,
   a `*` glob, `...`) are checked up to the folder before them.
-- Every `python -m vllm_study ...` command the pages show runs, in a cheap form that
+- Every `vllm-study ...` (or `python -m vllm_study ...`) command the pages show runs, in a cheap form that
   needs no GPU and starts no server: `sweep <params> --dry-run` (with `--engine cpu`
   for a GPU study), `doctor` as shown, and `--help` for each subcommand, whose options
   must include every flag the pages pass it. `my-study.yaml` is the README's first study,
@@ -140,7 +140,7 @@ def _shown(pattern: str):
 def _shown_commands() -> list[tuple[str, list[str]]]:
     """(page, argv after `-m vllm_study`) for every command the pages show, in page order."""
     out = []
-    for page, m in _shown(r"python -m vllm_study\s+(.*)"):
+    for page, m in _shown(r"(?:python -m vllm_study|(?:^|\s)vllm-study)\s+(.*)"):
         rest = re.sub(r"\s#.*$", "", m.group(1))
         rest = re.sub(r"\[[^\]]*\]", "", rest)  # [--optional arguments]
         argv = shlex.split(rest)
@@ -290,3 +290,12 @@ def test_scripts_take_the_flags_shown():
         flags = re.findall(r"(?<![\w-])(--[a-z][\w-]*)", re.sub(r"\s#.*$", "", m.group(2)))
         problems += [f"{page.name}: {m.group(1)} has no {f}" for f in flags if f'"{f}"' not in source]
     assert not problems, problems
+
+
+def test_the_pages_teach_the_command_an_installed_package_gives():
+    """`pip install .` gives the `vllm-study` command (pyproject's script): the pages show
+    that, not the checkout's interpreter running the module."""
+    assert re.search(r'^vllm-study = "vllm_study\.cli:main"$', _text(REPO / "pyproject.toml"), flags=re.M)
+    taught = [p.name for p in PAGES if ".venv/bin/python -m vllm_study" in _text(p)]
+    assert taught == [], f"pages teach the checkout's interpreter instead of `vllm-study`: {taught}"
+    assert sum(argv[0] == "sweep" for page, argv in SHOWN if page == "README.md") >= 3

@@ -134,3 +134,37 @@ def test_compare_of_the_same_workload_lists_other_differences_and_keeps_its_verd
     assert "  engine_args.max_model_len: 2048 -> 4096" in head and "workloads differ" not in head
     assert "left out" not in head
     assert f"resolved (B vs A): {A} TTFT P90 +" in line and "worse" in line
+
+
+def test_compare_of_one_start_runs_of_the_same_study_calls_no_difference_resolved(tmp_path):
+    """Two runs of one study, one start a point: restarts move every value by ~15% while
+    rounds scatter 2%, so round-only intervals would call restart noise 'worse'."""
+    one = {"replicates": 1}
+    ra = make_run(tmp_path / "a", _values([A, B, C, D]), one, start_sd=0.15, round_sd=0.02, seed=1)
+    rb = make_run(tmp_path / "b", _values([A, B, C, D]), one, start_sd=0.15, round_sd=0.02, seed=2)
+    df = compare.compare(ra.path, rb.path)
+    assert not df["verdict"].isin(["better", "worse", "higher", "lower"]).any()
+    assert (df["verdict"] == compare.ONE_START).any()   # apart by more than the rounds' noise
+    head, table, line = compare.compare_runs(ra.path, rb.path)
+    first = head.splitlines()[0]
+    assert first.startswith("A and B measured each point from one server start") and "not in these" in first
+    assert "the studies are the same" in head and "none is resolved" in line
+    assert "better" not in line and "worse" not in line
+    # with starts replicated on one side only, still no resolved difference
+    rc = make_run(tmp_path / "c", _values([A, B, C, D]), start_sd=0.15, round_sd=0.02, seed=3)
+    head, _, line = compare.compare_runs(ra.path, rc.path)
+    assert head.splitlines()[0].startswith("A measured each point") and "worse" not in line
+
+
+def test_the_reports_comparisons_of_a_one_start_run_say_start_spread_is_not_in_them(tmp_path, capsys):
+    from vllm_study.analysis import intervals
+    from vllm_study.report import effects, report
+    one = make_run(tmp_path / "one", _values([A, B, C, D]), {"replicates": 1}, seed=1)
+    r = report.Run.load(one.path)
+    effects.comparison_table(r)
+    assert intervals.SINGLE_START_NOTE in capsys.readouterr().out
+    assert intervals.SINGLE_START_NOTE in effects.axis_effect_notes(r, "max_num_batched_tokens")
+    two = report.Run.load(make_run(tmp_path / "two", _values([A, B, C, D]), seed=1).path)
+    effects.comparison_table(two)
+    assert "one server start per point" not in capsys.readouterr().out
+    assert intervals.SINGLE_START_NOTE not in effects.axis_effect_notes(two, "max_num_batched_tokens")

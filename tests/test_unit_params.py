@@ -773,6 +773,38 @@ def test_the_wall_time_estimate_counts_priming_from_a_modelled_kv_size():
     assert added * 60 == pytest.approx(2 * s.steps_per_start * p / 2, rel=1e-6)
 
 
+def test_the_cpu_engines_priming_estimate_uses_its_kv_size_its_rate_and_the_history_there_is(capsys, tmp_path):
+    """On a 2-core EPYC the tiny Qwen2 primed a 128 MiB cache (131k tokens) of the Mooncake
+    conversation trace in 24.7-34.6 s a round, which one request's prefill rate modelled at 53 s;
+    a window whose history holds fewer tokens than the cache is primed with that history.
+    The dry run names the CPU's KV size, not a GPU's."""
+    from vllm_study import cli
+    from vllm_study.define.grid import expand
+    from vllm_study.define.timing import priming_s
+    from vllm_study.workload import windows
+    base = {"name": "t", "model": {"card": "tiny-qwen2"}, "grid": {"max_num_batched_tokens": [1024]},
+            "engine_args": {"max_model_len": 8192, "kv_cache_memory_bytes": 134217728},
+            "workload": {"kind": "trace", "concurrency": 4,
+                         "trace": {"file": "mooncake_conversation", "start_s": 60, "requests": 20, "prime": "history"}}}
+    s = study_from_dict(base)
+    p = expand(s, "cpu")[0]
+    history = windows.history_tokens(s.workload.trace, s.workload.seed)
+    assert 15 < priming_s(s, p.engine_args, "cpu", None, history_tokens=history) < 40
+    # early in the trace the history holds ~112k tokens: a 512 MiB cache (524k) is primed with those
+    early = study_from_dict({**base, "engine_args": {**base["engine_args"], "kv_cache_memory_bytes": 536870912},
+                             "workload": {**base["workload"], "trace": {**base["workload"]["trace"], "start_s": 2}}})
+    h = windows.history_tokens(early.workload.trace, early.workload.seed)
+    assert h[0] < 524288
+    q = expand(early, "cpu")[0]
+    assert priming_s(early, q.engine_args, "cpu", None, history_tokens=h) == pytest.approx(
+        priming_s(early, q.engine_args, "cpu", None) * h[0] / 524288)
+    path = tmp_path / "primed.yaml"
+    path.write_text(yaml.safe_dump(base))
+    assert cli.main(["sweep", "--dry-run", str(path), "--engine", "cpu"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "of which priming" in x)
+    assert "kv_cache_memory_bytes" in line and "H100" not in line and "about 26 s" in line
+
+
 def test_start_ahead_is_on_by_default_for_the_gpu_engine_only_and_a_study_can_say_otherwise():
     grid = {"name": "t", "grid": {"max_num_batched_tokens": [64]}}
     default = study_from_dict(grid).server

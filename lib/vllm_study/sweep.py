@@ -32,8 +32,8 @@ from .define.schema import StudyError
 from .define.study_file import load_study
 from .define.traces import TraceError
 from .records import confirmation
-from .records.results import (ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu, read_rounds,
-                              resume_hint, write_atomic)
+from .records.results import (NO_COMMIT, ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu,
+                              read_rounds, resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
 from .measure.point import summarize
 from .measure.primer import model_departure
@@ -101,6 +101,8 @@ def _refuse(problems: list) -> None:
 
 def create_run(results: Path, study: Study, engine: str, points: list[Point]) -> RunFolder:
     git = git_state(REPO)
+    if git.sha is None:   # said before the run, and kept in its manifest
+        print(f"warning: {NO_COMMIT}", file=sys.stderr)
     groups, _ = live_groups(study, engine, points)
     run = RunFolder.create(results, study.name, git)
     write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
@@ -111,6 +113,7 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
              # a search's order grows as its trials are proposed (config_search.TrialSource)
              order=[] if study.search else run_order(points, study.replicates, study.order_seed, groups),
              warnings={p.id: p.warnings for p in points if p.warnings},
+             notes=[NO_COMMIT] if git.sha is None else [],
              params=study.model_dump(mode="json")).save(run.manifest_path)
     for p in points:
         run.point(p.id).save_plan(PointPlan(study=study, point=p, engine=engine))
@@ -500,16 +503,22 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     gpus = describe().gpus
     groups, _ = live_groups(study, engine, points) if not study.search else ([[p] for p in points], None)
     gpu = gpus[0].name if gpus else "NVIDIA H100"
-    primed = [priming_s(study, p.engine_args, engine, gpu, gpus[0].memory_total_bytes if gpus else None)
+    history = None
+    if study.workload.kind == "trace" and study.workload.trace.prime == "history":
+        from .workload import windows
+        history = windows.history_tokens(study.workload.trace, study.workload.seed)
+    primed = [priming_s(study, p.engine_args, engine, gpu, gpus[0].memory_total_bytes if gpus else None, history)
               for p in points]
     priming = sum(primed) / len(primed) if primed else 0.0
     minutes = estimate_minutes(study, engine, len(points), gpu, len(groups), priming)
     print(f"study {study.name}: {plan_label(study, points)} x {rounds_label(study)}, "
           f"engine {engine}; roughly {minutes:.0f} min (a rough model: lib/vllm_study/define/timing.py)")
     if priming:
+        kv = ("the KV size from kv_cache_memory_bytes" if engine != "gpu" else f"the KV size modelled on its {gpu}"
+              if gpus else f"the KV size modelled on an {gpu}: this machine has no GPU")
         print(f"  of which priming: about {max(primed):.0f} s before each round of a point with prefix caching "
-              f"({sum(1 for x in primed if x)} of {len(points)} points), its KV cache's size prefilled"
-              + ("" if gpus else f" (the KV size modelled on an {gpu}: this machine has no GPU)"))
+              f"({sum(1 for x in primed if x)} of {len(points)} points): its KV cache's size prefilled, or its "
+              f"window's history where that holds less ({kv})")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.confirm:

@@ -26,11 +26,17 @@ def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=(), fai
     is not resolved where it lies within: one measurement cannot show it meets.
     A point in `incomplete` (not every planned round ran) never meets it: the rounds it
     lacks were not measured; nor does one in `failed` (point: its failed requests, from
-    failed_requests): its latencies are those of the requests that completed."""
+    failed_requests): its latencies are those of the requests that completed. A bound
+    whose metric a point did not record (a run made before the kit recorded stall_p90_ms)
+    is 'not measured' there, and the point does not meet the SLO either."""
     rows = {}
+    points = list(dict.fromkeys(intervals["point"])) if "point" in intervals else []
     for metric, bound in slo.items():
         m = metrics.get(metric)
         sub = intervals[intervals["metric"] == metric]
+        label = f"{m.label} <= {bound:g}" if m.better != "higher" else f"{m.label} >= {bound:g}"
+        for p in points:
+            rows.setdefault(p, {})[label] = "not measured"
         for row in sub.itertuples():
             if np.isfinite(row.ci_low):
                 lo, hi = row.ci_low, row.ci_high
@@ -38,8 +44,7 @@ def slo_table(intervals: pd.DataFrame, slo: dict[str, float], incomplete=(), fai
             else:
                 ok_lo, ok_hi = False, (row.value <= bound if m.better != "higher" else row.value >= bound)
             verdict = "meets" if ok_lo else ("misses" if not ok_hi else "not resolved")
-            rows.setdefault(row.point, {})[f"{m.label} <= {bound:g}" if m.better != "higher"
-                                           else f"{m.label} >= {bound:g}"] = verdict
+            rows.setdefault(row.point, {})[label] = verdict
     t = pd.DataFrame.from_dict(rows, orient="index")
     if t.empty:
         return t

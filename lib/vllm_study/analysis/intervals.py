@@ -85,6 +85,18 @@ def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None,
     return rounds[sel]
 
 
+def single_start(rounds: pd.DataFrame) -> bool:
+    """No point of the run was measured from two or more server starts: nothing in it
+    measured start-to-start spread, so its intervals hold round-to-round spread only."""
+    ok = ok_rounds(rounds)
+    return ok.empty or int(ok.groupby("point")["start"].nunique().max()) < 2
+
+
+SINGLE_START_NOTE = ("one server start per point: these intervals hold round-to-round spread only, not "
+                     "start-to-start spread, and a restart alone can move a latency by more; a difference called "
+                     "resolved here may be two starts', not two configs' (replicates: 2 or more measure it)")
+
+
 def _scale(values: pd.Series) -> tuple[bool, pd.Series]:
     v = values.dropna()
     log = bool(len(v)) and bool((v > 0).all())

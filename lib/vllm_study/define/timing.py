@@ -15,9 +15,12 @@ hours, not to plan to the minute:
   request's latency per wave of `concurrency` requests;
 - per start, 15 s of the kit's own work (notebook kernel, tokenizer, workload);
 - priming (trace.prime: history, prefix caching on): each round first prefills about the
-  KV cache's size (workload/priming.py) at the prefill rate above; the KV size from the
-  GPU's memory x gpu_memory_utilization less the weights and 5 GB (one H200, Qwen2.5-7B
-  at 0.92: 2.06M tokens; this model says 2.07M, and 80 s a round where 58 s were measured).
+  KV cache's size (workload/priming.py) at the prefill rate above, or the history before
+  its window where that holds fewer distinct prefix blocks (the dry run reads them from the
+  trace); the KV size on a GPU from its memory x gpu_memory_utilization less the weights
+  and 5 GB (one H200, Qwen2.5-7B at 0.92: 2.06M tokens; this model says 2.07M, and 80 s a
+  round where 58 s were measured), on the CPU engine the point's kv_cache_memory_bytes, at
+  the CPU's priming rate (CPU_PRIME_FLOPS).
 """
 from __future__ import annotations
 
@@ -35,6 +38,13 @@ CPU_START_S, GPU_START_S, GPU_START_S_PER_GB = 75.0, 90.0, 1.0
 # before, or new to the compile cache
 AHEAD_SHARE, AHEAD_SHARE_NEW = 0.25, 0.5
 KIT_S_PER_START, REPORT_S = 15.0, 40.0
+# Priming on the CPU engine: the history's prefills go in batched (workload.concurrency at
+# once, chunked at max_num_batched_tokens), faster than one request's prefill (_flops). On a
+# 2-core AMD EPYC, the tiny Qwen2 (40M parameters), the Mooncake conversation trace, chunk
+# 1024, 4 in flight: a 128 MiB cache (131k tokens) primed in 24.7-34.6 s a round (3 rounds),
+# where one request's rate (0.2 TFLOP/s) modelled 53 s and this rate models 26 s; 16k tokens
+# of KV, 1 in flight: 2.8 and 6.3 s (3.3 s modelled).
+CPU_PRIME_FLOPS = 0.4e12
 # what a GPU start holds besides weights and KV (activations, CUDA graphs): one H200,
 # Qwen2.5-7B at 0.92 kept 118.3 GB of KV of 138.7 GB, 15.2 of weights
 GPU_OTHER_BYTES = 5e9
@@ -93,16 +103,23 @@ def kv_tokens(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: 
     return max(0, int(free) // per_token)
 
 
-def priming_s(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: int | None = None) -> float:
+def priming_s(study: Study, args, engine: str, gpu_name: str | None, gpu_bytes: int | None = None,
+              history_tokens: list[int] | None = None) -> float:
     """What priming adds to each measured round of a point (engine args `args`): about its
-    KV cache's size prefilled (workload/priming.py); 0 where nothing is primed (no
-    trace.prime: history, prefix caching off) or the KV size is unknown."""
+    KV cache's size prefilled (workload/priming.py), or where a window's history holds
+    fewer tokens of distinct prefix blocks (history_tokens: one a window,
+    workload.windows.history_tokens), that history, averaged over the windows; 0 where
+    nothing is primed (no trace.prime: history, prefix caching off) or the KV size is unknown."""
     w = study.workload
     if w.kind != "trace" or w.trace.prime != "history" or args.enable_prefix_caching is False:
         return 0.0
     kv = kv_tokens(study, args, engine, gpu_name, gpu_bytes)
+    if not kv:
+        return 0.0
+    tokens = sum(min(kv, h) for h in history_tokens) / len(history_tokens) if history_tokens else kv
     cfg = models.local_config(study.model)
-    return 2 * machine.param_count(cfg)[0] * kv / _flops(engine, gpu_name) if kv else 0.0
+    flops = _flops(engine, gpu_name) if engine == "gpu" else CPU_PRIME_FLOPS
+    return 2 * machine.param_count(cfg)[0] * tokens / flops
 
 
 def _trace(study: Study):

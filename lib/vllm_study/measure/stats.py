@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..vocab.metrics import FAILURES_COUNT, GROUP_METRICS, PERCENTILES
+from ..vocab.metrics import FAILURES_COUNT, GROUP_METRICS, PERCENTILES, REQUEST_ITL, request_itl_figure, request_itl_ms
 from ..records.results import Estimate, GroupRecord, RoundRecord
 
 GROUP_KEYS = ("class", "turn", "step", "prefix")  # tags the workloads and load models set
@@ -36,7 +36,11 @@ def tpot_s(r: dict) -> float | None:
 
 def request_value_ms(r: dict, bound: str) -> float | None:
     """One request's own figure for an SLO bound name (ttft_p99_ms -> its TTFT; itl_p99_ms
-    -> the P99 of its own gaps; tpot_* -> its TPOT; e2e_* -> its E2E), in ms."""
+    -> the P99 of its own gaps; stall_p90_ms -> its longest gap; itl_mean_p90_ms -> its mean
+    gap; tpot_* -> its TPOT; e2e_* -> its E2E), in ms."""
+    figure = request_itl_figure(bound)
+    if figure:
+        return request_itl_ms(r["itl_s"], figure)
     lat, stat, _ = bound.split("_")
     if lat == "itl":
         gaps = r["itl_s"]
@@ -67,6 +71,9 @@ def round_metrics(results: list[dict], duration_s: float | None, slo=None) -> di
            "duration_s": duration_s}
     out |= _dist("ttft", [r["ttft_s"] for r in ok])
     out |= _dist("itl", [g for r in ok for g in r["itl_s"]])
+    for figure in REQUEST_ITL:   # per request, then percentiles over requests (metrics.REQUEST_ITL)
+        d = _dist(figure, [REQUEST_ITL[figure][2](r["itl_s"]) for r in ok if r["itl_s"]])
+        out |= {f"{figure}_p{p}_ms": d[f"{figure}_p{p}_ms"] for p in PERCENTILES}
     out |= _dist("tpot", [t for t in map(tpot_s, ok) if t is not None])
     out |= _dist("e2e", [r["e2e_s"] for r in ok])
     due = [r for r in results if r.get("due_time") is not None]

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..capacity import fit
 from ..capacity.bracket import CapacityRecord, bound_key, margins
+from ..vocab import metrics
 from .results import REQUESTS, PointFolder, StartRecord, read_rounds
 
 STATISTICS = {
@@ -109,7 +110,10 @@ def rps_per_load(rec: CapacityRecord, start: StartRecord) -> float | None:
 def _request_ms(r: dict, bound: str, sched: bool) -> np.ndarray | float | None:
     """One request's values for an SLO bound, in ms, as the round pools them: its TTFT
     (or E2E), from its scheduled arrival where the round judged from the schedule; its
-    token gaps for ITL; its TPOT."""
+    token gaps for ITL; its longest or mean gap for a per-request bound (stall_p90_ms); its TPOT."""
+    figure = metrics.request_itl_figure(bound)
+    if figure:
+        return metrics.request_itl_ms(r.get("itl_s") or [], figure)
     lat = bound.split("_", 1)[0]
     lag = (r["send_time"] - r["due_time"]) if sched and r.get("due_time") is not None else 0.0
     if lat == "itl":
@@ -142,7 +146,9 @@ def _step_from_requests(step: dict, reqs: list[dict], bounds: list[fit.Bound], v
     for b in bounds:
         sched = bound_key(b.name, values) != b.name
         vals = [_request_ms(r, b.name, sched) for r in reqs]
-        if b.name.startswith("itl"):
+        if metrics.request_itl_figure(b.name):   # one value per request with a gap, none without
+            vals = [np.zeros(0) if v is None else np.atleast_1d(v) for v in vals]
+        if b.name.startswith("itl") or metrics.request_itl_figure(b.name):
             if sum(1 for v in vals if len(v)) < 2:
                 return None
             lat[b.name] = vals

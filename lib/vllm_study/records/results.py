@@ -215,7 +215,7 @@ class PointSummary(_Record):
 class GitState(BaseModel):
     sha: str | None
     dirty: bool | None
-    source: Literal["git", "VLLM_STUDY_GIT_SHA", "none", "recorded after the run"] = "git"
+    source: Literal["git", "VLLM_STUDY_GIT_SHA", "stamp file", "none", "recorded after the run"] = "git"
 
 
 class Resume(BaseModel):
@@ -258,19 +258,38 @@ def git_output(*args: str, cwd: Path) -> str | None:
         return None
 
 
+# A copy of the checkout without .git (one shipped to a GPU machine) names its commit in
+# this file at the repository's root, written in the checkout before the copy leaves it
+# (tools/stamp_commit.py; git ignores it, so it is carried, never committed): "<sha> dirty"
+# or "<sha> clean".
+COMMIT_FILE = ".vllm-study-commit"
+
+
 def git_state(repo: Path) -> GitState:
     """The commit the kit's code is at. A copy of the checkout shipped to another machine
     names it in VLLM_STUDY_GIT_SHA (and VLLM_STUDY_GIT_DIRTY=1 if that tree had
-    uncommitted changes); otherwise git answers."""
+    uncommitted changes); otherwise git answers; in a copy without .git, the COMMIT_FILE
+    the copy carries."""
     env = os.environ.get("VLLM_STUDY_GIT_SHA")
     if env:  # named by whoever shipped the tree: it wins over a .git that may have come along stale
         dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
         return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
     sha = git_output("rev-parse", "HEAD", cwd=repo)
     if sha is None:
+        stamp = Path(repo) / COMMIT_FILE
+        words = stamp.read_text().split() if stamp.is_file() else []
+        if words:
+            dirty = words[1] if len(words) > 1 else None
+            return GitState(sha=words[0], dirty=None if dirty not in ("dirty", "clean") else dirty == "dirty",
+                            source="stamp file")
         return GitState(sha=None, dirty=None, source="none")
     status = git_output("status", "--porcelain", "--untracked-files=no", cwd=repo)
     return GitState(sha=sha, dirty=bool(status) if status is not None else None)
+
+
+NO_COMMIT = (f"this copy of the kit has no .git and names no commit, so the run will record none: in the "
+             f"checkout it came from, run `python tools/stamp_commit.py` and carry {COMMIT_FILE} with the copy, "
+             "or set VLLM_STUDY_GIT_SHA=<commit> here")
 
 
 class RunFolder:

@@ -7,7 +7,10 @@ the same workload (WORKLOAD_KEYS), else it is higher or lower, across different 
 
 Each run's point values and standard errors come from its own noise model (analysis.py);
 the difference's interval uses the smaller of the two runs' degrees of freedom, which
-errs on the wide side.
+errs on the wide side. Where either run measured every point from one server start, its
+intervals hold round-to-round noise only: two starts of one config differ by more than
+that (a restart moved TTFT P90 by 25-55% on the H200), so no difference is called
+resolved and the first line says why.
 
     python -m vllm_study compare results/<run A> results/<run B> --out compare/
 """
@@ -26,7 +29,8 @@ from ..analysis.intervals import Difference
 from ..define.params import Study
 from ..vocab.figure_file import save_figure
 
-METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
+METRICS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "stall_p90_ms", "tpot_p50_ms", "output_throughput",
+           "prefix_cache_hit_rate")
 # What the requests were (and, for capacity, the search over their load, with its SLO):
 # where these differ, every metric moves by itself (the hit rate with the request count),
 # so B - A is no effect. Another seed or timeout draws or waits on the same workload.
@@ -101,8 +105,18 @@ def compare(run_a, run_b, names=METRICS) -> pd.DataFrame:
     return _compare(report.Run.load(run_a), report.Run.load(run_b), names)
 
 
+def one_start_runs(ra: report.Run, rb: report.Run) -> list[str]:
+    """'A' and/or 'B': the runs in which no point was measured from two or more server
+    starts, so nothing in them measured start-to-start spread."""
+    return [who for who, r in (("A", ra), ("B", rb)) if analysis.single_start(r.rounds)]
+
+
+ONE_START = "not resolved (one start)"
+
+
 def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
     same = same_workload(study_differences(ra, rb))
+    one_start = bool(one_start_runs(ra, rb))
     rows = []
     for name in names:
         if name == "capacity_rps" and ra.study.capacity and rb.study.capacity:
@@ -118,6 +132,9 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
             verdict = d.verdict() if np.isfinite(d.low) else "not resolved"
             if not same and verdict in ("better", "worse"):  # a number apart, not an effect
                 verdict = "higher" if d.estimate > 0 else "lower"
+            if one_start and verdict != "not resolved" and not (m.exact and d.low == d.high):
+                # round-to-round noise only: a restart alone moves the value by more
+                verdict = ONE_START
             rows.append({"point": point, "metric": name, "A": float(a.back(a.center(point))),
                          "B": float(b.back(b.center(point))), "change": d.estimate, "low": d.low, "high": d.high,
                          "relative": d.relative, "verdict": verdict, "label": m.label,
@@ -178,8 +195,14 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
 
 def verdict(df: pd.DataFrame) -> str:
     """One line: how many point x metric pairs the two runs agree on, and which moved."""
-    moved = df[df["verdict"] != "not resolved"]
+    moved = df[~df["verdict"].isin(["not resolved", ONE_START])]
     line = f"{len(df) - len(moved)} of {len(df)} point x metric pairs agree within their 95% intervals"
+    if (df["verdict"] == ONE_START).any():
+        apart = int((df["verdict"] == ONE_START).sum())
+        line = (f"one server start per point: {len(df) - len(moved) - apart} of {len(df)} point x metric pairs "
+                f"agree within round-to-round noise and {apart} lie apart by more, which one start cannot tell "
+                "from a restart: none is resolved")
+
     if "workload" in df and (df["workload"] == "different").any():
         line = "across different workloads, so no change is an effect: " + line
         label = "apart (B vs A)"
@@ -225,6 +248,11 @@ def header(ra: report.Run, rb: report.Run) -> str:
     measured in one run only: what a reader needs before the numbers."""
     diffs = study_differences(ra, rb)
     lines = [f"A: {ra.folder.path.name}", f"B: {rb.folder.path.name}"]
+    one = one_start_runs(ra, rb)
+    if one:
+        lines.insert(0, f"{' and '.join(one)} measured each point from one server start: start-to-start spread "
+                        "is not in these intervals (round-to-round noise only), so no difference below is called "
+                        "resolved; replicates: 2 or more in both studies measure it")
     if diffs:
         lines.append("the studies differ in (A -> B):")
         lines += [f"{'*' if _workload_key(k) else ' '} {k}: {a!r} -> {b!r}" for k, a, b in diffs]
@@ -233,6 +261,11 @@ def header(ra: report.Run, rb: report.Run) -> str:
     if not same_workload(diffs):
         lines.append("the workloads differ (* above): the numbers are shown side by side, but no change below is "
                      "an effect of the other differences; verdicts say only higher or lower")
+    for name in METRICS:   # a figure the kit added later: a run made before has none
+        has = [who for who, r in (("A", ra), ("B", rb)) if name in r.rounds.columns and r.rounds[name].notna().any()]
+        if len(has) == 1:
+            lines.append(f"{metrics.get(name).label}: not recorded by {'B' if has == ['A'] else 'A'} "
+                         "(made before the kit recorded it), so not compared")
     pa, pb = [[s.point for s in r.measured] for r in (ra, rb)]
     for who, mine, theirs in (("A", pa, pb), ("B", pb, pa)):
         alone = [p for p in mine if p not in theirs]

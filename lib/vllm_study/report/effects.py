@@ -146,6 +146,8 @@ def axis_effect_notes(r: Run, axis: str, reference=None) -> list[str]:
         notes.append(f"{axis}: no measured point has a measured twin at {axis}={axes.get(axis).fmt(ref)} "
                      "to be set against")
         return notes
+    if analysis.single_start(r.rounds):
+        notes.append(analysis.SINGLE_START_NOTE)
     effects = f[f["resolved"]]
     if effects.empty:
         notes.append(f"no effect of {axis} this study resolves, in any request group: every interval includes 0")
@@ -172,6 +174,8 @@ def comparison_table(r: Run, against: str | None = None) -> pd.DataFrame | None:
         for p in data.starts:
             cell = "reference" if p == ref else _diff_cell(analysis.difference(data, p, ref, noise))
             rows.setdefault(p, {})[f"{metrics.get(n).label} vs {'baseline' if against else 'best'}"] = cell
+    if analysis.single_start(r.rounds):
+        print(analysis.SINGLE_START_NOTE)
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("point")
 
 

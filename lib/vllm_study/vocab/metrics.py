@@ -8,6 +8,11 @@ way in the report and computed another way in the code.
 Names follow vLLM's benchmarks: TTFT, ITL (every gap between streamed content chunks,
 pooled over a round: = TBT), TPOT ((E2E - TTFT) / (output tokens - 1) per request),
 E2E. GuideLLM and AIPerf call TPOT "ITL"; LLMPerf's ITL includes TTFT.
+
+Beside the pooled ITL, per-request figures (REQUEST_ITL): each request's longest gap (its
+stall) and its mean gap, with percentiles over the round's requests, as AIPerf reports ITL
+per request. A pooled percentile weights a request by its gaps: with 256 output tokens a
+chunked-prefill stall is 1 gap in 255, below the pooled P99 even when every request had one.
 """
 from __future__ import annotations
 
@@ -87,6 +92,40 @@ for _key, (_label, _defn, _digits) in LATENCIES.items():
     for _stat, _what in [("mean", "mean"), ("std", "std")] + [(f"p{p}", f"P{p}") for p in PERCENTILES]:
         _add(Metric(f"{_key}_{_stat}_ms", f"{_label} {_what}", "ms", f".{_digits}f",
                     None if _stat == "std" else "lower", "client", f"{_what} of {_label}: {_defn}"))
+
+# Per request, from its own gaps between streamed content chunks (requests with 2+ chunks):
+# one figure each, then a percentile over the round's requests. name -> (label, what, reduce)
+REQUEST_ITL = {
+    "stall": ("stall", "each request's longest gap between successive streamed content chunks (a chunked "
+                       "prefill of another request, a preemption, a scheduling hiccup)", np.max),
+    "itl_mean": ("ITL mean per request", "each request's mean gap between successive streamed content chunks "
+                                         "(AIPerf's per-request ITL; equals its TPOT where every chunk carries one "
+                                         "token)", np.mean),
+}
+for _key, (_label, _defn, _) in REQUEST_ITL.items():
+    for _p in PERCENTILES:
+        _add(Metric(f"{_key}_p{_p}_ms", f"{_label} P{_p}", "ms", ".1f", "lower", "client",
+                    f"P{_p} over the round's requests of {_defn}; not recorded by runs made before it was added"))
+
+
+def request_itl_figure(name: str) -> str | None:
+    """'stall_p90_ms' -> 'stall', 'itl_mean_p99_ms' -> 'itl_mean': the per-request figure a
+    metric (or an SLO bound) takes a percentile over requests of; None for any other name."""
+    for key in REQUEST_ITL:
+        if name in (f"{key}_p{p}_ms" for p in PERCENTILES):
+            return key
+    return None
+
+
+def slo_bound_names(stats) -> list[str]:
+    """What an SLO may bound: each latency at each of `stats`, each per-request figure at each percentile."""
+    return [f"{lat}_{s}_ms" for lat in LATENCIES for s in stats] + \
+        [f"{fig}_p{p}_ms" for fig in REQUEST_ITL for p in PERCENTILES]
+
+
+def request_itl_ms(gaps_s, figure: str) -> float | None:
+    """One request's figure (REQUEST_ITL key) from its gaps in seconds, in ms; None without a gap."""
+    return float(REQUEST_ITL[figure][2](gaps_s)) * 1000 if len(gaps_s) else None
 
 _add(
     Metric("requests", "requests", "", ".0f", None, "client", "requests sent in the round", exact=True),
@@ -258,7 +297,7 @@ def get(name: str) -> Metric:
 
 # What the report's headline table shows, in this order.
 HEADLINE = ("capacity_rps", "ttft_sched_p90_ms", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms",
-            "tpot_p50_ms", "e2e_p50_ms",
+            "stall_p90_ms", "tpot_p50_ms", "e2e_p50_ms",
             "output_throughput", "request_throughput", "goodput", "slo_attainment", "prefix_cache_hit_rate",
             "expected_prefix_hit_rate", "preemptions", "kv_usage_peak",
             "gpu_mem_peak_frac")
@@ -272,7 +311,7 @@ HEATMAPS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_
 TRENDS = ("capacity_rps", "ttft_p90_ms", "itl_p90_ms", "output_throughput")
 # Shown per request class / turn / rate step.
 GROUP_METRICS = ("requests", "failed", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p90_ms",
-                 "itl_p99_ms", "tpot_p50_ms", "e2e_p50_ms")
+                 "itl_p99_ms", "stall_p90_ms", "tpot_p50_ms", "e2e_p50_ms")
 
 
 def definitions(names=None) -> pd.DataFrame:

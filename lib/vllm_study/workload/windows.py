@@ -27,7 +27,7 @@ import pandas as pd
 from . import prefix_cache_model as pcm
 from .trace_workload import fitted_workload
 from ..define.params import TraceSpec
-from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_trace, read_whole
+from ..define.traces import SHIPPED, DATA, Trace, TraceError, read_history, read_trace, read_whole
 
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -224,6 +224,23 @@ def _history_block_tokens(whole: Trace, starts: list[int]) -> dict[int, int]:
         j = s
         out[s] = len(seen) * (whole.block_tokens or 0)
     return out
+
+
+def history_tokens(spec: TraceSpec, seed: int) -> list[int]:
+    """Per window the study replays (one without trace.windows), the tokens of the
+    distinct prefix blocks before it in the file: the most priming can prefill for it,
+    whatever the KV cache holds (the dry run's priming estimate)."""
+    if spec.windows:
+        whole, plan = for_study(spec, seed)
+        starts = [x.start for x in plan.windows]
+        history = _history_block_tokens(whole, starts)
+        return [history[s] for s in starts]
+    rows = read_history(spec)
+    return [len({b for r in rows for b in (r.prefix or ())}) * (_block_tokens_of(spec) or 0)]
+
+
+def _block_tokens_of(spec: TraceSpec) -> int | None:
+    return read_trace(spec).block_tokens
 
 
 def study_statements(study, max_model_lens, kv_tokens: int | None = None) -> list[str]:
