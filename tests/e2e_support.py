@@ -16,7 +16,7 @@ from vllm_study.define.models import kv_bytes_per_token
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.point import PointStart
 from vllm_study.launch.server import ServerStartError, VllmServer, free_port
-from vllm_study.measure.launcher import PORT_TRIES
+from vllm_study.launch.deployment import PORT_TRIES
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -115,12 +115,12 @@ def test_a_server_that_dies_before_its_warm_up_fails_the_start_with_its_own_reas
 def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
     """Another process holds the port the kit picked (a race the kit cannot rule out):
     vLLM cannot bind it and the start records 'port in use'."""
-    from vllm_study.measure import launcher
+    from vllm_study.launch import deployment
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     try:
-        monkeypatch.setattr(launcher, "free_port", lambda: holder.getsockname()[1])
+        monkeypatch.setattr(deployment, "free_port", lambda: holder.getsockname()[1])
         run = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
         run.launch()
     finally:

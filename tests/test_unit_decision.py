@@ -14,7 +14,6 @@ from synthetic_run import make_run
 from vllm_study.report import compare, export, report
 from vllm_study.report import binding
 from vllm_study.analysis import decision
-from vllm_study.define import schema
 from vllm_study.records.results import Resume
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
@@ -81,10 +80,6 @@ def test_export_writes_a_serve_config_and_its_evidence(run, tmp_path):
     assert "| TTFT P90 (ms) |" in text and "[" in text
     with pytest.raises(ValueError, match="is not a point"):
         export.export(run.path, point="mbt=1__kv=1MiB", out=tmp_path / "out")
-
-
-def test_parse_flags():
-    assert schema.parse_flags(["--a", "1", "--b=2", "--c", "--d", "x"]) == {"a": "1", "b": "2", "c": True, "d": "x"}
 
 
 def test_compare_two_runs_says_better_worse_or_not_resolved(tmp_path):

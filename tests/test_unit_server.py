@@ -532,11 +532,19 @@ def test_a_start_whose_port_was_taken_before_vllm_bound_it_starts_once_more(tmp_
                                                                              attempts, warned):
     from e2e_support import plan_of, tiny
     from vllm_study.measure.point import PointStart
+    from vllm_study.launch.server import ServerStartError, VllmServer
     start = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
     ports, ended = [], []
-    monkeypatch.setattr(start, "_spawn", lambda cmd, port, env, ahead: ports.append(port) or reasons[len(ports) - 1])
+
+    def spawn(server, hold=None):
+        ports.append(server.port)
+        if reasons[len(ports) - 1]:
+            raise ServerStartError(reasons[len(ports) - 1])
+        return server
+    monkeypatch.setattr(VllmServer, "start", spawn)
     monkeypatch.setattr(start, "_started", ended.append)
     start._start_server("model", dummy=True)
     assert len(ports) == attempts and len(set(ports)) == attempts  # a new port each time
     assert ended == [reasons[attempts - 1]]
-    assert any("was taken before the server bound it" in w for w in start.record.warnings) == warned
+    assert start.server.port == ports[-1] and start.record.launch.command == start.server.cmd  # the last one spawned
+    assert any("was taken before the server bound it" in w for w in start.server.notes) == warned

@@ -1,8 +1,10 @@
 """The package's layout, read from its source: the layers (vllm_study.LAYERS), the package
 and size of each module, the package imports between layers, and the largest module and
-class. tests/test_unit_import_graph.py holds the package to the same reading. With
---knob, the forms one grid knob takes from a study file to vLLM's command line, its
-`serve --config` key and its heatmap axis, read by the kit's own code on that study.
+class, with a warning for those over the size targets (a signal, not a test).
+tests/test_unit_import_graph.py holds the package to the same reading of its layers. With
+--knob, every form one grid knob takes from a study file to vLLM's command line, its
+`serve --config` key and its heatmap axis, each computed by the kit's own code on that
+study, one row a form.
 
     python tools/layout.py
     python tools/layout.py --knob max_num_batched_tokens [--study params/default.yaml]
@@ -97,38 +99,66 @@ def class_lines() -> dict[str, int]:
     return out
 
 
-def knob_forms(knob: str, study_file: Path) -> list[tuple[str, str]]:
-    """(where, the value as it stands there) for one grid knob of `study_file`'s first point.
-    Each step is the kit's own code: the study is loaded and expanded as a sweep does, the
-    argv is the point's EngineArgs.cli(), the config key is what export writes."""
+def knob_forms(knob: str, study_file: Path, engine: str = "cpu") -> list[tuple[str, str]]:
+    """(where, the value as it stands there) for one grid knob of `study_file`'s first point,
+    one row a form, none merged. Each is the kit's own code on that study: the study loaded
+    and expanded as a sweep does, the files a run writes, the argv and serve config from the
+    deployment's codec (launch/flags.py), the heatmap's label and tick from vocab/axes.py."""
+    import json
     from vllm_study.define import grid_spec
     from vllm_study.define.grid import expand
     from vllm_study.define.study_file import load_study
+    from vllm_study.launch.deployment import VllmServe
+    from vllm_study.launch.flags import Flags, flag_name
+    from vllm_study.measure.launcher import counting_flags
     from vllm_study.vocab import axes
     study = load_study(study_file)
     grid = grid_spec.axes(study.grid)
     if knob not in grid:
         raise SystemExit(f"{knob!r} is not an axis of {study_file}'s grid; its axes: {', '.join(grid)}")
-    point = expand(study, "cpu")[0]
+    point = expand(study, engine)[0]
     yaml_line = next(ln.strip() for ln in study_file.read_text().splitlines() if ln.strip().startswith(f"{knob}:"))
-    argv = point.engine_args.cli()
-    flag = "--" + knob.replace("_", "-")
     value = getattr(point.engine_args, knob)
+    served = VllmServe(study.model.path or study.model.card, study.model.served_name, study.model.dummy, engine=point.engine_args.flags(),
+                       extra=Flags.parse(study.server.extra_cli_args),
+                       measuring=Flags.parse(counting_flags(engine, (value,), study.server.extra_cli_args)))
+    argv = Flags.parse(served.command(0))
+    name = flag_name(knob)
+    axis = axes.get(knob)
+    stored = json.dumps({knob: point.engine_args.model_dump(exclude_none=True)[knob]})[1:-1]
     return [("study file (YAML)", yaml_line),
-            ("Study.grid, Point.values, EngineArgs (one int)", repr(value)),
-            ("point id", point.id),
-            ("vLLM argv", " ".join(argv[argv.index(flag):argv.index(flag) + 2])),
-            ("serve --config key (export)", f"{knob.replace('_', '-')}: {value}"),
-            ("heatmap axis", axes.get(knob).label)]
+            ("Study.grid axis (define/grid_spec.axes)", f"{knob}: {grid[knob]!r}"),
+            ("Point.values (define/grid.expand)", f"{knob}: {point.values[knob]!r}"),
+            ("point id (vocab/axes short name and fmt)", point.id),
+            ("EngineArgs field", f"{knob}={value!r}"),
+            ("Effective (the value vLLM will use)", f"{knob}={getattr(point.effective, knob)!r}"),
+            ("point.json, summary.json engine_args (JSON)", stored),
+            ("flag name (launch/flags.flag_name)", name),
+            ("vLLM argv (VllmServe.command)", " ".join(next(f for f in argv if f.name == name).tokens)),
+            ("histogram bound in the argv (measurement flags)",
+             " ".join(next((f.tokens for f in served.measuring if f.name == "custom-histogram-buckets"),
+                           ("(this vLLM takes no --custom-histogram-buckets)",)))),
+            ("serve --config key (export: VllmServe.serve_config)", f"{name}: {served.serve_config()[name]}"),
+            ("heatmap axis label (vocab/axes)", axis.label),
+            ("heatmap tick (vocab/axes fmt)", axis.fmt(value))]
 
 
-def main() -> None:
-    if "--knob" in sys.argv:
-        args = sys.argv[1:]
+def over_targets() -> list[str]:
+    """The modules and classes longer than the targets: a signal to look for an interface
+    to split at, never a reason to move code that has none."""
+    over = [f"{m} ({n} lines)" for m, n in module_lines().items() if n > MAX_MODULE_LINES]
+    return over + [f"{c} ({n} lines)" for c, n in class_lines().items() if n > MAX_CLASS_LINES]
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if "--knob" in args:
         knob = args[args.index("--knob") + 1]
         study = Path(args[args.index("--study") + 1]) if "--study" in args else LIB.parent / "params" / "default.yaml"
-        for where, form in knob_forms(knob, study):
-            print(f"  {where:48} {form}")
+        forms = knob_forms(knob, study)
+        print(f"{knob}: {len(forms)} forms from {study.name} to the argv, the serve config and the heatmap")
+        for where, form in forms:
+            print(f"  {where:52} {form}")
         return
     lines = module_lines()
     print(f"{len(LAYERS)} layers, lowest first (a module imports its own package and lower layers only):")
@@ -145,9 +175,10 @@ def main() -> None:
     big_class = max(classes, key=classes.get)
     print(f"\nlargest module: {big_module} ({lines[big_module]} lines; target <= {MAX_MODULE_LINES})")
     print(f"largest class:  {big_class} ({classes[big_class]} lines; target <= {MAX_CLASS_LINES})")
-    over = [f"{m} ({n})" for m, n in lines.items() if n > MAX_MODULE_LINES]
-    over += [f"{c} ({n})" for c, n in classes.items() if n > MAX_CLASS_LINES]
-    print("over a target:", ", ".join(over) or "none")
+    over = over_targets()
+    if over:  # a signal, not a gate: split where an interface is, or leave it
+        print(f"warning: over a size target ({MAX_MODULE_LINES} lines a module, {MAX_CLASS_LINES} a class): "
+              + ", ".join(over))
     up = upward_imports()
     print("upward imports:", "\n  ".join(["", *up]) if up else "none")
 

@@ -25,7 +25,8 @@ from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
 from ..prefix_budget.knobs import KNOBS as LIVE_AXES
 from . import grid_spec
-from .schema import EngineArgs, StudyError, parse_flags
+from .schema import EngineArgs, StudyError
+from ..launch.flags import Flags
 from .params import Study, Target, live_knobs_unsupported
 from .study_file import _explain
 from .models import max_positions
@@ -206,7 +207,7 @@ def _with_cpu_dtype(args: EngineArgs, engine: str) -> tuple[EngineArgs, str | No
 # CPU default (VLLM_CPU_KVCACHE_SPACE=4 GiB; each start zero-fills it, ~2 s a GiB on two
 # busy cores), in 256 MiB steps so it rarely moves.
 CPU_KV_CAP, CPU_KV_STEP = 4 * 2**30, 256 * 2**20
-CPU_KV_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+CPU_KV_FLAGS = {"kv-cache-memory-bytes", "gpu-memory-utilization"}
 
 
 def cpu_kv_default(study: Study, engine: str, available: int | None = None,
@@ -220,7 +221,7 @@ def cpu_kv_default(study: Study, engine: str, available: int | None = None,
     if any(k in grid_spec.axes(study.grid) or k in searched or getattr(study.engine_args, k) is not None
            for k in ("kv_cache_memory_bytes", "gpu_memory_utilization")):
         return None
-    if any(f"--{k}".replace("_", "-") in CPU_KV_FLAGS for k in parse_flags(study.server.extra_cli_args)):
+    if Flags.parse(study.server.extra_cli_args).names() & CPU_KV_FLAGS:
         return None
     if {**os.environ, **study.server.env}.get("VLLM_CPU_KVCACHE_SPACE"):
         return None

@@ -21,7 +21,8 @@ from ..capacity.bracket import halvings
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
 from .models import CARDS
 from .traces import SHIPPED
-from .schema import EngineArgs, _Strict, _did_you_mean, parse_flags
+from .schema import EngineArgs, _Strict, _did_you_mean
+from ..launch.flags import Flags, option
 from .search_space import Search
 from . import grid_spec
 
@@ -301,10 +302,9 @@ class Server(_Strict):
 
     @model_validator(mode="after")
     def _no_kit_flags(self):
-        for key in parse_flags(self.extra_cli_args):
+        for f in Flags.parse(self.extra_cli_args):
             # vLLM's parser takes --served_model_name and unique abbreviations too
-            given = f"--{key}"
-            flag = given.replace("_", "-")
+            given, flag = f.written, option(f.name)
             owned = next((k for k in KIT_FLAGS if len(flag) > 3 and k.startswith(flag)), None)
             if owned:
                 alias = f" (as {owned})" if given != owned else ""
@@ -457,7 +457,7 @@ def live_knobs_unsupported(study) -> str | None:
     """Why a study's points cannot share server starts through live scheduler limits, or None."""
     if study.targets:
         return "a targets study measures servers the kit does not launch"
-    if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
+    if "scheduler-cls" in Flags.parse(study.server.extra_cli_args):
         return ("server.extra_cli_args sets --scheduler-cls: the limits change through the kit's own "
                 "scheduler plugin, which that class replaces")
     return None

@@ -6,6 +6,8 @@ import difflib
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..launch.flags import Flags
+
 
 class StudyError(ValueError):
     """A study definition that cannot run; the message lists every problem found."""
@@ -34,43 +36,15 @@ class EngineArgs(_Strict):
     # the most prompt tokens one request gets in a step (0: no cap); a live knob (docs/live-knobs.md)
     long_prefill_token_threshold: int | None = Field(None, ge=0)
 
+    def flags(self) -> Flags:
+        """These arguments in the kit's one codec (launch/flags.py): the argv, the serve
+        config and every lookup read them from there."""
+        return Flags.of(self.model_dump(exclude_none=True))
+
     def cli(self) -> list[str]:
-        args = []
-        for name, value in self.model_dump(exclude_none=True).items():
-            flag = "--" + name.replace("_", "-")
-            if isinstance(value, bool):
-                if name == "enforce_eager":
-                    args += [flag] if value else []
-                else:
-                    args.append(flag if value else "--no-" + flag[2:])
-            else:
-                args += [flag, str(value)]
-        return args
+        return self.flags().argv()
 
 
 def _did_you_mean(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def parse_flags(args: list[str]) -> dict:
-    """['--a', '1', '--b=2', '--c'] -> {'a': '1', 'b': '2', 'c': True}: the kit's one reading
-    of vLLM flags given as a list (server.extra_cli_args), for every lookup and for the
-    exported config. Keys are as written (vLLM takes --a_b for --a-b; a caller that
-    compares names says which form it wants)."""
-    out, i = {}, 0
-    while i < len(args):
-        tok = args[i]
-        if not tok.startswith("--"):
-            i += 1
-            continue
-        key, eq, value = tok[2:].partition("=")
-        if eq:
-            out[key] = value
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            out[key] = args[i + 1]
-            i += 1
-        else:
-            out[key] = True
-        i += 1
-    return out

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import net
+from .flags import Flags
 from .machine import vllm_distribution
 
 
@@ -74,12 +75,7 @@ def serve_command(model: str, port: int, engine_cli: list[str], served_name: str
 def asks_uni_backend(cmd: list[str]) -> bool:
     """Does the command run the model in the engine-core process
     (`--distributed-executor-backend uni`)?"""
-    for i, arg in enumerate(cmd):
-        if arg == "--distributed-executor-backend" and cmd[i + 1:i + 2] == ["uni"]:
-            return True
-        if arg == "--distributed-executor-backend=uni":
-            return True
-    return False
+    return Flags.parse(cmd).get("distributed-executor-backend") == "uni"
 
 
 def cpu_uni_env(cmd: list[str], env: dict[str, str]) -> dict[str, str]:
@@ -271,12 +267,15 @@ def place_group(pgid: int, cpus: list[int] | set[int], nice: int) -> bool:
 
 
 class VllmServer:
-    """One vLLM server; `with VllmServer(...) as s:` starts, waits, and always stops."""
+    """One vLLM server; `with VllmServer(...) as s:` starts, waits, and always stops. The
+    handle of a started deployment.VllmServe (base_url, metrics_url, pgid, log_path, stop())."""
 
     def __init__(self, cmd: list[str], port: int, log_path: Path, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 900):
         self.cmd, self.port, self.log_path = cmd, port, Path(log_path)
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = self.base_url = f"http://127.0.0.1:{port}"
+        self.metrics_url = self.url + "/metrics"
+        self.notes: list[str] = []  # what its start did that the start's record should say
         self.uni_env = cpu_uni_env(cmd, {**os.environ, **(env or {})})
         self.env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1",  # for POST /reset_prefix_cache
                     "VLLM_NO_USAGE_STATS": "1", "PYTHONUNBUFFERED": "1", **(env or {}), **self.uni_env}
@@ -368,6 +367,11 @@ class VllmServer:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+    @property
+    def pgid(self) -> int | None:
+        """Its process group: the server was spawned as the group's leader."""
+        return self.proc.pid if self.proc else None
 
     @property
     def pgid_file(self) -> Path:

@@ -20,9 +20,10 @@ from ..prefix_budget.knobs import CONTROL_ENV
 from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from ..prefix_budget.steps import STEPS_ENV
 from ..launch.slots import compile_cache_env
-from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, free_port, pgid_path,
-                             serve_command, stop_group_from_file)
-from ..define.schema import parse_flags
+from ..launch.deployment import Endpoint, VllmServe
+from ..launch.flags import Flags
+from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, pgid_path,
+                             stop_group_from_file)
 from ..workload import windows
 from ..workload.build_workload import make_workload
 from ..workload.trace_workload import window_workload
@@ -46,9 +47,6 @@ def _non_default_args(log_text: str) -> dict | None:
 PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV, STEPS_ENV,
                        "VLLM_ENGINE_READY_TIMEOUT_S"})
 STEPS_SCHEDULER_CLS = "vllm_study.prefix_budget.StepRecordsScheduler"
-
-
-PORT_TRIES = 2  # a start whose port was taken before vLLM bound it is started once more
 
 
 class Launcher(StartWriter):
@@ -154,10 +152,11 @@ class Launcher(StartWriter):
         return self.workload.expected_hit_rate(self.study.workload.requests_per_round, kv_block)
 
     def _connect(self, t) -> None:
-        self.url, self.model_name, self.proxy = t.base_url, t.model, t.proxy
+        target = Endpoint(t.name, t.base_url, t.model, t.api_key_env, t.proxy)
+        handle = target.start()  # self.server stays None: there is no process of the kit's to stop or watch
+        self.url, self.model_name, self.proxy = handle.base_url, target.served_name, target.proxy
         # Only the variable's name is recorded; the key stays in memory.
-        self.record.launch.target = {"name": t.name, "base_url": t.base_url, "model": t.model,
-                                     "api_key_env": t.api_key_env, "proxy": t.proxy}
+        self.record.launch.target = target.record()
         if t.api_key_env:
             self.api_key = os.environ.get(t.api_key_env)
             if not self.api_key:
@@ -196,34 +195,28 @@ class Launcher(StartWriter):
             env.update(VllmServer.ahead_env({**os.environ, **env}))
         # a search's shared start is launched at its trials' largest live limits (plan.launch)
         args = self.point.engine_args.model_copy(update=self.plan.launch or {})
-        for attempt in range(PORT_TRIES):
-            port = free_port()
-            cmd = serve_command(model, port, args.cli(), s.model.served_name,
-                                load_dummy=dummy, extra=s.server.extra_cli_args + self._measurement_flags())
-            reason = self._spawn(cmd, port, env, ahead)
-            if not (reason or "").startswith("port in use") or attempt == PORT_TRIES - 1:
-                break
-            # the port was free when picked and taken before vLLM bound it, seconds later
-            # (another process's ephemeral socket): nothing was measured, so start again
-            self.record.warnings.append(f"port {port} was taken before the server bound it: started again on "
-                                        "another port")
+        deployment = VllmServe(model, s.model.served_name, dummy, engine=args.flags(),
+                               extra=Flags.parse(s.server.extra_cli_args),
+                               measuring=Flags.parse(self._measurement_flags()), env=env,
+                               startup_timeout_s=s.server.startup_timeout_s)
+        try:
+            deployment.start(self.dir / LOG, hold=self._hold_for_slot if ahead else None,
+                             spawned=lambda server: self._spawned(server, env, ahead))
+            reason = None
+        except ServerStartError as e:
+            reason = e.reason
         self._started(reason)
 
-    def _spawn(self, cmd: list[str], port: int, env: dict, ahead: bool) -> str | None:
-        """Spawn the server and wait until it is healthy; why it did not start, or None."""
+    def _spawned(self, server: VllmServer, env: dict, ahead: bool) -> None:
+        """A server spawned (its command fixed, not yet healthy): recorded, and stopped if
+        the kernel dies mid-point."""
         s = self.study
-        self.record.launch.command = cmd
+        self.server = server
+        self.record.launch.command = server.cmd
         self.record.launch.started_ahead = ahead
-        self.server = VllmServer(cmd, port, self.dir / LOG, env=env, startup_timeout_s=s.server.startup_timeout_s)
-        self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **self.server.uni_env}
-        atexit.register(self.server.stop)  # a kernel that dies mid-point stops its server
-        try:
-            self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
-            self.server.start(hold=self._hold_for_slot if ahead else None)
-            self._mark("ready")
-            return None
-        except ServerStartError as e:
-            return e.reason
+        self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **server.uni_env}
+        atexit.register(server.stop)  # a kernel that dies mid-point stops its server
+        self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
 
     def _started(self, reason: str | None) -> None:
         """What the start recorded once its server is up (or why it is not)."""
@@ -237,17 +230,18 @@ class Launcher(StartWriter):
             self.record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
             self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
                                         "its GPU start-up ran beside the slot's previous server")
+        self.record.warnings += self.server.notes
         self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))
         if reason:
             self._fail(f"server did not start: {reason}")
             return
-        self.record.launch.server_pgid = self.server.proc.pid
+        self.record.launch.server_pgid = self.server.pgid
         self.record.launch.startup_s = self.server.startup_s
-        self.url, self.model_name = self.server.url, s.model.served_name
+        self.url, self.model_name = self.server.base_url, s.model.served_name
         if self.live:  # the control channel (live knobs) talks to this server
             self.live.url = self.url
-        self.record.launch.cache_config = counters.cache_config(counters.scrape(self.server.url))
-        client.check_endpoint(self.server.url, s.model.served_name)
+        self.record.launch.cache_config = counters.cache_config(counters.scrape(self.url))
+        client.check_endpoint(self.url, s.model.served_name)
 
     def _measurement_flags(self) -> list[str]:
         return measurement_flags(self.plan, self.live is not None, self.served_chunks)
@@ -259,7 +253,7 @@ def step_records_off(study) -> str | None:
         return "a targets study measures servers the kit does not launch"
     if not study.server.step_records:
         return "server.step_records is false"
-    if "scheduler-cls" in {k.replace("_", "-") for k in parse_flags(study.server.extra_cli_args)}:
+    if "scheduler-cls" in Flags.parse(study.server.extra_cli_args):
         return ("server.extra_cli_args sets --scheduler-cls: steps are recorded by the kit's own scheduler "
                 "plugin, which that class replaces (set server.step_records: false to say so and silence this)")
     return None
@@ -303,11 +297,10 @@ def counting_flags(engine: str, chunks: tuple[int, ...], extra_cli_args: list[st
     (`chunks`, the launch's first) and, on a GPU, vLLM's per-step FLOP and byte estimates.
     A flag in `extra_cli_args` (the study's) is the study's: --no-enable-mfu-metrics there
     leaves the estimates out."""
-    given = {f"--{k}".replace("_", "-") for k in parse_flags(extra_cli_args)}  # vLLM takes --a_b for --a-b
+    given = Flags.parse(extra_cli_args)  # --a_b, --a-b and --no-a-b are all the study's a-b
     flags = []
-    if chunks and "--custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
+    if chunks and "custom-histogram-buckets" not in given and vllm_accepts("--custom-histogram-buckets"):
         flags += ["--custom-histogram-buckets", json.dumps(counters.budget_buckets(*chunks))]
-    if engine == "gpu" and not given & {"--enable-mfu-metrics", "--no-enable-mfu-metrics"} \
-            and vllm_accepts("--enable-mfu-metrics"):
+    if engine == "gpu" and "enable-mfu-metrics" not in given and vllm_accepts("--enable-mfu-metrics"):
         flags.append("--enable-mfu-metrics")
     return flags

@@ -29,7 +29,8 @@ from . import report
 from . import answer, capacity_section, run as report_run
 from ..launch import server
 from ..define.params import Load, ModelSpec
-from ..define.schema import parse_flags
+from ..launch.deployment import MEASUREMENT_ONLY, PER_START, VllmServe
+from ..launch.flags import Flags
 from ..measure.launcher import PLACE_ENV, STEPS_SCHEDULER_CLS
 from ..measure.live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from ..records.results import RunFolder
@@ -38,10 +39,6 @@ from ..records.results import RunFolder
 CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
                "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct",
                "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct"}
-# What the kit adds to measure (counters.budget_buckets, machine.py): not serving settings.
-MEASUREMENT_ONLY = {"custom-histogram-buckets", "enable-mfu-metrics"}
-# The loopback address and free port the kit picked for one start (server.serve_command).
-PER_START_FLAGS = {"host", "port"}
 # what the printed command leaves out of the one that ran (_drop_flags), said in the evidence
 DROPPED = "less its port (pick one with --port) and the flags the config holds"
 
@@ -49,16 +46,20 @@ DROPPED = "less its port (pick one with --port) and the flags the config holds"
 def serve_config(r: report.Run, point: str) -> dict:
     """The point's engine arguments as a vllm serve config: the study's fixed args, the
     point's grid values and the extra flags it passed; the kit's measurement-only flags
-    and the per-run port/host/model left out."""
+    and the per-run port/host/model left out (deployment.VllmServe.serve_config)."""
     s = next((x for x in r.summaries if x.point == point), None)
     if s is None:
         raise ValueError(f"{point!r} is not a point of {r.folder.path}; its points: "
                          + ", ".join(x.point for x in r.summaries))
-    cfg = {k.replace("_", "-"): v for k, v in s.engine_args.items()}
-    extra = parse_flags(r.study.server.extra_cli_args)
-    cfg.update({k: v for k, v in extra.items() if k not in MEASUREMENT_ONLY})
-    cfg["served-model-name"] = r.study.model.served_name
-    return cfg
+    return deployment_of(r, s.engine_args).serve_config()
+
+
+def deployment_of(r: report.Run, engine_args: dict) -> VllmServe:
+    """The deployment a point of the run describes, its configuration read by the codec
+    (the model as the study names it: the config file leaves the model to the command)."""
+    m = r.study.model
+    return VllmServe(m.path or m.card, m.served_name, m.dummy, engine=Flags.of(engine_args),
+                     extra=Flags.parse(r.study.server.extra_cli_args))
 
 
 def model_name(r: report.Run) -> tuple[str, str]:
@@ -75,19 +76,9 @@ def model_name(r: report.Run) -> tuple[str, str]:
 
 
 def _drop_flags(argv: list[str], keys: set[str]) -> list[str]:
-    """argv less each `--key [value]`, `--key=value` and `--no-key` whose key is in keys
-    (values taken as parse_flags takes them)."""
-    out, i = [], 0
-    while i < len(argv):
-        tok = argv[i]
-        key, eq, _ = tok[2:].partition("=")
-        if tok.startswith("--") and (key in keys or key.removeprefix("no-") in keys):
-            takes_value = not eq and i + 1 < len(argv) and not argv[i + 1].startswith("--")
-            i += 2 if takes_value else 1
-            continue
-        out.append(tok)
-        i += 1
-    return out
+    """argv less each flag named in keys (`--key [value]`, `--key=value`, `--no-key`,
+    underscores or dashes: the codec's reading)."""
+    return Flags.parse(argv).without(keys).argv()
 
 
 def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, str], str]:
@@ -105,11 +96,11 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     else:
         plan = r.folder.point(point).plan()
         model, dummy = models.resolve(plan.study.model)
-        cmd = server.serve_command(model, 0, plan.point.engine_args.cli(), plan.study.model.served_name, dummy,
-                                   plan.study.server.extra_cli_args)
+        cmd = VllmServe(model, plan.study.model.served_name, dummy, engine=plan.point.engine_args.flags(),
+                        extra=Flags.parse(plan.study.server.extra_cli_args)).command(0)
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
-    argv = _drop_flags(cmd, PER_START_FLAGS | MEASUREMENT_ONLY | set(cfg)
+    argv = _drop_flags(cmd, PER_START | MEASUREMENT_ONLY | set(cfg)
                        # the live-limits scheduler only let the kit lower limits between rounds, the
                        # step-records one only recorded steps: measurement, as --enable-mfu-metrics is.
                        # The Prefix Reuse Budget's stays: it is the point's admission rule.
