@@ -7,7 +7,8 @@
 - the slot lock's module imports nothing of the package, so every executor may use it;
 - server.extra_cli_args is read by one parser.
 Size is a signal, not a rule: tools/layout.py prints the modules and classes over its
-targets (600 and 200 lines) as a warning; a module is split where an interface is.""" 
+targets (600 and 200 lines) as a warning; a module is split where an interface is."""
+
 from __future__ import annotations
 
 import sys

@@ -119,7 +119,8 @@ def knob_forms(knob: str, study_file: Path, engine: str = "cpu") -> list[tuple[s
     point = expand(study, engine)[0]
     yaml_line = next(ln.strip() for ln in study_file.read_text().splitlines() if ln.strip().startswith(f"{knob}:"))
     value = getattr(point.engine_args, knob)
-    served = VllmServe(study.model.path or study.model.card, study.model.served_name, study.model.dummy, engine=point.engine_args.flags(),
+    served = VllmServe(study.model.path or study.model.card, study.model.served_name, study.model.dummy,
+                       engine=point.engine_args.flags(),
                        extra=Flags.parse(study.server.extra_cli_args),
                        measuring=Flags.parse(counting_flags(engine, (value,), study.server.extra_cli_args)))
     argv = Flags.parse(served.command(0))

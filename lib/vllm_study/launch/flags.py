@@ -110,6 +110,9 @@ class Flags:
     def __eq__(self, other) -> bool:
         return isinstance(other, Flags) and self.entries == other.entries
 
+    def __hash__(self) -> int:
+        return hash(self.entries)
+
     def __repr__(self) -> str:
         return f"Flags({self.argv()!r})"
 

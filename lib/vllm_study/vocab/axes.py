@@ -77,6 +77,6 @@ AXES: dict[str, Axis] = {a.name: a for a in (
 
 
 def get(name: str) -> Axis:
-    """The axis's entry; one the registry does not list (a study may sweep any engine
-    argument) is plain: its own name everywhere, no default the kit can state."""
+    """The axis's entry; an EngineArgs field the registry does not list (the grid sweeps
+    those fields only) is plain: its own name everywhere, no default the kit can state."""
     return AXES.get(name) or Axis(name, short=name, label=name)
