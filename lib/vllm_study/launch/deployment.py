@@ -48,6 +48,14 @@ class Handle(Protocol):
     def exited(self, wait_s: float = 0) -> bool: ...
 
 
+class Deployment(Protocol):
+    """What a start launches; `start` gives its handle or raises ServerStartError."""
+    served_name: str  # the model name requests carry
+
+    def start(self, log_path: Path | None = None, hold: Callable[[], object] | None = None,
+              spawned: Callable[[Handle], object] | None = None) -> Handle: ...
+
+
 @dataclass
 class EndpointHandle:
     """A server the kit did not start: nothing to stop, never seen to exit."""
@@ -81,7 +89,10 @@ class Endpoint:
     def served_name(self) -> str:
         return self.model
 
-    def start(self, log_path: Path | None = None, **_) -> EndpointHandle:
+    def start(self, log_path: Path | None = None, hold: Callable[[], object] | None = None,
+              spawned: Callable[[Handle], object] | None = None) -> EndpointHandle:
+        """Nothing to spawn or hold: the handle of a server already up (or not: the caller
+        asks it)."""
         return EndpointHandle(self.base_url, self.base_url + "/metrics")
 
     def record(self) -> dict:
