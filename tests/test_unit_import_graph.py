@@ -144,3 +144,23 @@ def test_the_chunk_size_forms_from_study_file_to_argv_are_read_by_the_kits_code(
     assert all(form in line for (_, form), line in zip(rows, printed[1:]))
     with pytest.raises(SystemExit, match="'max_num_seqs' is not an axis"):
         layout.knob_forms("max_num_seqs", study)
+
+
+def test_the_architecture_pages_stage_map_names_every_module_of_each_package():
+    """docs/architecture.md's stage map: a row per package of LAYERS, in its layer, naming
+    each of its modules (a package of only an __init__ says so)."""
+    import re
+    page = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        m = re.match(r"\| (\d) \| `?([a-z_]+|\(root\))`? \|.*\| (.*) \|$", line)
+        if m:
+            rows[m.group(2).replace("(root)", "")] = (int(m.group(1)), set(re.findall(r"`([a-z_]+)`", m.group(3))))
+    assert {p for layer in LAYERS for p in layer} == set(rows)
+    missing = []
+    for module in layout.modules():
+        package, short = layout.package_of(module), module.rsplit(".", 1)[-1]
+        assert rows[package][0] == layout.layer_of(package) + 1, package
+        if module not in ("vllm_study", f"vllm_study.{package}") and short not in rows[package][1]:
+            missing.append(module)
+    assert missing == []
