@@ -3,20 +3,27 @@ timestamps each engine step of a vLLM scheduler and appends one row a step to th
 file named by ``VLLM_STUDY_STEPS``. Without that variable it records nothing: one
 attribute test a call.
 
-Where the columns come from (read in vLLM 0.26.0 and 0.32.0, vllm/v1/core/sched/):
-- schedule() advances each scheduled request's ``num_computed_tokens`` by its
-  scheduled count before it returns (``Scheduler._update_after_schedule``, called at
-  the end of schedule(); 0.32 scheduler.py l.1616-1648), so a request's computed
-  tokens before the step are ``num_computed_tokens - num_scheduled_tokens[id]`` read
-  right after; a request whose count before the step was below its prompt length is a
+Where the columns come from (line numbers read in vLLM 0.32.0, vllm/v1/core/sched/; on
+0.26.0 the mixin relies only on what the kit's other plugin code already reads there,
+``self.requests``, ``num_computed_tokens``, ``num_prompt_tokens``,
+``kv_cache_manager``, and falls back where an attribute may be missing:
+``get_request_counts``, ``preempted_req_ids``):
+- A request whose computed tokens before the step were below its prompt length is a
   prefill (a chunk or all of its prompt; a preempted one recomputing its prompt too),
   any other a decode (one token, or 1 + its draft tokens with speculative decoding).
-  Under async scheduling (AsyncScheduler) the same holds: its override calls the base
-  first and only adds output placeholders.
+  The mixin keeps the few requests inside their prompt by id: a request joins when
+  admitted (``scheduled_new_reqs``) or resumed from preemption below its prompt
+  length, and leaves once schedule() has advanced its ``num_computed_tokens`` past
+  the prompt (``Scheduler._update_after_schedule``, at the end of schedule(); 0.32
+  scheduler.py l.1555 and l.1616-1648; AsyncScheduler's override calls it first).
+  Decode requests and tokens are the step's others: no visit to each decoding request.
+- ``context_tokens``: the sums of ``NewRequestData.num_computed_tokens`` and
+  ``CachedRequestData.num_computed_tokens``, both taken before the step advances them
+  (0.32 scheduler.py l.1441 builds the cached list, l.1555 advances the counts).
 - ``cached_tokens``: ``NewRequestData.num_computed_tokens`` of the step's
   ``scheduled_new_reqs``: what the prefix cache (or a KV connector) gave a request
   at its admission, so prefill tokens + cached tokens = prompt tokens over a request's
-  life (output.py: NewRequestData, both versions).
+  life.
 - ``preempted``: ``SchedulerOutput.preempted_req_ids``, the requests preempted since
   the previous schedule() (0.32 output.py l.269, scheduler.py l.1509 and l.1614).
 - ``running`` / ``waiting``: ``get_request_counts()`` where vLLM has it (0.32
@@ -35,8 +42,8 @@ output. Steps that scheduled no token (no forward pass) are not recorded.
 Writes: rows collect in a list of tuples and go to the file as one ``os.write`` of
 packed bytes every ``FLUSH_S``, whenever the engine holds no request (so a round's last
 steps are on disk by the time its last answer reaches the client), and at shutdown.
-Per step: one pass over the scheduled requests (a dict lookup and two compares each),
-no per-token work.
+Per step: a visit to each request inside its prompt and sums over the output's lists;
+no work per decoding request in Python, none per token.
 """
 from __future__ import annotations
 
@@ -80,6 +87,7 @@ class StepRecordsMixin:
         self._sr_rows: list[tuple] = []  # finished rows not yet written
         self._sr_last_flush = time.monotonic()
         self._sr_unpaired = 0
+        self._sr_prefill: dict[str, int] = {}  # request id -> prompt length, for requests inside their prompt
         self._sr_counts = getattr(self, "get_request_counts", None)
         self._sr_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         log.info("step records -> %s", path)
@@ -123,27 +131,51 @@ class StepRecordsMixin:
 
     # -- helpers ----------------------------------------------------------------------
     def _sr_row(self, out, t_scheduled: float) -> tuple:
-        """The step's columns but t_done (steps.COLUMNS order, t_done left out)."""
-        reqs = self.requests
-        p_tok = p_req = d_tok = d_req = ctx = 0
-        for rid, n in out.num_scheduled_tokens.items():
+        """The step's columns but t_done (steps.COLUMNS order, t_done left out). Only the
+        requests inside their prompt are visited one by one (a few a step: the token
+        budget bounds them); decode counts are the rest, and context tokens are summed
+        from the output's own lists."""
+        reqs, sched, prefill = self.requests, out.num_scheduled_tokens, self._sr_prefill
+        new = out.scheduled_new_reqs
+        cached_reqs = out.scheduled_cached_reqs
+        for nr in new:  # admitted this step: inside the prompt unless the cache held all of it
+            r = reqs[nr.req_id]
+            if nr.num_computed_tokens < r.num_prompt_tokens:
+                prefill[nr.req_id] = r.num_prompt_tokens
+        for rid in self._sr_resumed(cached_reqs):  # back from preemption: recomputing from its cached prefix
             r = reqs[rid]
-            before = r.num_computed_tokens - n
-            ctx += before
-            if before < r.num_prompt_tokens:
-                p_tok += n
-                p_req += 1
-            else:
-                d_tok += n
-                d_req += 1
-        cached = sum(nr.num_computed_tokens for nr in out.scheduled_new_reqs)
+            if r.num_computed_tokens - sched[rid] < r.num_prompt_tokens:
+                prefill[rid] = r.num_prompt_tokens
+        p_tok = p_req = 0
+        for rid, prompt in list(prefill.items()):
+            n = sched.get(rid)
+            if n is None:
+                if rid not in reqs:  # finished or aborted inside its prompt
+                    del prefill[rid]
+                continue
+            p_tok += n
+            p_req += 1
+            if reqs[rid].num_computed_tokens >= prompt:  # (advanced by schedule()) its prompt is done
+                del prefill[rid]
+        cached = sum(nr.num_computed_tokens for nr in new)
+        ctx = cached + sum(cached_reqs.num_computed_tokens)  # both lists hold the counts before the step
         if self._sr_counts is not None:
             running, waiting = self._sr_counts()
         else:  # an older vLLM without get_request_counts
             running, waiting = len(self.running), len(self.waiting)
         preempted = len(getattr(out, "preempted_req_ids", None) or ())
-        return (t_scheduled, p_tok, p_req, d_req, d_tok, ctx, cached, running, waiting, preempted,
-                self.kv_cache_manager.usage)
+        return (t_scheduled, p_tok, p_req, len(sched) - p_req, out.total_num_scheduled_tokens - p_tok, ctx,
+                cached, running, waiting, preempted, self.kv_cache_manager.usage)
+
+    @staticmethod
+    def _sr_resumed(cached_reqs):
+        """Requests resumed from preemption this step: a set in 0.32 (CachedRequestData
+        .resumed_req_ids), a flag a request in earlier releases (resumed_from_preemption)."""
+        ids = getattr(cached_reqs, "resumed_req_ids", None)
+        if ids is not None:
+            return ids
+        flags = getattr(cached_reqs, "resumed_from_preemption", None) or ()
+        return [rid for rid, f in zip(cached_reqs.req_ids, flags) if f]
 
     def _sr_flush(self, now: float) -> None:
         self._sr_last_flush = now

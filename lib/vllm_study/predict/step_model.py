@@ -1,0 +1,229 @@
+"""The step-time model: how long one engine step takes, fitted from the step records of
+the kit's real starts (prefix_budget/steps.py), for the simulator to advance its
+virtual clock by.
+
+    rounds = collect(run_dir)                       # [(rows, scope), ...], one a round
+    model = fit([rows for rows, _ in rounds], rounds[0][1])
+    model.check(scope_of_the_config)                # raises Extrapolation where it would guess
+    seconds = model.predict(rows)                   # the simulator's call: one time a row
+
+The form: a step's cycle (steps.cycles: output to output while busy) is
+
+    c0 + c1 * prefill_tokens + c2 * prefill_reqs + c3 * decode_reqs + c4 * context_tokens
+
+with every c >= 0. A forward pass costs a fixed overhead (kernel launches, the
+scheduler, sampling setup, the output's way back) plus work linear in the tokens it
+computes (the GEMMs), in the requests it samples or prepares (per-request metadata,
+a sampled token each) and in the KV it reads (attention over the context). Nonnegative
+terms keep it physical where it extrapolates a little (more tokens never cost less);
+an unconstrained fit can buy a better residual with a negative term that turns
+predictions negative past the data. Decode tokens are decode requests without
+speculative decoding, so they are not a separate term. Fitted by least squares on the
+seconds themselves (scipy.optimize.lsq_linear, bounds at 0): the simulator sums step
+times, so an error that keeps the sum right beats one that keeps each ratio right.
+
+Its scope: the model, device, dtype, vLLM version and engine the records came from, the
+launch settings that change the kernels a step runs (max_num_batched_tokens and
+max_num_seqs: torch.compile ranges and CUDA graph capture sizes; block_size,
+enforce_eager, tensor_parallel_size), and each feature's observed range. ``check``
+refuses a configuration outside it (Extrapolation says what differs and which start to
+measure); the two limits may lie anywhere between the values fitted from.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel
+from scipy.optimize import lsq_linear
+
+from ..prefix_budget import steps
+
+FEATURES = ("prefill_tokens", "prefill_reqs", "decode_reqs", "context_tokens")
+TERMS = ("overhead_s",) + tuple(f"per_{f.removesuffix('s')}_s" for f in FEATURES)
+# launch settings that pick kernels: the same value, or (RANGED) within the fitted values
+KERNEL_SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "enforce_eager", "tensor_parallel_size")
+RANGED = ("max_num_batched_tokens", "max_num_seqs")
+FOLDS = 5
+
+
+class Extrapolation(ValueError):
+    """The model was not fitted where it is asked to predict."""
+
+
+class Scope(BaseModel):
+    """Where a step record (or a model fitted from them) comes from."""
+    model: str
+    device: str            # the GPU's name, or "cpu"
+    dtype: str
+    vllm_version: str
+    engine: str            # "gpu" or "cpu"
+    launch: dict[str, int | bool | None]  # KERNEL_SETTINGS
+
+
+class HeldOut(BaseModel):
+    """Per-step absolute relative error of the fit on rounds it did not see (K-fold,
+    folds made of whole rounds: steps of one round are not independent)."""
+    folds: int
+    steps: int
+    median: float
+    p90: float
+
+
+class StepModel(BaseModel):
+    scope: Scope
+    launches: list[dict[str, int | bool | None]]   # every launch the records came from
+    coef: dict[str, float]                         # TERMS, in seconds
+    ranges: dict[str, tuple[float, float]]         # each feature's observed [min, max]
+    rounds: int
+    steps: int
+    held_out: HeldOut | None = None
+    held_out_why_not: str | None = None
+
+    def predict(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds each row's step takes (rows of steps.DTYPE; only FEATURES are read)."""
+        return _design(rows) @ np.array([self.coef[t] for t in TERMS])
+
+    def check(self, scope: Scope, rows: np.ndarray | None = None) -> None:
+        """Raise Extrapolation unless `scope` (and `rows`' features, if given) lie where the
+        model was fitted."""
+        why = []
+        mine = self.scope.model_dump()
+        for key in ("model", "device", "dtype", "vllm_version", "engine"):
+            if getattr(scope, key) != mine[key]:
+                why.append(f"{key} {getattr(scope, key)!r} (fitted on {mine[key]!r})")
+        for key in KERNEL_SETTINGS:
+            asked, seen = scope.launch.get(key), sorted({la.get(key) for la in self.launches}, key=str)
+            if key in RANGED and asked is not None and None not in seen:
+                if not min(seen) <= asked <= max(seen):
+                    why.append(f"{key}={asked} (fitted on {min(seen)}..{max(seen)})")
+            elif asked not in seen:
+                why.append(f"{key}={asked} (fitted on {', '.join(map(str, seen))})")
+        if rows is not None and len(rows):
+            for f in FEATURES:
+                lo, hi = self.ranges[f]
+                top = float(rows[f].max())
+                if top > hi:
+                    why.append(f"{f} up to {top:g} (fitted on {lo:g}..{hi:g})")
+        if why:
+            raise Extrapolation(
+                "the step-time model would extrapolate: " + "; ".join(why) + ". Measure a start there "
+                "(its step records refit the model), or predict within what was measured.")
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.model_dump_json(indent=1) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> StepModel:
+        return cls.model_validate_json(Path(path).read_text())
+
+
+# -- fitting ---------------------------------------------------------------------------
+def busy(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows of steps that ran tokens, their cycles in seconds), a round's rows in file order."""
+    c = steps.cycles(rows)
+    keep = (rows["prefill_tokens"] + rows["decode_tokens"] > 0) & (c > 0)
+    return rows[keep], c[keep]
+
+
+def _design(rows: np.ndarray) -> np.ndarray:
+    return np.column_stack([np.ones(len(rows))] + [rows[f].astype(float) for f in FEATURES])
+
+
+def _solve(X: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Nonnegative least squares, columns scaled to 1 first (tokens of context run to 1e5
+    where requests run to 1e2: unscaled, the solver's tolerance would be one column's)."""
+    scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
+    return lsq_linear(X / scale, y, bounds=(0, np.inf), method="bvls").x / scale
+
+
+def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = None,
+        folds: int = FOLDS) -> StepModel:
+    """The model from rounds of step records (each a steps.DTYPE array, as
+    steps.load_round gives) that share `scope` (`launches`: their launches' settings, the
+    scope's alone by default). Its held-out error is K-fold with folds of whole rounds."""
+    parts = [busy(r) for r in rounds]
+    parts = [(r, c) for r, c in parts if len(r)]
+    if not parts:
+        raise ValueError("no busy engine step in these records: nothing to fit a step time from")
+    rows = np.concatenate([r for r, _ in parts])
+    y = np.concatenate([c for _, c in parts])
+    group = np.concatenate([np.full(len(r), i) for i, (r, _) in enumerate(parts)])
+    X = _design(rows)
+    coef = _solve(X, y)
+    k = min(folds, len(parts))
+    held, why_not = None, None
+    if k >= 2:
+        err = np.empty(len(y))
+        for fold in range(k):
+            test = group % k == fold  # rounds dealt to the folds in turn
+            err[test] = np.abs(X[test] @ _solve(X[~test], y[~test]) - y[test]) / y[test]
+        held = HeldOut(folds=k, steps=len(y), median=float(np.median(err)), p90=float(np.quantile(err, 0.9)))
+    else:
+        why_not = "one round: no round to hold out"
+    return StepModel(scope=scope, launches=launches or [scope.launch], coef=dict(zip(TERMS, map(float, coef))),
+                     ranges={f: (float(rows[f].min()), float(rows[f].max())) for f in FEATURES},
+                     rounds=len(parts), steps=len(y), held_out=held, held_out_why_not=why_not)
+
+
+# -- a run folder's records ------------------------------------------------------------
+def collect(run_dir: str | Path) -> list[tuple[np.ndarray, Scope]]:
+    """Every round's step records in a run folder, with the scope of the start it ran in
+    (a shared live-knobs start's launch is its lead's)."""
+    from ..records.results import RunFolder
+    run = RunFolder(run_dir)
+    manifest = run.manifest()
+    out = []
+    for pid in run.point_ids():
+        folder = run.point(pid)
+        plan = folder.plan()
+        for start in folder.starts():
+            start_dir = folder.start_dir(start.start)
+            files = sorted((start_dir / steps.ROUNDS_DIR).glob("r*.npz"), key=lambda p: int(p.stem[1:]))
+            if not files:
+                continue
+            launch = start.launch
+            if start.served_by:
+                lead_point, lead_start = start.served_by.split("/")
+                launch = run.point(lead_point).start(int(lead_start.removeprefix("s"))).launch
+            scope = scope_of(plan, start, launch, manifest)
+            out += [(steps.load_round(f), scope) for f in files]
+    return out
+
+
+def scope_of(plan, start, launch, manifest) -> Scope:
+    """A start's scope: vLLM's own account of its launch (the non-default args it logged,
+    the KV block size it reported) over what the kit planned."""
+    args = plan.point.engine_args.model_dump()
+    eff = plan.point.effective.model_dump() if plan.point.effective else {}
+    given = launch.vllm_non_default_args or {}
+    settings = {}
+    for key in KERNEL_SETTINGS:
+        value = given.get(key, eff.get(key) if eff.get(key) is not None else args.get(key))
+        settings[key] = value
+    if launch.cache_config.get("block_size"):
+        settings["block_size"] = int(launch.cache_config["block_size"])
+    settings["enforce_eager"] = bool(settings["enforce_eager"])
+    settings["tensor_parallel_size"] = int(settings["tensor_parallel_size"] or 1)
+    m = plan.study.model
+    dtype = given.get("dtype") or eff.get("dtype") or (manifest.cpu_dtype or {}).get("dtype") or "auto"
+    return Scope(model=m.path or m.card or m.served_name, device=start.gpus[0].name if start.gpus else "cpu",
+                 dtype=str(dtype), vllm_version=manifest.versions.vllm or "unknown", engine=plan.engine,
+                 launch=settings)
+
+
+def fit_run(run_dir: str | Path, folds: int = FOLDS) -> list[StepModel]:
+    """One model a scope (launch settings in RANGED aside) of a run folder's records."""
+    by_scope: dict[str, list[tuple[np.ndarray, Scope]]] = {}
+    for rows, scope in collect(run_dir):
+        d = scope.model_dump()
+        key = json.dumps({**d, "launch": {k: v for k, v in d["launch"].items() if k not in RANGED}}, sort_keys=True)
+        by_scope.setdefault(key, []).append((rows, scope))
+    models = []
+    for group in by_scope.values():
+        launches = [json.loads(s) for s in sorted({json.dumps(sc.launch, sort_keys=True) for _, sc in group})]
+        models.append(fit([r for r, _ in group], group[0][1], launches, folds))
+    return models

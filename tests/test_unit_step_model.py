@@ -1,0 +1,112 @@
+"""The step-time model (predict/step_model.py) on synthetic step records with a known
+answer: coefficients recovered, held-out error reported, extrapolation refused."""
+import numpy as np
+import pytest
+
+from vllm_study.predict import step_model
+from vllm_study.predict.step_model import Extrapolation, Scope, StepModel, fit
+from vllm_study.prefix_budget import steps
+
+TRUE = {"overhead_s": 0.012, "per_prefill_token_s": 22e-6, "per_prefill_req_s": 0.4e-3,
+        "per_decode_req_s": 40e-6, "per_context_token_s": 0.15e-6}
+SCOPE = Scope(model="qwen2.5-7b", device="NVIDIA H100 80GB HBM3", dtype="bfloat16", vllm_version="0.26.0",
+              engine="gpu", launch={"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16,
+                                    "enforce_eager": False, "tensor_parallel_size": 1})
+
+
+def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool = False) -> np.ndarray:
+    """Steps whose time is TRUE's linear form times (1 + noise); back to back with a small
+    gap (sync), or overlapped as async scheduling does (each scheduled before the previous
+    output is back): either way steps.cycles gives each step's own time back."""
+    rng = np.random.default_rng(seed)
+    rows = np.zeros(n, dtype=steps.DTYPE)
+    prefill = rng.random(n) < 0.4
+    rows["prefill_reqs"] = np.where(prefill, rng.integers(1, 4, n), 0)
+    rows["prefill_tokens"] = np.where(prefill, rng.integers(16, 2048, n), 0)
+    rows["decode_reqs"] = rng.integers(0, 64, n)
+    rows["decode_tokens"] = rows["decode_reqs"]
+    rows["context_tokens"] = rows["decode_reqs"] * rng.integers(200, 4000, n)
+    rows = rows[rows["prefill_tokens"] + rows["decode_tokens"] > 0]
+    t = TRUE["overhead_s"] + sum(TRUE[f"per_{f.removesuffix('s')}_s"] * rows[f] for f in step_model.FEATURES)
+    t = t * (1 + noise * rng.standard_normal(len(rows)))
+    done = 100.0 + np.cumsum(t + (0 if overlap else 0.002))
+    rows["t_done"] = done
+    rows["t_scheduled"] = done - t - (np.r_[0, t[1:]] * 0.5 if overlap else 0)  # async: a step's schedule before
+    return rows
+
+
+def test_the_coefficients_come_back_and_the_held_out_error_is_the_noise():
+    rounds = [synthetic_round(k, overlap=k % 2 == 1) for k in range(6)]
+    m = fit(rounds, SCOPE)
+    for term, value in TRUE.items():
+        assert m.coef[term] == pytest.approx(value, rel=0.1), term
+    assert m.rounds == 6 and m.steps == sum(len(r) for r in rounds)
+    h = m.held_out
+    assert h.folds == 5 and h.steps == m.steps
+    # noise of 3% (normal): the median absolute relative error is ~0.67 * 3%, the P90 ~1.64 * 3%
+    assert 0.015 < h.median < 0.03 and 0.035 < h.p90 < 0.065
+    rows = synthetic_round(99, noise=0.0)
+    truth = TRUE["overhead_s"] + sum(TRUE[f"per_{f.removesuffix('s')}_s"] * rows[f] for f in step_model.FEATURES)
+    assert np.median(np.abs(m.predict(rows) / truth - 1)) < 0.01
+    assert m.predict(rows).shape == (len(rows),)
+
+
+def test_coefficients_stay_nonnegative_where_a_term_is_absent():
+    rounds = [synthetic_round(k) for k in range(3)]
+    for r in rounds:
+        r["context_tokens"] = 0   # no KV read at all: its term is unidentified, not negative
+    m = fit(rounds, SCOPE)
+    assert all(v >= 0 for v in m.coef.values())
+
+
+def test_one_round_has_no_held_out_error_and_says_why():
+    m = fit([synthetic_round(1)], SCOPE)
+    assert m.held_out is None and "one round" in m.held_out_why_not
+    with pytest.raises(ValueError, match="no busy engine step"):
+        fit([np.zeros(0, dtype=steps.DTYPE)], SCOPE)
+
+
+def test_extrapolation_is_refused_with_what_differs():
+    other = SCOPE.model_copy(update={"launch": {**SCOPE.launch, "max_num_batched_tokens": 1024}})
+    m = fit([synthetic_round(k) for k in range(2)], SCOPE, launches=[SCOPE.launch, other.launch])
+    between = SCOPE.model_copy(update={"launch": {**SCOPE.launch, "max_num_batched_tokens": 1536}})
+    m.check(between)  # a chunk size between the two measured: interpolated
+    h200 = SCOPE.model_copy(update={"device": "NVIDIA H200"})
+    with pytest.raises(Extrapolation, match=r"device 'NVIDIA H200' \(fitted on 'NVIDIA H100 80GB HBM3'\)"
+                                            r".*Measure a start there"):
+        m.check(h200)
+    big = SCOPE.model_copy(update={"launch": {**SCOPE.launch, "max_num_batched_tokens": 8192, "enforce_eager": True}})
+    with pytest.raises(Extrapolation, match=r"max_num_batched_tokens=8192 \(fitted on 1024..2048\); "
+                                            r"enforce_eager=True \(fitted on False\)"):
+        m.check(big)
+    rows = synthetic_round(5)
+    rows["context_tokens"][0] = 10 * m.ranges["context_tokens"][1]
+    with pytest.raises(Extrapolation, match="context_tokens up to"):
+        m.check(SCOPE, rows)
+
+
+def test_saved_as_json_and_loaded_back(tmp_path):
+    m = fit([synthetic_round(k) for k in range(3)], SCOPE)
+    back = StepModel.load(m.save(tmp_path / "model.json"))
+    assert back == m
+    rows = synthetic_round(7)
+    assert np.array_equal(back.predict(rows), m.predict(rows))
+
+
+def test_a_run_folders_records_come_with_their_starts_scope(tmp_path):
+    from synthetic_run import make_run
+    run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p90_ms": 100.0}, "mbt=512__kv=16MiB": {"ttft_p90_ms": 90.0}})
+    for pid in run.point_ids():
+        folder = run.point(pid)
+        for st in folder.starts():
+            for r in range(2):
+                steps.save_round(folder.start_dir(st.start), r, synthetic_round(r + 10 * st.start))
+    got = step_model.collect(run.path)
+    assert len(got) == 2 * sum(len(run.point(p).starts()) for p in run.point_ids())
+    scopes = {s.launch["max_num_batched_tokens"] for _, s in got}
+    assert scopes == {256, 512}
+    _, scope = got[0]
+    assert scope.device == "cpu" and scope.engine == run.point(run.point_ids()[0]).plan().engine
+    (m,) = step_model.fit_run(run.path)  # one scope: the chunk sizes are a range within it
+    assert sorted(la["max_num_batched_tokens"] for la in m.launches) == [256, 512]
+    assert m.held_out.folds == 5
