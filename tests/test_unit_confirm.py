@@ -281,3 +281,27 @@ def test_a_half_width_not_met_by_max_starts_says_so(tmp_path):
     assert rec.stop.startswith(confirmation.MAX_STARTS) and rec.last.resolved and not rec.last.precise
     words = confirmation.stop_words(rec)
     assert f"its interval +-{rec.last.best_half_width:.0%} of its value, wider than confirm.half_width" in words
+
+
+def test_an_unresolved_gain_says_which_capacity_is_a_bound_and_which_is_open():
+    """The baseline below the floor against a best whose interval is open below: only the
+    baseline is a bound, and the words say so (never "both are bounds on the same side")."""
+    from vllm_study.capacity import fit
+    from vllm_study.records.point_capacity import PointCapacity
+    best = PointCapacity("chunk2048", fit.ConfigCapacity(kind="value", value=1.1, low=None, high=1.4, starts=3,
+                                                         spread=0.1), [], ["fit"] * 3, 3.7, None)
+    base = PointCapacity("defaults", fit.ConfigCapacity(kind="below", value=0.8, starts=2), [], ["fit"] * 2, 3.7)
+    words, ok = confirmation._told_apart(best, base)
+    assert not ok
+    assert "both are bounds" not in words
+    assert "defaults's capacity is a bound, below 0.8" in words
+    assert "chunk2048's interval is open below" in words and "at most 1.4" in words
+
+
+def test_a_runner_up_that_is_the_baseline_is_compared_once():
+    v = confirmation.Verdict(block=3, best="mbt=1024", runner_up="mbt=256", baseline="mbt=256",
+                             starts={"mbt=1024": 3, "mbt=256": 3}, over_baseline="1.80x [1.50, 2.10]",
+                             over_runner_up="1.80x [1.50, 2.10]", baseline_resolved=True, runner_up_resolved=True)
+    words = confirmation.stop_words(confirmation.ConfirmRecord(planned_blocks=2, verdicts=[v], stop="resolved"), v)
+    assert words.count("1.80x [1.50, 2.10]") == 1, words
+    assert "over the baseline mbt=256, also the runner-up, resolved (1.80x [1.50, 2.10])" in words
