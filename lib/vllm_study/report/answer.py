@@ -134,14 +134,26 @@ def answer_context(r: Run) -> str:
                      "95% interval.")
     gpus = sorted({g.name for g in m.machine.gpus})
     where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
-    starts = r.search.confirm_starts if r.search else r.study.replicates  # a search: its confirmation starts
-    parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {starts} server start{'s' * (starts != 1)} "
+    parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {_starts_words(r)} "
                  f"{'each ' * (n != 1)}of {_per_start(r.study)}, on {where} with {m.versions.vllm_distribution} "
                  f"{m.versions.vllm}.")
     short = [s for s in r.summaries if s.status != "ok"]
     parts.append(f"{len(short)} of {n} points did not complete every planned round: see Failures below."
                  if short else "Every point completed every planned round.")
     return " ".join(parts)
+
+
+def _starts_words(r: Run) -> str:
+    """The server starts each point has: '2 server starts', or '2 to 5 server starts' where
+    confirmation (or a resume) gave some points more than the study planned; a search: its
+    confirmation starts."""
+    if r.search:
+        counts = [r.search.confirm_starts]
+    else:
+        counts = [len(r.folder.point(s.point).starts()) or r.study.replicates for s in r.summaries] \
+            or [r.study.replicates]
+    lo, hi = min(counts), max(counts)
+    return f"{lo} server start{'s' * (lo != 1)}" if lo == hi else f"{lo} to {hi} server starts"
 
 
 def best_point(r: Run) -> str | None:
