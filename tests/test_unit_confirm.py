@@ -305,3 +305,19 @@ def test_a_runner_up_that_is_the_baseline_is_compared_once():
     words = confirmation.stop_words(confirmation.ConfirmRecord(planned_blocks=2, verdicts=[v], stop="resolved"), v)
     assert words.count("1.80x [1.50, 2.10]") == 1, words
     assert "over the baseline mbt=256, also the runner-up, resolved (1.80x [1.50, 2.10])" in words
+
+
+def test_the_report_counts_the_starts_each_point_has_after_confirmation(tmp_path):
+    """Two planned starts each, then confirmation starts the best and the runner-up again
+    (the baseline below the floor is settled): the header gives the range, not the plan."""
+    from vllm_study.report import answer
+    from vllm_study.report.run import Run
+    caps = {"mbt=256": [0.5] * 4, "mbt=512": [4.8, 6.2, 5.2, 5.4], "mbt=1024": [5.6, 7.2, 6.3, 6.5]}
+    run, study = _run(tmp_path, caps, max_starts=4)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(caps))
+    r = Run.load(run)
+    counts = {s.point: len(run.point(s.point).starts()) for s in r.summaries}
+    assert counts["mbt=256"] == 2 and max(counts.values()) > 2
+    context = answer.answer_context(r)
+    assert f"3 points, 2 to {max(counts.values())} server starts each" in context, context
+    assert "2 server starts each" not in context
