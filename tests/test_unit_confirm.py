@@ -157,13 +157,15 @@ def test_confirm_after_a_search_is_refused_with_the_way_out(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path):
+def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path, capsys):
     from vllm_study.report.capacity_section import capacity_answer
     from vllm_study.report.run import Run
     low = {"mbt=256": [0.2, 0.3], "mbt=512": [0.3, 0.2], "mbt=1024": [0.25, 0.3]}
     run, study = _run(tmp_path, low, max_starts=6)
     before = run.manifest().order
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(low))
+    said = capsys.readouterr().out
+    assert "confirm: best" not in said and "confirm: no best: every point's capacity is below" in said   # none is best
     rec = confirmation.read(run.path)
     assert rec.stop.startswith(confirmation.NOTHING) and "below its lowest load" in rec.stop
     assert run.manifest().order == before
