@@ -20,9 +20,30 @@ def test_the_freeze_command_names_the_run_where_it_was_written(tmp_path):
     elsewhere = make_run(tmp_path / "runs", VALUES)  # sweep --results runs
     md = answer.answer_markdown(report.Run.load(elsewhere.path))
     assert f"`python -m vllm_study export {elsewhere.path.resolve()} --best`" in md
-    default = make_run(tmp_path / "results", VALUES)
-    md = answer.answer_markdown(report.Run.load(default.path))
-    assert f"`python -m vllm_study export results/{default.path.name} --best`" in md
+    # --results /somewhere/results: a folder named results, but not the kit's
+    named = make_run(tmp_path / "results", VALUES)
+    md = answer.answer_markdown(report.Run.load(named.path))
+    assert f"`python -m vllm_study export {named.path.resolve()} --best`" in md and " results/" not in md
+    # the kit's own results folder, and a render copy of a run committed there (report, nbval)
+    committed = sorted(answer.KIT_RESULTS.glob("*/manifest.json"))[0].parent
+    assert answer.run_arg(committed) == f"results/{committed.name}"
+    copy = tmp_path / "copy" / "results" / committed.name
+    copy.mkdir(parents=True)
+    assert answer.run_arg(copy) == f"results/{committed.name}"
+
+
+def test_nothing_to_freeze_is_said_where_no_point_can_be_frozen(tmp_path, capsys):
+    """Every capacity below the floor: the page says there is nothing to freeze, not the
+    generic export command."""
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.5, "mbt=512": 0.7}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    words = answer.freeze_words(r)
+    assert words.startswith("Nothing to freeze: no point met the SLO at any load") and "--best" not in words
+    assert "export" not in answer.answer_markdown(r)
+    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    sources = ["".join(c["source"]) for c in nb["cells"]]
+    assert not any("export <run> --best" in text for text in sources)   # no generic command in the template
+    assert sources.index("ns.freeze_line(r)") == sources.index("ns.recommendation(r)") + 1
 
 
 def test_the_point_by_point_section_does_not_open_with_the_goodput_rule():

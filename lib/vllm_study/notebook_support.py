@@ -282,6 +282,13 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
     return r.slo_verdicts()
 
 
+def freeze_line(r: report.Run) -> None:
+    """Under the point-by-point answer: the export command for its best point, or why this
+    run has nothing to freeze."""
+    text = report_answer.freeze_words(r)
+    _markdown(report_answer._md_prose(text, [s.point for s in r.summaries]), text.replace("`", ""))
+
+
 def fidelity(r: report.Run) -> pd.DataFrame | None:
     """A trace run's replay against its trace (report.fidelity_table); nothing for other
     workloads, nor for a capacity study, whose answer (`recommendation`) shows it."""

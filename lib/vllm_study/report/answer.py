@@ -173,12 +173,35 @@ def best_point(r: Run) -> str | None:
     return best
 
 
+# The kit's own results folder in a source checkout (lib/vllm_study/report/answer.py -> the checkout)
+KIT_RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
 def run_arg(path: Path) -> str:
-    """A run folder as a command takes it: results/<run> where it sits in a folder named
-    results (the kit's default, and every committed run), else its absolute path (a sweep
-    with --results elsewhere)."""
+    """A run folder as a command takes it: results/<run> where it is the kit's own (in the
+    checkout's results/, or a render copy of a run committed there: `report` renders a
+    committed run in a copy kept under a folder named results, nbval in .nbval/results/),
+    else its absolute path (a sweep with --results elsewhere, even a folder named results)."""
     p = path.resolve()
-    return f"results/{p.name}" if p.parent.name == "results" else str(p)
+    ours = p.parent == KIT_RESULTS.resolve() or (p.parent.name == "results" and (KIT_RESULTS / p.name).is_dir())
+    return f"results/{p.name}" if ours else str(p)
+
+
+def freeze_words(r: Run) -> str:
+    """The command that freezes the answer as a `vllm serve --config` file, or why this run
+    has nothing to freeze."""
+    best = best_point(r)
+    if r.study.targets:
+        return "Nothing to freeze: an endpoint study's targets are served elsewhere, with their own settings."
+    if best:
+        return (f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
+                f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
+    if not r.measured:
+        return "Nothing to freeze: no point measured a round."
+    if is_capacity_study(r):
+        return ("Nothing to freeze: no point met the SLO at any load measured (every capacity is below its lowest "
+                "load); `export --point <id>` freezes one all the same.")
+    return f"Nothing to freeze: {r.recommendation().reason}."
 
 
 def answer_markdown(r: Run) -> str:
@@ -193,6 +216,5 @@ def answer_markdown(r: Run) -> str:
         paras.append(_md_prose(line, points, strong=best if i == first else None))
     paras.append(_md_prose(answer_context(r), points))
     if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
-        paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
-                     f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
+        paras.append(freeze_words(r))
     return "\n\n".join(paras)
