@@ -73,3 +73,23 @@ def test_the_progress_bar_counts_the_steps_a_capacity_search_ran(tmp_path, capsy
     sweep._run_units(run, units, study, 0.0, None, _Done(run, study, "cpu", []))
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert f" {ran}/{ran} " in last, last
+
+
+def test_a_capacity_start_that_failed_is_counted_in_searches_not_in_one_planned_round(tmp_path):
+    """A capacity start's figures are one search of up to steps_per_start rounds: a failed
+    start is '1 of its 2 planned capacity searches', never '1 of its 2 planned rounds'."""
+    from vllm_study.measure.point import summarize
+    from vllm_study.report import export
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
+    start = run.point("mbt=512").start_dir(2) / "start.json"
+    rec = json.loads(start.read_text())
+    start.write_text(json.dumps({**rec, "status": "failed", "reason": "server died"}))
+    folder = run.point("mbt=512")
+    summarize(folder, folder.plan())
+    run.write_summary_csv()
+    r = report.Run.load(run.path)
+    words = export.slo_shortfall(r, "mbt=512", {"ttft_p90_ms": 400.0})
+    steps = r.study.steps_per_start
+    assert f"only 1 of its 2 planned capacity searches (one a server start, each up to {steps} rounds)" in words
+    assert "planned rounds" not in words
+    assert "capacity searches ok" in report.failures(r).columns

@@ -99,7 +99,9 @@ def long_estimates(r: Run) -> pd.DataFrame:
 
 def failures(r: Run) -> pd.DataFrame:
     """Points that did not complete every planned round, with why."""
-    rows = [{"point": s.point, "status": status_label(s), "rounds ok": f"{s.rounds_ok}/{s.rounds_planned}",
+    # a capacity study's figures are one search a start (up to steps_per_start rounds each)
+    done = "capacity searches ok" if is_capacity_study(r) else "rounds ok"
+    rows = [{"point": s.point, "status": status_label(s), done: f"{s.rounds_ok}/{s.rounds_planned}",
              "reason": " | ".join(s.reasons) or "-"} for s in r.summaries if s.status != "ok"]
     if not rows:
         return pd.DataFrame({"reason": ["(none: every point completed every round)"]}, index=["-"])

@@ -239,6 +239,17 @@ def _per_start(s: Study) -> str:
     return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (at most {c.max_steps} rounds) under {bounds}"
 
 
+def planned_words(study: Study, s: PointSummary) -> str:
+    """'2 of its 3 planned rounds', or in a capacity study, where a start's figures are one
+    search of up to steps_per_start rounds: '0 of its 1 planned capacity searches (one a
+    server start, each up to 6 rounds)'."""
+    if not study.capacity:
+        return f"{s.rounds_ok} of its {s.rounds_planned} planned rounds"
+    n = s.rounds_planned
+    return (f"{s.rounds_ok} of its {n} planned capacity search{'es' * (n != 1)} (one a server start, each up "
+            f"to {study.steps_per_start} rounds)")
+
+
 def status_label(s: PointSummary) -> str:
     if s.status == "partial":
         return f"partial {s.rounds_ok}/{s.rounds_planned}"
