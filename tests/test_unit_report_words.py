@@ -93,3 +93,11 @@ def test_a_capacity_start_that_failed_is_counted_in_searches_not_in_one_planned_
     assert f"only 1 of its 2 planned capacity searches (one a server start, each up to {steps} rounds)" in words
     assert "planned rounds" not in words
     assert "capacity searches ok" in report.failures(r).columns
+
+
+def test_prompts_under_the_template_floor_are_counted_out_of_the_rows_the_dry_run_counts():
+    """The dry run counts a trace's every row (check_template: 1 of 9); the start keeps 8
+    under max_model_len and records 1 short prompt: the report says 1 of 9 too."""
+    record = {"inexact": 1, "requests": 8, "dropped_over_max_model_len": 1, "prompt_floor": 19}
+    words = answer.floor_words(record)
+    assert words.startswith("1 of 9 trace prompts are shorter than the chat template's floor of 19 tokens"), words

@@ -52,12 +52,20 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
     print(note + "".join(f"\n{n} rows {why} left out" for why, n in (trace.get("skipped") or {}).items()
                          if not why.startswith("longer than max_model_len")))  # (that one is said above)
     if trace.get("inexact"):  # older runs counted these prompts without recording the floor
-        print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
-              if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
-              "chat template allows and were sent longer than the trace says")
+        print("warning: " + floor_words(trace) if trace.get("prompt_floor") else f"warning: {trace['inexact']} "
+              "prompts were shorter than the chat template allows and were sent longer than the trace says")
     for flag in filter(None, flags):
         print(f"flag: {flag}")
     return pd.DataFrame(rows).set_index(keys) if rows else None
+
+
+def floor_words(trace: dict) -> str:
+    """A start's trace record's prompts under the chat template's floor, out of the trace's
+    rows as the dry run and the sweep count them (build_workload.check_template: every row
+    of the trace or its windows), not out of the rows kept under max_model_len: a prompt
+    under the floor is never too long, so both count the same short prompts."""
+    rows = trace["requests"] + (trace.get("dropped_over_max_model_len") or 0)
+    return floor_warning(trace["inexact"], rows, trace["prompt_floor"])
 
 
 # -- the answer in words, for the top of the page --------------------------------
