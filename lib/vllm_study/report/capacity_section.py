@@ -354,16 +354,18 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
 
 # -- what decides a capacity, and where its figures were measured ---------------------
 def slo_metrics(r: Run) -> list[str]:
-    """The metrics the SLO bounds, as the rounds measured them: a TTFT or E2E bound of a
-    round sent on a schedule is judged from the requests' scheduled arrivals
-    (capacity.bracket.FROM_SCHEDULE), and that figure is shown where the run has it."""
+    """The metrics the SLO bounds, as they were judged: a capacity search judges a TTFT or
+    E2E bound of a round sent on a schedule from the requests' scheduled arrivals
+    (capacity.bracket.FROM_SCHEDULE), and that figure is shown where the run has it; the
+    report's SLO verdicts (decision.slo_table) read the bound's own metric."""
     from ..capacity.bracket import FROM_SCHEDULE
-    slo = r.study.capacity.slo if is_capacity_study(r) else r.slo
+    if not is_capacity_study(r):
+        return list(r.slo)
     out = []
-    for k in slo:
+    for k in r.study.capacity.slo:
         head, _, rest = k.partition("_")
         sched = f"{FROM_SCHEDULE[head]}_{rest}" if head in FROM_SCHEDULE else None
-        out.append(sched if sched and r.interval(r.summaries[0].point, sched) is not None else k)
+        out.append(sched if sched and any(r.interval(s.point, sched) for s in r.summaries) else k)
     return out
 
 
