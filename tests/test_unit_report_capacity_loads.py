@@ -82,3 +82,18 @@ def test_the_console_shows_the_slos_metrics_first(tmp_path):
     run = make_run(tmp_path / "r", values, study_over={"slo": {"itl_p99_ms": 100.0, "ttft_p90_ms": 900.0}})
     cols = list(report.short_table(report.Run.load(run.path)).columns)
     assert cols[:3] == ["status", "ITL P99 (ms)", "TTFT P90 (ms)"], cols
+
+
+def test_one_axis_trend_lines_say_the_load_each_capacity_studys_latency_was_measured_at(tmp_path):
+    from synthetic_run import make_capacity_run
+    run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 5.0}, lo=2.0, hi=8.0)
+    r = report.Run.load(run.path)
+    assert plots.trend_vs_axis(r, out=tmp_path / "t.png") is None
+    fig = plt.gcf()
+    panels = _panels(fig)
+    assert list(panels)[:2] == ["capacity (req/s)", "TTFT P90 (ms)"]
+    said = [t.get_text() for t in panels["TTFT P90 (ms)"].texts]
+    want = {"@" + capacity_section.measured_at_words(r, p) for p in ("mbt=256", "mbt=512")}
+    assert want <= set(said) and not panels["capacity (req/s)"].texts, said
+    assert "@ = the load a point's figures were measured at" in " ".join(t.get_text() for t in fig.texts)
+    plt.close(fig)

@@ -186,6 +186,9 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     x = r.axes[0]
     hue = _others(r, x)
     est = long_estimates(r)
+    capacity = is_capacity_study(r)
+    if capacity:   # capacity first, then the SLO's metrics, each point's at its own capacity's load
+        names = list(dict.fromkeys(["capacity_rps", *slo_metrics(r), *names]))
     names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
     if not names:
         return "none of the trend metrics was measured"
@@ -202,6 +205,10 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
+            if capacity and n not in ("capacity_rps", "capacity_load"):   # the load each was measured at
+                for px, py, pid in zip(part[x], part["value"], part["point"]):
+                    ax.annotate("@" + cs.measured_at_words(r, pid), (px, py), xytext=(3, 4),
+                                textcoords="offset points", fontsize=7, color=line.get_color())
         bound_at = _capacity_bounds(ax, r, n, x) if n in ("capacity_rps", "capacity_load") else []
         _x_axis(ax, x, pd.concat([sub[x], pd.Series(bound_at, dtype=sub[x].dtype)]))
         ax.set_title(m.title)
@@ -210,7 +217,9 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             handles, labels = ax.get_legend_handles_labels()
             seen = dict(zip(labels, handles))   # one entry per kind of bound
             ax.legend(seen.values(), seen.keys(), fontsize=8)
-    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
+    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured"
+             + ("; @ = the load a point's figures were measured at (its own capacity's: latencies are not "
+                "compared across points)" if capacity else ""), fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
         save_figure(fig, out, dpi=110)
