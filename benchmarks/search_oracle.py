@@ -36,6 +36,12 @@ from vllm_study.define.search_space import Search  # noqa: E402
 MIN_TRIALS = Search.model_fields["trials"].metadata[0].ge  # the fewest trials a search takes
 from vllm_study.report.report import Run  # noqa: E402
 
+USAGE = 2   # the exit status of a usage error, as the kit's command line and argparse give it
+
+
+class UsageError(Exception):
+    """What the user asked cannot be answered from this run: said on stderr, exit USAGE."""
+
 
 def oracle(run: Run, objective: str):
     """(grid axes with their values, point id -> values, point id -> its starts' values,
@@ -44,7 +50,7 @@ def oracle(run: Run, objective: str):
     if data is None:
         why = (" (goodput counts the requests within the SLO, and the study sets no `slo:`)"
                if objective == "goodput" and not run.slo else "")
-        raise SystemExit(f"{run.folder.path}: no {objective} measured{why}; name a metric the grid measured "
+        raise UsageError(f"{run.folder.path}: no {objective} measured{why}; name a metric the grid measured "
                          "with --objective, e.g. --objective output_throughput")
     starts = {p: [float(data.back(v)) for v in vs] for p, vs in data.starts.items()}
     values = {s.point: s.values for s in run.summaries}
@@ -77,6 +83,14 @@ def search_once(axes, values, starts, objective: str, trials: int, sampler: str,
 
 
 def main() -> int:
+    try:
+        return _main()
+    except (UsageError, FileNotFoundError) as e:   # a run folder that is not there is one too
+        print(f"error: {e}", file=sys.stderr)
+        return USAGE
+
+
+def _main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="a completed grid run")
     ap.add_argument("--objective", default="goodput")
@@ -93,7 +107,7 @@ def main() -> int:
     if trials < MIN_TRIALS:
         given = f"--trials {trials}" if a.trials else \
             f"the grid's {n_points} points give a search {trials} trial(s) (a third of them), which"
-        raise SystemExit(f"{given} is below the {MIN_TRIALS} trials a search needs; pass --trials {MIN_TRIALS} "
+        raise UsageError(f"{given} is below the {MIN_TRIALS} trials a search needs; pass --trials {MIN_TRIALS} "
                          "or more")
     best = iv["value"].idxmax() if direction == "maximize" else iv["value"].idxmin()
     lo, hi = iv.loc[best, "ci_low"], iv.loc[best, "ci_high"]

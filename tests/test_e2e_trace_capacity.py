@@ -144,7 +144,8 @@ def test_a_plain_trace_run_says_what_it_could_not_replay_exactly(tmp_path):
     nb = json.loads((path / "report.ipynb").read_text())
     text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
     assert "3 requests kept, 1 longer than max_model_len=2048 left out" in text
-    assert f"warning: 1 of 3 trace prompts are shorter than the chat template's floor of {floor} tokens" in text
+    # out of the trace's 4 rows, as the sweep said before it started (not of the 3 kept)
+    assert f"warning: 1 of 4 trace prompts are shorter than the chat template's floor of {floor} tokens" in text
 
 
 # The same window searched from far too high a lo: 32 x real time misses (its 40 requests

@@ -176,14 +176,14 @@ def test_the_search_oracle_explains_a_grid_it_cannot_search(tmp_path):
                                     ("mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB",
                                      "mbt=512__kv=128MiB")})
     rc, err = _oracle(run)
-    assert rc == 1 and "Traceback" not in err
+    assert rc == 2 and "Traceback" not in err  # a usage error: the kit's exit status 2
     assert "no goodput measured (goodput counts the requests within the SLO, and the study sets no `slo:`); " \
            "name a metric the grid measured with --objective" in err
     # three points give one trial (a third of them): refused before any search, without a traceback
     small = make_run(tmp_path / "b", {p: {"goodput": 5.0} for p in ("mbt=256", "mbt=512", "mbt=1024")},
                      study_over={"grid": {"max_num_batched_tokens": [256, 512, 1024]}, "slo": {"ttft_p90_ms": 900}})
     rc, err = _oracle(small)
-    assert rc == 1 and "Traceback" not in err
+    assert rc == 2 and "Traceback" not in err  # a usage error: the kit's exit status 2
     assert "the grid's 3 points give a search 1 trial(s) (a third of them), which is below the 2 trials a search " \
            "needs; pass --trials 2 or more" in err
 

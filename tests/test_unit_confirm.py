@@ -157,13 +157,15 @@ def test_confirm_after_a_search_is_refused_with_the_way_out(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path):
+def test_no_block_is_added_where_every_capacity_is_below_the_lowest_load(tmp_path, capsys):
     from vllm_study.report.capacity_section import capacity_answer
     from vllm_study.report.run import Run
     low = {"mbt=256": [0.2, 0.3], "mbt=512": [0.3, 0.2], "mbt=1024": [0.25, 0.3]}
     run, study = _run(tmp_path, low, max_starts=6)
     before = run.manifest().order
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(low))
+    said = capsys.readouterr().out
+    assert "confirm: best" not in said and "confirm: no best: every point's capacity is below" in said   # none is best
     rec = confirmation.read(run.path)
     assert rec.stop.startswith(confirmation.NOTHING) and "below its lowest load" in rec.stop
     assert run.manifest().order == before
@@ -281,3 +283,43 @@ def test_a_half_width_not_met_by_max_starts_says_so(tmp_path):
     assert rec.stop.startswith(confirmation.MAX_STARTS) and rec.last.resolved and not rec.last.precise
     words = confirmation.stop_words(rec)
     assert f"its interval +-{rec.last.best_half_width:.0%} of its value, wider than confirm.half_width" in words
+
+
+def test_an_unresolved_gain_says_which_capacity_is_a_bound_and_which_is_open():
+    """The baseline below the floor against a best whose interval is open below: only the
+    baseline is a bound, and the words say so (never "both are bounds on the same side")."""
+    from vllm_study.capacity import fit
+    from vllm_study.records.point_capacity import PointCapacity
+    best = PointCapacity("chunk2048", fit.ConfigCapacity(kind="value", value=1.1, low=None, high=1.4, starts=3,
+                                                         spread=0.1), [], ["fit"] * 3, 3.7, None)
+    base = PointCapacity("defaults", fit.ConfigCapacity(kind="below", value=0.8, starts=2), [], ["fit"] * 2, 3.7)
+    words, ok = confirmation._told_apart(best, base)
+    assert not ok
+    assert "both are bounds" not in words
+    assert "defaults's capacity is a bound, below 0.8" in words
+    assert "chunk2048's interval is open below" in words and "at most 1.4" in words
+
+
+def test_a_runner_up_that_is_the_baseline_is_compared_once():
+    v = confirmation.Verdict(block=3, best="mbt=1024", runner_up="mbt=256", baseline="mbt=256",
+                             starts={"mbt=1024": 3, "mbt=256": 3}, over_baseline="1.80x [1.50, 2.10]",
+                             over_runner_up="1.80x [1.50, 2.10]", baseline_resolved=True, runner_up_resolved=True)
+    words = confirmation.stop_words(confirmation.ConfirmRecord(planned_blocks=2, verdicts=[v], stop="resolved"), v)
+    assert words.count("1.80x [1.50, 2.10]") == 1, words
+    assert "over the baseline mbt=256, also the runner-up, resolved (1.80x [1.50, 2.10])" in words
+
+
+def test_the_report_counts_the_starts_each_point_has_after_confirmation(tmp_path):
+    """Two planned starts each, then confirmation starts the best and the runner-up again
+    (the baseline below the floor is settled): the header gives the range, not the plan."""
+    from vllm_study.report import answer
+    from vllm_study.report.run import Run
+    caps = {"mbt=256": [0.5] * 4, "mbt=512": [4.8, 6.2, 5.2, 5.4], "mbt=1024": [5.6, 7.2, 6.3, 6.5]}
+    run, study = _run(tmp_path, caps, max_starts=4)
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(caps))
+    r = Run.load(run)
+    counts = {s.point: len(run.point(s.point).starts()) for s in r.summaries}
+    assert counts["mbt=256"] == 2 and max(counts.values()) > 2
+    context = answer.answer_context(r)
+    assert f"3 points, 2 to {max(counts.values())} server starts each" in context, context
+    assert "2 server starts each" not in context

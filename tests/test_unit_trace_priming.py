@@ -438,7 +438,11 @@ def test_the_report_shows_each_window_against_the_whole_trace_and_the_hit_rate_b
     want = windows.summary(whole, plan)
     assert list(table.index) == ["whole trace", "window 1", "window 2", "window 3"]
     assert table["requests"].tolist() == [60, 6, 6, 6]
-    assert table["reuse_with_history"].tolist() == pytest.approx(want["reuse_with_history"].tolist(), abs=5e-4)
+    # every row of the window, named so beside the fidelity table's figure over the requests sent
+    assert table["reuse_with_history (all rows)"].tolist() == pytest.approx(want["reuse_with_history"].tolist(),
+                                                                            abs=5e-4)
+    assert "reuse_alone" not in table.columns and "reuse_alone (all rows)" in table.columns
+    assert ns.trace_section.REUSE_NOTE.startswith("reuse (all rows): over every row of the window")
     assert table["input_p90"].tolist() == [round(x) for x in want["input_p90"]]
     # the curve: the model over the whole trace at sizes around this server's 640 tokens, and never evicting
     curve, kv, unbounded, block = ns.trace_section.hit_rate_curve(r)

@@ -182,7 +182,7 @@ def test_a_plain_trace_run_reports_its_fidelity(tmp_path, capsys):
     assert table.filter(like="send lateness").shape[1] == 2 and table.filter(like="prompt tokens").shape[1] == 1
     assert "30 requests kept, 30 longer than max_model_len=2048 left out" in out
     assert "4 rows failed (0 output tokens) left out" in out
-    assert "warning: 2 of 30 trace prompts are shorter than the chat template's floor of 20 tokens" in out
+    assert "warning: 2 of 60 trace prompts are shorter than the chat template's floor of 20 tokens" in out  # all rows
     # the report notebook shows it for every trace run
     nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
     assert "ns.fidelity(r)" in ["".join(c["source"]) for c in nb["cells"]]

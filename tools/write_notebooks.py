@@ -137,11 +137,11 @@ The point to run, by the study's own rule (its first line below says which): in 
 study, the highest capacity within the SLO, with each point's capacity below; otherwise the
 highest goodput among the points whose 95% intervals meet every bound of the study's `slo:`
 (without an SLO, the highest output throughput), with each point against each bound below.
-Then the points this study cannot tell apart from it, and what the runner-up trades. Freeze
-it with `python -m vllm_study export <run> --best`: a `vllm serve --config` file with this
-evidence beside it.
+Then the points this study cannot tell apart from it, and what the runner-up trades; last,
+the command that freezes it (or why there is nothing to freeze).
 """, **DETAILS),
     code("ns.recommendation(r)", **CHECK),
+    code("ns.freeze_line(r)"),
     md("""
 ### Did the replay reproduce the trace?
 A trace study: per point, over its measured rounds (median, and range), the prompt tokens vLLM

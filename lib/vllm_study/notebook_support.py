@@ -159,6 +159,13 @@ def answer_figure(r: report.Run) -> None:
         return
     if not r.axes:
         return
+    if capacity_section.is_capacity_study(r):   # what decides it first: each config's margin against load
+        why = plots.margin_vs_load(r, out=r.folder.figures / "margin_vs_load.png")
+        if why:
+            _markdown(report_answer.md_escape(why), why)
+        else:
+            plt.show()
+            _markdown(MARGIN_CAPTION)
     two = len(r.axes) >= 2
     why = (plots.heatmap_grid(r, out=r.folder.figures / "heatmaps.png") if two else
            plots.trend_vs_axis(r, out=r.folder.figures / "trends.png"))
@@ -168,7 +175,15 @@ def answer_figure(r: report.Run) -> None:
         return
     plt.show()
     x = f"`{r.axes[0]}`"
-    if two:
+    if two and capacity_section.is_capacity_study(r):
+        y = ", ".join(f"`{a}`" for a in r.axes[1:]) + (" (a row per combination)" if len(r.axes) > 2 else "")
+        caption = (f"x: {x}; y: {y}. Capacity first, then the metrics the SLO bounds. Each cell's figures come "
+                   "from the round at that point's own capacity (`@`: the load it was measured at; at the lowest "
+                   "load where it missed even there), so a latency is not compared across cells and only the "
+                   "capacity panel boxes its best (with the points not told apart from it). Grey `< x`: the SLO "
+                   "was missed at the lowest load x, so the capacity is below it; `*`: not every planned round "
+                   "was measured; grey *failed*: no round was measured.")
+    elif two:
         y = ", ".join(f"`{a}`" for a in r.axes[1:]) + (" (a row per combination)" if len(r.axes) > 2 else "")
         caption = (f"x: {x}; y: {y}. In every panel yellow is the better end (low latency, high "
                    "throughput or hit rate); counts and shares that are neither better nor worse use the same "
@@ -178,6 +193,13 @@ def answer_figure(r: report.Run) -> None:
         caption = (f"Each metric against {x}, with its 95% interval as a band; `*`: not every planned round "
                    "was measured.")
     _markdown(caption, caption.replace("`", "").replace("*failed*", "failed"))
+
+
+MARGIN_CAPTION = ("What decides each capacity: the binding SLO margin (the largest of the bounds' measured / limit; "
+                  "at most 1 meets the SLO) at every load the search measured, a dot per server start and a line "
+                  "through their medians; on the dashed SLO line, each config's capacity with its 95% interval "
+                  "(a triangle: a bound, below the lowest load or at least the highest). The legend names the bound "
+                  "that binds.")
 
 
 def search_trials(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
@@ -258,6 +280,13 @@ def recommendation(r: report.Run) -> pd.DataFrame | None:
               "the points that meet it)")
         return None
     return r.slo_verdicts()
+
+
+def freeze_line(r: report.Run) -> None:
+    """Under the point-by-point answer: the export command for its best point, or why this
+    run has nothing to freeze."""
+    text = report_answer.freeze_words(r)
+    _markdown(report_answer._md_prose(text, [s.point for s in r.summaries]), text.replace("`", ""))
 
 
 def fidelity(r: report.Run) -> pd.DataFrame | None:

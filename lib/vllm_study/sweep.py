@@ -417,8 +417,13 @@ def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, 
             break
         v = confirmation.judge(run, study, last)
         rec.record(v)
-        print(f"confirm: best {v.best}; over {v.baseline} {v.over_baseline}; over {v.runner_up} {v.over_runner_up}"
-              + (f"; its interval +-{v.best_half_width:.0%}" if v.best_half_width is not None else ""))
+        over = [(v.baseline, v.over_baseline)] + ([(v.runner_up, v.over_runner_up)] if v.runner_up != v.baseline
+                                                    else [])   # the runner-up is the baseline: said once
+        if v.best_below:   # ranked by their bounds, but none has a capacity to call best
+            print("confirm: no best: every point's capacity is below its lowest load")
+        else:
+            print(f"confirm: best {v.best}; " + "; ".join(f"over {p} {words}" for p, words in over)
+                  + (f"; its interval +-{v.best_half_width:.0%}" if v.best_half_width is not None else ""))
         step = confirmation.next_block(run, study, v)
         if isinstance(step, str):
             rec.stop = step

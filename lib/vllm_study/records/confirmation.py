@@ -121,7 +121,28 @@ def _told_apart(a: PointCapacity, b: PointCapacity) -> tuple[str, bool]:
     t = told_apart(a, b)
     if t.gain.resolved and not t.resolved:
         return f"{t.gain}; not resolved yet: {one_start_words(t.unmeasured)}", False
+    if t.gain.kind == "unresolved":   # say which side lacks an end, not a generic "both are bounds"
+        return f"unresolved: {_open_side(b)} and {_open_side(a)}", False
     return str(t.gain), t.resolved
+
+
+def _open_side(pc: PointCapacity) -> str:
+    """A capacity as far as it bounds a ratio: a bound, an interval open on one side, or
+    one closed on both (capacity.fit.ConfigCapacity, in the search's unit)."""
+    c = pc.config
+    if c.kind == "below":
+        return f"{pc.point}'s capacity is a bound, below {c.value:.3g} (it missed the SLO at the lowest load)"
+    if c.kind == "at_least":
+        return f"{pc.point}'s capacity is a bound, at least {c.value:.3g} (it met the SLO at the highest load)"
+    if c.kind == "unresolved":
+        return f"{pc.point}'s capacity is unresolved (its starts disagree)"
+    if c.low is None and c.high is None:
+        return f"{pc.point}'s interval is open on both sides (beyond every load measured)"
+    if c.low is None:
+        return f"{pc.point}'s interval is open below (it reaches below every load measured; at most {c.high:.3g})"
+    if c.high is None:
+        return f"{pc.point}'s interval is open above (it reaches above every load measured; at least {c.low:.3g})"
+    return f"{pc.point}'s interval is {c.value:.3g} [{c.low:.3g}, {c.high:.3g}]"
 
 
 def current(run: RunFolder, study: Study, rec: ConfirmRecord) -> Verdict | None:
@@ -187,9 +208,10 @@ def stop_words(rec: ConfirmRecord, v: Verdict | None = None) -> str | None:
     blocks = v.block - rec.planned_blocks
     parts = []
     if v.baseline != v.best:
-        parts.append(f"over the baseline {v.baseline} {'resolved' if v.baseline_resolved else 'not resolved'} "
+        also = ", also the runner-up," if v.runner_up == v.baseline else ""   # one comparison, said once
+        parts.append(f"over the baseline {v.baseline}{also} {'resolved' if v.baseline_resolved else 'not resolved'} "
                      f"({v.over_baseline or 'no capacity'})")
-    if v.runner_up:
+    if v.runner_up and v.runner_up != v.baseline:
         parts.append(f"over the runner-up {v.runner_up} {'resolved' if v.runner_up_resolved else 'not resolved'} "
                      f"({v.over_runner_up})")
     if not v.precise:

@@ -52,12 +52,20 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
     print(note + "".join(f"\n{n} rows {why} left out" for why, n in (trace.get("skipped") or {}).items()
                          if not why.startswith("longer than max_model_len")))  # (that one is said above)
     if trace.get("inexact"):  # older runs counted these prompts without recording the floor
-        print("warning: " + floor_warning(trace["inexact"], trace["requests"], trace["prompt_floor"])
-              if trace.get("prompt_floor") else f"warning: {trace['inexact']} prompts were shorter than the "
-              "chat template allows and were sent longer than the trace says")
+        print("warning: " + floor_words(trace) if trace.get("prompt_floor") else f"warning: {trace['inexact']} "
+              "prompts were shorter than the chat template allows and were sent longer than the trace says")
     for flag in filter(None, flags):
         print(f"flag: {flag}")
     return pd.DataFrame(rows).set_index(keys) if rows else None
+
+
+def floor_words(trace: dict) -> str:
+    """A start's trace record's prompts under the chat template's floor, out of the trace's
+    rows as the dry run and the sweep count them (build_workload.check_template: every row
+    of the trace or its windows), not out of the rows kept under max_model_len: a prompt
+    under the floor is never too long, so both count the same short prompts."""
+    rows = trace["requests"] + (trace.get("dropped_over_max_model_len") or 0)
+    return floor_warning(trace["inexact"], rows, trace["prompt_floor"])
 
 
 # -- the answer in words, for the top of the page --------------------------------
@@ -134,14 +142,26 @@ def answer_context(r: Run) -> str:
                      "95% interval.")
     gpus = sorted({g.name for g in m.machine.gpus})
     where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
-    starts = r.search.confirm_starts if r.search else r.study.replicates  # a search: its confirmation starts
-    parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {starts} server start{'s' * (starts != 1)} "
+    parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {_starts_words(r)} "
                  f"{'each ' * (n != 1)}of {_per_start(r.study)}, on {where} with {m.versions.vllm_distribution} "
                  f"{m.versions.vllm}.")
     short = [s for s in r.summaries if s.status != "ok"]
     parts.append(f"{len(short)} of {n} points did not complete every planned round: see Failures below."
                  if short else "Every point completed every planned round.")
     return " ".join(parts)
+
+
+def _starts_words(r: Run) -> str:
+    """The server starts each point has: '2 server starts', or '2 to 5 server starts' where
+    confirmation (or a resume) gave some points more than the study planned; a search: its
+    confirmation starts."""
+    if r.search:
+        counts = [r.search.confirm_starts]
+    else:
+        counts = [len(r.folder.point(s.point).starts()) or r.study.replicates for s in r.summaries] \
+            or [r.study.replicates]
+    lo, hi = min(counts), max(counts)
+    return f"{lo} server start{'s' * (lo != 1)}" if lo == hi else f"{lo} to {hi} server starts"
 
 
 def best_point(r: Run) -> str | None:
@@ -161,12 +181,35 @@ def best_point(r: Run) -> str | None:
     return best
 
 
+# The kit's own results folder in a source checkout (lib/vllm_study/report/answer.py -> the checkout)
+KIT_RESULTS = Path(__file__).resolve().parents[3] / "results"
+
+
 def run_arg(path: Path) -> str:
-    """A run folder as a command takes it: results/<run> where it sits in a folder named
-    results (the kit's default, and every committed run), else its absolute path (a sweep
-    with --results elsewhere)."""
+    """A run folder as a command takes it: results/<run> where it is the kit's own (in the
+    checkout's results/, or a render copy of a run committed there: `report` renders a
+    committed run in a copy kept under a folder named results, nbval in .nbval/results/),
+    else its absolute path (a sweep with --results elsewhere, even a folder named results)."""
     p = path.resolve()
-    return f"results/{p.name}" if p.parent.name == "results" else str(p)
+    ours = p.parent == KIT_RESULTS.resolve() or (p.parent.name == "results" and (KIT_RESULTS / p.name).is_dir())
+    return f"results/{p.name}" if ours else str(p)
+
+
+def freeze_words(r: Run) -> str:
+    """The command that freezes the answer as a `vllm serve --config` file, or why this run
+    has nothing to freeze."""
+    best = best_point(r)
+    if r.study.targets:
+        return "Nothing to freeze: an endpoint study's targets are served elsewhere, with their own settings."
+    if best:
+        return (f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
+                f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
+    if not r.measured:
+        return "Nothing to freeze: no point measured a round."
+    if is_capacity_study(r):
+        return ("Nothing to freeze: no point met the SLO at any load measured (every capacity is below its lowest "
+                "load); `export --point <id>` freezes one all the same.")
+    return f"Nothing to freeze: {r.recommendation().reason}."
 
 
 def answer_markdown(r: Run) -> str:
@@ -181,6 +224,5 @@ def answer_markdown(r: Run) -> str:
         paras.append(_md_prose(line, points, strong=best if i == first else None))
     paras.append(_md_prose(answer_context(r), points))
     if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
-        paras.append(f"Freeze it as a `vllm serve --config` file with this evidence beside it: "
-                     f"`python -m vllm_study export {run_arg(r.folder.path)} --best`.")
+        paras.append(freeze_words(r))
     return "\n\n".join(paras)

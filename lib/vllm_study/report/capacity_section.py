@@ -308,13 +308,23 @@ def bracket_words(c) -> str:
     return f"{where} in {n} step{'' if n == 1 else 's'}"
 
 
+def at_capacity_metrics(r: Run) -> list[str]:
+    """The figures the capacity table gives at each point's capacity: the SLO's own
+    metrics first (slo_metrics), then throughput and the hit rate."""
+    return list(dict.fromkeys(slo_metrics(r) + ["ttft_sched_p90_ms", "itl_p99_ms", "output_throughput",
+                                                "prefix_cache_hit_rate"]))
+
+
 def capacity_table(r: Run) -> pd.DataFrame | None:
     """Per point: capacity [95% interval] in req/s and in the search's unit, each start's
-    bracket and steps, and the latencies at capacity."""
+    bracket and steps, the SLO bound that decided it, the load its figures at capacity were
+    measured at (each point's own: they compare configs at different loads), and those
+    figures, the SLO's metrics first; with trace.windows, the hit rate per window."""
     if not is_capacity_study(r):
         return None
     over = r.study.capacity.over
     rate = lowest_load_rps(r) is not None   # a concurrency search fixes no rate: no req/s column
+    wins = windows(r)
     rows = []
     for s in r.summaries:
         starts = [st for st in r.folder.point(s.point).starts() if st.capacity]
@@ -325,12 +335,115 @@ def capacity_table(r: Run) -> pd.DataFrame | None:
         row = {"point": s.point, "status": status_label(s)}
         if rate:
             row["capacity (req/s)"] = capacity_cell(r, s.point)
-        row |= {f"capacity ({over})": capacity_cell(r, s.point, "load"), f"{over} bracket per start": brackets}
-        for k in ("ttft_sched_p90_ms", "itl_p99_ms", "output_throughput", "prefix_cache_hit_rate"):
+        row |= {f"capacity ({over})": capacity_cell(r, s.point, "load"), f"{over} bracket per start": brackets,
+                "binding SLO bound": binding_bound(r, s.point), "measured at": measured_at_words(r, s.point)}
+        for k in at_capacity_metrics(r):
             # below lo there is no capacity to be at: its round is the lowest load's, which missed
+            if k == "prefix_cache_hit_rate" and wins:   # each window's: they differ by design
+                for w in wins:
+                    row[f"{metrics.get(k).title} at capacity, window {w}"] = "-" if below else \
+                        window_at_capacity(r, s.point, k, w)
+                continue
             row[f"{metrics.get(k).title} at capacity"] = "-" if below else \
                 metrics.with_interval(r.interval(s.point, k), metrics.get(k))
         if r.study.gpu_hour_price:
             row["cost per 1M output tokens"] = cost_per_million(r, s.point) or ""
         rows.append(row)
     return pd.DataFrame(rows).set_index("point") if rows else None
+
+
+# -- what decides a capacity, and where its figures were measured ---------------------
+def slo_metrics(r: Run) -> list[str]:
+    """The metrics the SLO bounds, as they were judged: a capacity search judges a TTFT or
+    E2E bound of a round sent on a schedule from the requests' scheduled arrivals
+    (capacity.bracket.FROM_SCHEDULE), and that figure is shown where the run has it; the
+    report's SLO verdicts (decision.slo_table) read the bound's own metric."""
+    from ..capacity.bracket import FROM_SCHEDULE
+    if not is_capacity_study(r):
+        return list(r.slo)
+    out = []
+    for k in r.study.capacity.slo:
+        head, _, rest = k.partition("_")
+        sched = f"{FROM_SCHEDULE[head]}_{rest}" if head in FROM_SCHEDULE else None
+        out.append(sched if sched and any(r.interval(s.point, sched) for s in r.summaries) else k)
+    return out
+
+
+def _step_bound(step: dict) -> str | None:
+    """The SLO bound a missed step missed by most: the largest margin over 1 where the
+    step kept its margins, else the first bound its reason names ('itl_p99_ms 258 > 150')."""
+    margins = step.get("margins") or {}
+    over = {k: v for k, v in margins.items() if v is not None and v > 1}
+    if over:
+        return max(over, key=over.get)
+    word = (step.get("why") or "").split(" ", 1)[0]
+    return word if word in metrics.REGISTRY else None
+
+
+def binding_bound(r: Run, point: str) -> str:
+    """The SLO bound that decides the point's capacity: the one its starts missed at the
+    lowest load they missed (the bracket's top, or the floor); where a start never missed,
+    the bound nearest its limit at the highest load ('closest'); '-' where no step says."""
+    found, closest = [], []
+    for c in _completed_capacities(r, point):
+        missed = [s for s in c.steps if not s.get("met")]
+        if missed:
+            b = _step_bound(min(missed, key=lambda s: s["load"]))
+            found += [b] if b else []
+        elif c.steps and c.steps[-1].get("margins"):
+            top = max(c.steps, key=lambda s: s["load"])["margins"]
+            closest.append(max(top, key=top.get))
+    names = found or closest
+    if not names:
+        return "-"
+    name = max(set(names), key=names.count)
+    label = metrics.get(name).label if name in metrics.REGISTRY else name
+    return label if found else f"{label} (closest; never missed)"
+
+
+def load_label(r: Run, load: float) -> str:
+    """A load of the search, short: '1.26x' (speed), '3.1 req/s', 'c=8'."""
+    over = r.study.capacity.over
+    return f"{load:.3g}x" if over == "speed" else f"{load:.3g} req/s" if over == "rate" else f"c={load:g}"
+
+
+def measured_at(r: Run, point: str) -> list[float]:
+    """The loads the point's figures 'at capacity' were measured at, one per completed
+    start: its capacity step's, or the floor's where it missed even there."""
+    out = []
+    for c in _completed_capacities(r, point):
+        at = next((s["load"] for s in c.steps if s.get("round") == c.at_round), c.load)
+        if at is not None:
+            out.append(at)
+    return out
+
+
+def measured_at_words(r: Run, point: str) -> str:
+    """measured_at in words: '1.26x', '0.8x to 1.01x' where starts differ; '-' where none."""
+    loads = measured_at(r, point)
+    if not loads:
+        return "-"
+    lo, hi = min(loads), max(loads)
+    return load_label(r, lo) if np.isclose(lo, hi) else f"{load_label(r, lo)} to {load_label(r, hi)}"
+
+
+def windows(r: Run) -> list[int]:
+    """The trace windows the run's rounds replayed (trace.windows), [] for a run without."""
+    df = r.rounds
+    if df.empty or "window" not in df.columns or not df["window"].notna().any():
+        return []
+    return sorted(int(w) for w in df["window"].dropna().unique())
+
+
+def window_at_capacity(r: Run, point: str, metric: str, window: int) -> str:
+    """A windowed capacity study's figure of one window at capacity: each start's capacity
+    step measured every window at its load (one round a window), and the step was judged on
+    their requests pooled; the value [95% interval] of that window's rounds across starts."""
+    from ..analysis import intervals as analysis
+    df = r.rounds
+    sel = (df["point"] == point) & (df["at_capacity"].astype(str) == "True")
+    one = df.copy()
+    one["at_capacity"] = sel & (df["window"] == window)
+    iv = analysis.point_intervals(one[one["point"] == point], [metric])
+    row = iv[(iv["point"] == point) & (iv["metric"] == metric)] if not iv.empty else iv
+    return metrics.with_interval(row.iloc[0].to_dict(), metrics.get(metric)) if len(row) else "-"

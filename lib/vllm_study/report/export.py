@@ -161,7 +161,7 @@ def slo_shortfall(r: report.Run, point: str, slo: dict[str, float]) -> str | Non
     parts = []
     s = next(x for x in r.summaries if x.point == point)
     if slo and s.status != "ok":
-        parts.append(f"only {s.rounds_ok} of its {s.rounds_planned} planned rounds completed"
+        parts.append(f"only {report_run.planned_words(r.study, s)} completed"
                      + (f" ({'; '.join(s.reasons)})" if s.reasons else "")
                      + ": the rounds that did not run are not in its figures")
     failed = decision.failed_requests(r.rounds).get(point)

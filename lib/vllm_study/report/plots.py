@@ -19,6 +19,8 @@ from matplotlib.textpath import TextPath
 
 from ..analysis import intervals as analysis
 from ..vocab import axes, metrics
+from . import capacity_section as cs
+from .capacity_section import is_capacity_study, slo_metrics
 from .report import Run, long_estimates
 from ..vocab.figure_file import save_figure
 
@@ -33,11 +35,19 @@ def _nothing(r: Run) -> str | None:
     return None
 
 
+# A capacity study's panels: each point's figures come from its own capacity's load
+CAPACITY_NOTE = ("boxed (capacity only) = the best capacity and those not told apart from it; '@' = the load each "
+                 "cell was measured at (its own capacity's, so latencies are not compared across cells); "
+                 "grey '< x' = missed the SLO at the lowest load x; * = not every planned round was measured")
+
+
 def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str | list[str], ax,
-            tied: set | None = None) -> None:
+            tied: set | None = None, empty: dict | None = None, below: dict | None = None) -> None:
     """One cell per (x, y) point: the value, '*' where rounds are missing, grey + 'failed'
     where none were measured, a box around the points tied with the best. `y` may be
-    several axes (a row per combination of their values)."""
+    several axes (a row per combination of their values). `empty`: what a cell with no
+    value says instead of 'n/a' (a capacity below the floor: '< 2.95'); `below`: a second
+    line under a cell's value (the load it was measured at)."""
     m = metrics.get(metric)
     sub = est[est["metric"] == metric]
     table = sub.pivot_table(index=y, columns=x, values="value", aggfunc="first")
@@ -55,11 +65,14 @@ def heatmap(est: pd.DataFrame, status: pd.DataFrame, metric: str, x: str, y: str
     ax.set_facecolor("#d9d9d9")
     for (i, j), v in np.ndenumerate(values):
         st = status.iat[i, j]
+        key = (table.index[i], table.columns[j])
         if np.isnan(v):
-            text, colour = ("failed" if st == "failed" else "n/a"), "#b00020"
+            text, colour = ("failed" if st == "failed" else (empty or {}).get(key, "n/a")), "#b00020"
         else:
             text, colour = m.format(v) + ("*" if st != "ok" else ""), "white" if _dark(table, v, m) else "black"
-        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9)
+        if below and key in below and not (np.isnan(v) and st == "failed"):
+            text += f"\n{below[key]}"
+        ax.text(j + 0.5, i + 0.5, text, ha="center", va="center", color=colour, fontsize=9 if "\n" not in text else 8)
         if tied and (table.index[i], table.columns[j]) in tied:
             ax.add_patch(Rectangle((j + 0.04, i + 0.04), 0.92, 0.92, fill=False, edgecolor="#d62728", lw=2))
     ax.set_xlabel(axes.get(x).label)
@@ -93,7 +106,20 @@ def _status_table(r: Run, x: str, y: str | list[str]) -> pd.DataFrame:
     return pd.DataFrame(rows).pivot_table(index=y, columns=x, values="status", aggfunc="first")
 
 
+def heatmap_names(r: Run, names=metrics.HEATMAPS) -> list[str]:
+    """The panels in order: a capacity study's capacity first, then the metrics the SLO
+    bounds (capacity_section.slo_metrics: e.g. ITL P99, which HEATMAPS lacks), then the rest."""
+    lead = (["capacity_rps"] if is_capacity_study(r) else []) + (slo_metrics(r) if r.slo or is_capacity_study(r)
+                                                                 else [])
+    return list(dict.fromkeys([*lead, *names]))
+
+
 def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: int = 3) -> str | None:
+    """The heatmaps over the first two axes (more axes: a row per combination). In a
+    capacity study each point's figures come from the round at its own capacity (or at the
+    floor where it missed there): a latency 'best' would favour the point measured at the
+    lowest load, so only the capacity panel boxes its best, and each other cell says the
+    load it was measured at."""
     if len(r.axes) < 2:
         return "no second grid axis: no heatmap" + ("; see the trend lines below" if r.axes else "")
     if why := _nothing(r):
@@ -101,13 +127,25 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
     x, ys = r.axes[0], _others(r, r.axes[0])
     y = ys[0] if len(ys) == 1 else ys
     est = long_estimates(r)
-    present = [n for n in names if n in set(est["metric"])]
+    present = [n for n in heatmap_names(r, names) if n in set(est["metric"])]
     status = _status_table(r, x, y)
+    capacity = is_capacity_study(r)
+    key = {s.point: ((s.values[y] if isinstance(y, str) else tuple(s.values[a] for a in ys)), s.values[x])
+           for s in r.summaries if x in s.values and all(a in s.values for a in ys)}
+    at = {key[p]: "@" + cs.measured_at_words(r, p) for p in key} if capacity else None
+    empty = {key[p]: cs.below_lowest_load(r, p) for p in key if cs.below_everywhere(r, p)} if capacity else None
     rows = -(-len(present) // cols)
     fig, axs = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.2 * rows), squeeze=False)
     for ax, n in zip(axs.flat, present):
-        vb = analysis.versus_best(r.rounds, n)
         tied = None
+        if capacity:   # the recommendation's best capacity and its ties; no latency is compared across loads
+            if n == "capacity_rps":
+                rec = r.recommendation({})
+                tied = {key[p] for p in [rec.point, *rec.tied] if p in key}
+            heatmap(est, status, n, x, y, ax, tied, empty=empty if n == "capacity_rps" else None,
+                    below=None if n == "capacity_rps" else at)
+            continue
+        vb = analysis.versus_best(r.rounds, n)
         if not vb.empty:
             cells = est[(est["metric"] == n) & est["point"].isin(vb.index[vb["tied_with_best"]])]
             rows = cells[y] if isinstance(y, str) else cells[ys].itertuples(index=False, name=None)
@@ -115,7 +153,7 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
         heatmap(est, status, n, x, y, ax, tied)
     for ax in list(axs.flat)[len(present):]:
         ax.axis("off")
-    fig.text(0.01, 0.002, PARTIAL_NOTE, fontsize=8)
+    fig.text(0.01, 0.002, CAPACITY_NOTE if capacity else PARTIAL_NOTE, fontsize=8)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     if out:
         save_figure(fig, out, dpi=110)
@@ -148,6 +186,9 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
     x = r.axes[0]
     hue = _others(r, x)
     est = long_estimates(r)
+    capacity = is_capacity_study(r)
+    if capacity:   # capacity first, then the SLO's metrics, each point's at its own capacity's load
+        names = list(dict.fromkeys(["capacity_rps", *slo_metrics(r), *names]))
     names = [n for n in names if n in set(est["metric"])]  # capacity only where a study searched it
     if not names:
         return "none of the trend metrics was measured"
@@ -164,6 +205,10 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             ax.fill_between(part[x], part["ci_low"], part["ci_high"], color=line.get_color(), alpha=0.2)
             odd = part[part["status"] != "ok"]
             ax.scatter(odd[x], odd["value"], marker="*", s=120, color=line.get_color(), zorder=3)
+            if capacity and n not in ("capacity_rps", "capacity_load"):   # the load each was measured at
+                for px, py, pid in zip(part[x], part["value"], part["point"]):
+                    ax.annotate("@" + cs.measured_at_words(r, pid), (px, py), xytext=(3, 4),
+                                textcoords="offset points", fontsize=7, color=line.get_color())
         bound_at = _capacity_bounds(ax, r, n, x) if n in ("capacity_rps", "capacity_load") else []
         _x_axis(ax, x, pd.concat([sub[x], pd.Series(bound_at, dtype=sub[x].dtype)]))
         ax.set_title(m.title)
@@ -172,7 +217,9 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
             handles, labels = ax.get_legend_handles_labels()
             seen = dict(zip(labels, handles))   # one entry per kind of bound
             ax.legend(seen.values(), seen.keys(), fontsize=8)
-    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured", fontsize=8)
+    fig.text(0.01, 0.002, "bands: 95% intervals; * = not every planned round was measured"
+             + ("; @ = the load a point's figures were measured at (its own capacity's: latencies are not "
+                "compared across points)" if capacity else ""), fontsize=8)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     if out:
         save_figure(fig, out, dpi=110)
@@ -342,6 +389,55 @@ def slice_plot(r: Run, metric: str, x: str | None = None, hue: str | None = None
     ax.set_ylabel(m.title)
     ax.set_title(f"{m.title}: value, 95% interval and every round")
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    if out:
+        save_figure(fig, out, dpi=100)
+    return None
+
+
+def margin_vs_load(r: Run, out: Path | None = None) -> str | None:
+    """What decides a capacity study: each config's binding SLO margin (the largest of its
+    bounds' measured / limit; at most 1 meets the SLO) at every load its search measured,
+    one dot a start's step and a line through their medians, the SLO at 1, and each
+    config's capacity with its 95% interval on that line (a triangle where it is a bound).
+    The margins are those the search judged (capacity.bracket: a step's windows pooled)."""
+    if not is_capacity_study(r):
+        return "not a capacity study"
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(8, 4.4))
+    drawn = False
+    for i, s in enumerate(r.summaries):
+        colour = cycle[i % len(cycle)]
+        steps = [(st["load"], max(st["margins"].values())) for c in cs._completed_capacities(r, s.point)
+                 for st in c.steps if st.get("margins") and st.get("load") is not None]
+        pc = r.capacity(s.point)
+        if not steps or pc is None:
+            continue
+        drawn = True
+        df = pd.DataFrame(steps, columns=["load", "margin"])
+        med = df.groupby("load")["margin"].median()
+        ax.scatter(df["load"], df["margin"], s=14, color=colour, alpha=0.5)
+        ax.plot(med.index, med.values, marker="o", color=colour,
+                label=f"{s.point}: {pc.cell('load')} (binds: {cs.binding_bound(r, s.point)})")
+        c = pc.config
+        if c.kind == "value":
+            lo = c.low if c.low is not None else df["load"].min()
+            hi = c.high if c.high is not None else df["load"].max()
+            ax.plot([lo, hi], [1, 1], color=colour, lw=7, alpha=0.35, solid_capstyle="butt")
+            ax.scatter([c.value], [1], marker="|", s=200, color=colour, zorder=4)
+        elif c.kind in ("below", "at_least"):
+            ax.scatter([c.value], [1], marker="<" if c.kind == "below" else ">", s=90, color=colour, zorder=4)
+    if not drawn:
+        plt.close(fig)
+        return ("no capacity step recorded its SLO margins (runs searched before the margins were kept): "
+                "the capacity table below has each config's bracket and the bound that decided it")
+    ax.axhline(1, color="black", linestyle="--", lw=1, label="the SLO (margin 1)")
+    over = r.study.capacity.over
+    ax.set_xlabel({"speed": "load: speed (x the trace's real rate)", "rate": "load: requests/s"}.get(
+        over, f"load: {over}"))
+    ax.set_ylabel("binding SLO margin (measured / bound)")
+    ax.set_title("Where each config crosses the SLO: its capacity [95% interval] on the dashed line", fontsize=10)
+    ax.legend(fontsize=7, loc="best")
     fig.tight_layout()
     if out:
         save_figure(fig, out, dpi=100)

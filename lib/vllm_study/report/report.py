@@ -15,7 +15,7 @@ from ..analysis import intervals as analysis
 from ..vocab import metrics
 from ..define.params import TraceSpec
 from ..records.results import PointSummary
-from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study
+from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study, slo_metrics
 from .run import Run, _lookup, _per_start, status_label
 
 
@@ -99,7 +99,9 @@ def long_estimates(r: Run) -> pd.DataFrame:
 
 def failures(r: Run) -> pd.DataFrame:
     """Points that did not complete every planned round, with why."""
-    rows = [{"point": s.point, "status": status_label(s), "rounds ok": f"{s.rounds_ok}/{s.rounds_planned}",
+    # a capacity study's figures are one search a start (up to steps_per_start rounds each)
+    done = "capacity searches ok" if is_capacity_study(r) else "rounds ok"
+    rows = [{"point": s.point, "status": status_label(s), done: f"{s.rounds_ok}/{s.rounds_planned}",
              "reason": " | ".join(s.reasons) or "-"} for s in r.summaries if s.status != "ok"]
     if not rows:
         return pd.DataFrame({"reason": ["(none: every point completed every round)"]}, index=["-"])
@@ -192,15 +194,24 @@ def study_failed(r: Run) -> bool:
     return not r.measured and not trials
 
 
+SHORT = ("ttft_p90_ms", "itl_p90_ms", "tpot_p50_ms", "output_throughput", "prefix_cache_hit_rate")
+
+
 def short_table(r: Run) -> pd.DataFrame:
-    """The console's table (sweep's and report's last words); a capacity study's leads with
-    each point's capacity, its interval and each start's bracket."""
-    t = headline_table(r)
-    keep = [c for c in t.columns if c in ("status", "TTFT P90 (ms)", "ITL P90 (ms)", "TPOT P50 (ms)",
-                                          "output tokens/s (tok/s)", "prefix-cache hit rate")]
+    """The console's table (sweep's and report's last words): the SLO's own metrics first,
+    then the usual few. A capacity study's leads with each point's capacity, its interval,
+    each start's bracket, the bound that decided it and the load its figures were measured
+    at, then those figures (the capacity table's: with trace.windows, the hit rate per
+    window)."""
     if is_capacity_study(r):
         cap = capacity_table(r)
-        lead = [c for c in ("status", capacity_column(r), f"{r.study.capacity.over} bracket per start")
-                if c in cap.columns]
-        return cap[lead].join(t[[c for c in keep if c != "status"]])
-    return t[keep]
+        lead = [c for c in ("status", capacity_column(r), f"{r.study.capacity.over} bracket per start",
+                            "binding SLO bound", "measured at") if c in cap.columns]
+        return cap[lead + [c for c in cap.columns if " at capacity" in c and c not in lead]]
+    t = headline_table(r)
+    names = list(dict.fromkeys([*slo_metrics(r), *SHORT]))
+    for n in names:   # an SLO metric outside the headline's (e.g. ITL P99)
+        m = metrics.get(n)
+        if m.title not in t.columns and any(r.interval(s.point, n) for s in r.summaries):
+            t[m.title] = [metrics.with_interval(r.interval(s.point, n), m) for s in r.summaries]
+    return t[["status"] + [metrics.get(n).title for n in names if metrics.get(n).title in t.columns]]

@@ -47,7 +47,7 @@ class Run:
             run.rounds = rounds[rounds["block"] > TRIAL_BLOCK] if not rounds.empty else rounds
             run.summaries = [s for s in run.summaries if s.point in confirmed]
         if run.study.capacity and not run.rounds.empty:
-            run.rounds = _censored_as_missing(run.rounds, folder)
+            run.rounds = _windows_at_capacity(_censored_as_missing(run.rounds, folder), folder)
         run.intervals = analysis.point_intervals(run.rounds)
         if run.study.capacity:
             run.intervals = _fitted_capacity(run)
@@ -169,6 +169,32 @@ def _censored_as_missing(rounds: pd.DataFrame, folder: RunFolder) -> pd.DataFram
     return rounds
 
 
+def _windows_at_capacity(rounds: pd.DataFrame, folder: RunFolder) -> pd.DataFrame:
+    """trace.windows: a capacity step measures every window at its load, one round each,
+    and is judged on their requests pooled; summary.csv marks only the step's first round
+    (window 1) at capacity. Every window's round of the step is its figures at capacity:
+    the start's value is then the median over its windows (report.capacity_section shows
+    the hit rate, which differs by window by design, per window)."""
+    if "at_capacity" not in rounds or "window" not in rounds or not rounds["window"].notna().any():
+        return rounds
+    rounds = rounds.copy()
+    for pid in rounds["point"].unique():
+        for st in folder.point(pid).starts():
+            c = st.capacity
+            if not c or c.at_round is None:
+                continue
+            firsts = sorted(s["round"] for s in c.steps if s.get("round") is not None)
+            nxt = next((f for f in firsts if f > c.at_round), np.inf)
+            mine = (rounds["point"] == pid) & (rounds["start"] == st.start)
+            load = rounds.loc[mine & (rounds["round"] == c.at_round), "load"]
+            if load.empty:
+                continue
+            step = mine & (rounds["round"] >= c.at_round) & (rounds["round"] < nxt) & \
+                np.isclose(rounds["load"].astype(float), float(load.iloc[0]))
+            rounds.loc[step, "at_capacity"] = True
+    return rounds
+
+
 def _fitted_capacity(r: Run) -> pd.DataFrame:
     """The intervals frame with each point's capacity (req/s and the search's unit) from
     records.point_capacity: its value and 95% interval (an end beyond the loads measured
@@ -211,6 +237,17 @@ def _per_start(s: Study) -> str:
         return f"{s.rounds} rounds"
     bounds = ", ".join(f"{k} <= {v:g}" for k, v in c.slo.items())
     return f"a capacity search over {c.over} {c.lo:g}..{c.hi:g} (at most {c.max_steps} rounds) under {bounds}"
+
+
+def planned_words(study: Study, s: PointSummary) -> str:
+    """'2 of its 3 planned rounds', or in a capacity study, where a start's figures are one
+    search of up to steps_per_start rounds: '0 of its 1 planned capacity searches (one a
+    server start, each up to 6 rounds)'."""
+    if not study.capacity:
+        return f"{s.rounds_ok} of its {s.rounds_planned} planned rounds"
+    n = s.rounds_planned
+    return (f"{s.rounds_ok} of its {n} planned capacity search{'es' * (n != 1)} (one a server start, each up "
+            f"to {study.steps_per_start} rounds)")
 
 
 def status_label(s: PointSummary) -> str:
