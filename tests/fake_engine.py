@@ -38,6 +38,7 @@ import asyncio
 import collections
 import importlib.util
 import json
+import logging
 import math
 import os
 import queue
@@ -93,6 +94,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--kv-cache-memory-bytes", type=int)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--custom-histogram-buckets", type=json.loads)
     p.add_argument("--scheduler-cls")
@@ -473,8 +475,21 @@ class Metrics:
                                    "Number of generation tokens processed.")
         self.prefill_kv = hist("vllm:request_prefill_kv_computed_tokens", "request_tokens",
                                "Histogram of new KV tokens computed during prefill (excluding cached tokens).")
+        info = ["block_size", "enable_prefix_caching", "gpu_memory_utilization",
+                                 "kv_cache_memory_bytes", "kv_cache_size_tokens", "kv_cache_max_concurrency",
+                                 "num_gpu_blocks", "num_gpu_blocks_override", "engine"]
         self.cache_info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                                ["block_size", "enable_prefix_caching", "num_gpu_blocks", "engine"], registry=r)
+                                info, registry=r)
+
+    def cache_config(self, args, blocks: int, max_model_len: int) -> None:
+        """vLLM's CacheConfig fields as string labels (CacheConfig.metrics_info)."""
+        tokens = blocks * args.block_size
+        labels = {"block_size": args.block_size, "enable_prefix_caching": args.enable_prefix_caching,
+                  "gpu_memory_utilization": args.gpu_memory_utilization,
+                  "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "kv_cache_size_tokens": tokens,
+                  "kv_cache_max_concurrency": tokens / max_model_len, "num_gpu_blocks": blocks,
+                  "num_gpu_blocks_override": args.num_gpu_blocks_override, "engine": 0}
+        self.cache_info.labels(**{k: str(v) for k, v in labels.items()}).set(1)
 
     def token(self, r: Req, now: float) -> None:
         if r.first_at is None:
@@ -563,6 +578,25 @@ def _deliver(items) -> None:
 def info_visible() -> bool:
     level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
     return os.environ.get("VLLM_CONFIGURE_LOGGING", "1") != "0" and level in ("DEBUG", "INFO")
+
+
+class _VllmFormat(logging.Formatter):
+    """The plugin's own log lines (live.py logs through `logging`) in vLLM's format."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(record.created))
+        return (f"(EngineCore pid={os.getpid()}) {record.levelname} {stamp} "
+                f"[{record.filename}:{record.lineno}] {record.getMessage()}")
+
+
+def configure_logging() -> None:
+    if os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(_VllmFormat())
+    root = logging.getLogger("vllm")
+    root.addHandler(handler)
+    root.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
 
 
 def log(proc: str, where: str, msg: str, level: str = "INFO") -> None:
@@ -724,6 +758,7 @@ def check(args, max_model_len: int, blocks: int) -> None:
 
 def main(argv: list[str]) -> None:
     t0 = time.monotonic()
+    configure_logging()
     args, given = parse_args(argv)
     served = (args.served_model_name or [args.model])[0]
     log("APIServer", "api_utils.py:286", f"non-default args: {given!r}")
@@ -742,8 +777,7 @@ def main(argv: list[str]) -> None:
     log("EngineCore", "kv_cache_utils.py:2327", f"CPU KV cache size: {blocks * args.block_size:,} tokens, Maximum "
         f"concurrency for {max_model_len:,} tokens per request: {blocks * args.block_size / max_model_len:.2f}x")
     metrics = Metrics(served, max_model_len, args.custom_histogram_buckets)
-    metrics.cache_info.labels(block_size=str(args.block_size), enable_prefix_caching=str(args.enable_prefix_caching),
-                              num_gpu_blocks=str(blocks), engine="0").set(1)
+    metrics.cache_config(args, blocks, max_model_len)
     cls = LiveLimitsScheduler if args.scheduler_cls else FakeScheduler
     try:
         sched = cls(args, BlockPool(blocks), metrics)
