@@ -551,6 +551,14 @@ class Engine:
         self.sched.metrics.gauges(self.sched)
 
     def _loop(self) -> None:
+        try:
+            self._steps()
+        except Exception:  # as vLLM's server does when its engine core dies: the process ends
+            import traceback
+            log("EngineCore", "core.py:1", "EngineCore encountered a fatal error.\n" + traceback.format_exc(), "ERROR")
+            os._exit(1)
+
+    def _steps(self) -> None:
         while not self.stop.is_set():
             self._drain(block=not self.sched.requests)
             if not self.sched.requests:
@@ -610,6 +618,7 @@ def log(proc: str, where: str, msg: str, level: str = "INFO") -> None:
 class Server:
     def __init__(self, args, served: str, tokens: Tokens, engine: Engine, max_model_len: int):
         self.args, self.served, self.tokens, self.engine = args, served, tokens, engine
+        self.names = set(args.served_model_name or [args.model])
         self.max_model_len = max_model_len
 
     def app(self) -> web.Application:
@@ -652,7 +661,7 @@ class Server:
             prompt = self.tokens.prompt(body, chat)
         except (ValueError, KeyError, TypeError) as e:
             return self.error(400, "BadRequestError", f"invalid request: {e}")
-        if body.get("model") != self.served:
+        if body.get("model") not in self.names:
             return self.error(404, "NotFoundError", f"The model `{body.get('model')}` does not exist.")
         room = self.max_model_len - len(prompt)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or room

@@ -167,6 +167,32 @@ def test_live_limits_round_trip_through_the_kits_plugin(model_dir, tmp_path):
         srv.stop()
 
 
+def test_a_start_ahead_is_frozen_at_the_engine_init_line_until_its_slot_is_free(model_dir, tmp_path):
+    seen = {}
+
+    def hold():  # the slot's previous server still measures: this one is frozen, not serving
+        time.sleep(1)
+        seen["healthy while held"] = _healthy(srv_url[0])
+
+    srv_url = []
+    srv = serve_on_a_free_port(fake_command(model_dir), tmp_path / "server.log", hold=hold,
+                               made=lambda s: srv_url.append(s.url), startup_timeout_s=30)
+    try:
+        assert not srv.hold_missed and srv.held_s >= 1 and seen == {"healthy while held": False}
+        assert run(srv, text_requests(1, "after the hold", 2), 1)[0].ok
+    finally:
+        srv.stop()
+
+
+def _healthy(url: str) -> bool:
+    from vllm_study.launch import net
+    try:
+        with net.open_url(url + "/health", timeout=0.5) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def test_sigterm_stops_the_whole_group(model_dir, tmp_path):
     srv = start(tmp_path, model_dir)
     pgid = srv.proc.pid
