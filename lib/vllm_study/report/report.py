@@ -58,10 +58,9 @@ def headline_table(r: Run) -> pd.DataFrame:
     """Per point: status, startup, and each headline metric's value [95% interval]."""
     # a capacity study's capacity is shown for every point, a bound where it is one
     measured = set(r.intervals.get("metric", []))
+    # a metric the run did not record has no column: per-request figures (stall) came later than
+    # the pooled ITL, and a committed run's table stays as it was rendered (nbval checks it)
     names = [n for n in metrics.HEADLINE if n in measured or (n == "capacity_rps" and is_capacity_study(r))]
-    # per-request figures (stall) came later than the pooled ITL: a run made before has none
-    unrecorded = [n for n in metrics.HEADLINE if metrics.request_itl_figure(n) and n not in measured
-                  and "itl_p90_ms" in measured]
     rows = []
     for s in r.summaries:
         row = {"point": s.point, "status": status_label(s)}
@@ -69,11 +68,9 @@ def headline_table(r: Run) -> pd.DataFrame:
             row["max seqs"] = s.effective.max_num_seqs
         if "startup_s" in s.estimates:
             row["startup (s)"] = metrics.get("startup_s").format(s.estimates["startup_s"].median)
-        for n in [x for x in metrics.HEADLINE if x in names or x in unrecorded]:
+        for n in names:
             m = metrics.get(n)
-            if n in unrecorded:
-                row[m.title] = "not recorded (run predates it)"
-            elif n == "capacity_rps":   # in req/s, or the search's own unit where no rate fixes it
+            if n == "capacity_rps":   # in req/s, or the search's own unit where no rate fixes it
                 row[capacity_column(r)] = capacity_cell(r, s.point)
             else:
                 row[m.title] = metrics.with_interval(r.interval(s.point, n), m)
