@@ -133,9 +133,16 @@ class PrefixBudgetMixin:
                  self._pb_params, base, self.scheduler_config.async_scheduling,
                  self._pb_stats.path)
 
+    # The clock deferral ages run on; the kit's simulator (predict/simulator.py) sets its
+    # virtual clock with use_clock, so the rule defers by virtual, not wall, milliseconds.
+    _pb_clock = staticmethod(time.monotonic)
+
+    def use_clock(self, clock) -> None:
+        self._pb_clock = clock
+
     # -- the one override -------------------------------------------------------------
     def schedule(self, *args, **kwargs):
-        now = time.monotonic()
+        now = self._pb_clock()
         step = self._pb_hold(now) if self._pb_enabled else None
         try:
             output = super().schedule(*args, **kwargs)

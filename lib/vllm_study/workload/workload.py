@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import re
+import weakref
 from dataclasses import dataclass, field, replace
 
 from ..define.params import sample_length
@@ -56,6 +57,21 @@ def word_pieces(tokenizer) -> list[str]:
     return pieces
 
 
+# word_pieces takes seconds (every token decoded); a tokenizer's pieces never change, and
+# the simulator builds a workload per simulated start (priming's too) from one tokenizer
+_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _pieces_of(tokenizer) -> list[str]:
+    try:
+        pieces = _PIECES.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced
+        return word_pieces(tokenizer)
+    if pieces is None:
+        pieces = _PIECES[tokenizer] = word_pieces(tokenizer)
+    return pieces
+
+
 def random_text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(n_tokens))
 
@@ -66,7 +82,7 @@ class _Base:
 
     def __init__(self, tokenizer, api: str, seed: int):
         self.tok, self.api, self.seed = tokenizer, api, seed
-        self._pieces = word_pieces(tokenizer)
+        self._pieces = _pieces_of(tokenizer)
 
     def _rng(self, *key) -> random.Random:
         return random.Random("/".join(map(str, (self.seed, *key))))
