@@ -232,7 +232,7 @@ def _legacy_start(rec: CapacityRecord, floor: float) -> fit.StartCapacity:
         return _censored_start(rec, floor)
     loads = [s["load"] for s in rec.steps] or [rec.load]
     return fit.StartCapacity(kind="value", value=rec.load, bracket=(rec.bracket[0], rec.bracket[1]),
-                             lowest=min(loads), highest=max(loads))
+                             lowest=min(loads), highest=max(loads), interpolated=False)
 
 
 def _fitted_starts(folder: PointFolder, slo: dict[str, float], floor: float, starts: set[int] | None):
