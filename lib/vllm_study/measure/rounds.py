@@ -46,19 +46,6 @@ class RoundProtocol(StartWriter):
         except (OSError, ValueError):  # not written yet: the engine has not scheduled
             return None
 
-    def _round_server_figures(self, before: dict, after: dict, duration: float) -> dict:
-        """/metrics deltas, whether the chunk budget bound, and hardware use."""
-        values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
-        if self.point.effective and self.point.effective.max_num_batched_tokens:
-            values |= counters.long_prefills(before, after, self.point.effective.max_num_batched_tokens)
-        gpus = self.record.gpus
-        figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
-                                       self.point.engine_args.tensor_parallel_size or 1,
-                                       models.local_config(self.study.model))
-        if source:
-            self.record.launch.hardware_source = source
-        return values | figures
-
     def _run_closed(self, requests) -> list[dict]:
         w = self.study.workload
         return [r.to_dict() for r in client.run_sync(client.run_closed_loop(
@@ -144,7 +131,7 @@ class RoundProtocol(StartWriter):
             try:
                 if before is not None:
                     after = counters.scrape(self.url, self.api_key, self.proxy)
-                    values |= self._round_server_figures(before, after, duration)
+                    values |= _server_figures(self, before, after, duration)
             except OSError as e:  # a killed server's sockets close a moment before its exit shows
                 died = self._server_exited(wait_s=10)
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
@@ -262,6 +249,20 @@ def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
             start.record.warnings.append(why)
         return
     steps.save_round(start.dir, index, rows)
+
+
+def _server_figures(start: RoundProtocol, before: dict, after: dict, duration: float) -> dict:
+    """/metrics deltas over a round of `start`, whether the chunk budget bound, and hardware use."""
+    point = start.point
+    values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
+    if point.effective and point.effective.max_num_batched_tokens:
+        values |= counters.long_prefills(before, after, point.effective.max_num_batched_tokens)
+    gpus = start.record.gpus
+    figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
+                                   point.engine_args.tensor_parallel_size or 1, models.local_config(start.study.model))
+    if source:
+        start.record.launch.hardware_source = source
+    return values | figures
 
 
 def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,

@@ -28,8 +28,9 @@ import numpy as np
 
 from ..capacity import fit
 from ..capacity.bracket import CapacityRecord, bound_key, margins
+from ..define.study_file import study_from_dict
 from ..vocab import metrics
-from .results import REQUESTS, PointFolder, StartRecord, read_rounds
+from .results import REQUESTS, PointFolder, RunFolder, StartRecord, read_rounds
 
 STATISTICS = {
     "fit": "isotonic fit of each step's SLO margins, intervals by bootstrap over requests",
@@ -224,6 +225,32 @@ def _start_capacity(start_dir: str, rec_json: str, slo_json: str, floor: float,
     above = [v for v in loads if math.log(v) > x]
     return fit.StartCapacity(kind="value", value=math.exp(x), bracket=(max(below), min(above)),
                              lowest=lowest, highest=highest), "margins"
+
+
+def start_figures(st: StartRecord, start_dir: Path, slo: dict[str, float], floor: float) -> dict:
+    """A start's capacity as summary.csv holds it, on the round at its capacity: the
+    statistic the report, console and export state (start_capacity), in the search's unit
+    (capacity_load) and in req/s (capacity_rps); a bound as a bound, its value the load
+    it lies below or at least, with capacity_censored "below" or "above" (never 0). Over
+    concurrency no load fixes a rate: capacity_rps stays the throughput measured at the
+    highest load that met, as the report states it."""
+    rec = st.capacity
+    c, _ = start_capacity(start_dir, rec, slo, rec.floor or floor, seed=st.start)
+    per = rps_per_load(rec, st)
+    rps = c.value * per if per else rec.requests_per_s if rec.over == "concurrency" and c.kind != "below" else None
+    return {"capacity_rps": rps, "capacity_load": c.value,
+            "capacity_censored": {"below": "below", "at_least": "above"}.get(c.kind, "")}
+
+
+def write_summary_csv(run: RunFolder):
+    """summary.csv (RunFolder.write_summary_csv), a capacity study's with each start's
+    capacity as start_figures states it."""
+    study = study_from_dict(run.manifest().params, source=str(run.manifest_path)) \
+        if run.manifest_path.exists() else None
+    if study is None or not study.capacity:
+        return run.write_summary_csv()
+    slo, lo = study.capacity.slo, study.capacity.lo
+    return run.write_summary_csv(lambda st, d: start_figures(st, d, slo, lo))
 
 
 def _legacy_start(rec: CapacityRecord, floor: float) -> fit.StartCapacity:
