@@ -270,13 +270,25 @@ def _fitted_starts(folder: PointFolder, slo: dict[str, float], floor: float, sta
     return [c for c, _ in fitted], [k for _, k in fitted], per
 
 
-def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | None:
-    """The start-to-start spread of log capacity pooled over points (as analysis pools a
-    metric's start-to-start noise): the resolved starts' variance about their point's mean,
-    less the starts' own bootstrap variance, on sum(n - 1) degrees of freedom. None below
-    POOL_MIN_DF of them: each point's own starts then give its spread (a t-interval's width
-    on n - 1 df). The intervals on it are pooled t-intervals (fit.combine's spread_df), as
-    a two-sample t-test's on n1 + n2 - 2 df."""
+class Spread(NamedTuple):
+    """The start-to-start spread of log capacity over a run's points: `raw`, the resolved
+    starts' sd about their point's mean, pooled on `df` degrees of freedom; `within`, the
+    starts' own bootstrap sd (root mean square), which a restart that replays the same
+    requests need not move; `corrected`, what the raw spread leaves beyond it (None where
+    nothing is left: the starts differ no more than the bootstrap's noise)."""
+    raw: float | None
+    within: float | None
+    df: int
+
+    @property
+    def corrected(self) -> float | None:
+        if self.raw is None:
+            return None
+        var = self.raw ** 2 - (self.within or 0.0) ** 2
+        return math.sqrt(var) if var > 0 else None
+
+
+def start_spread(points: list[list[fit.StartCapacity]]) -> Spread:
     ss, df, within = 0.0, 0, []
     for caps in points:
         ys = [math.log(c.value) for c in caps if c.kind == "value"]
@@ -284,10 +296,20 @@ def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | 
             ss += float(np.sum((np.array(ys) - np.mean(ys)) ** 2))
             df += len(ys) - 1
             within += [c.log_se ** 2 for c in caps if c.kind == "value" and c.log_se is not None]
-    if df < POOL_MIN_DF:
+    return Spread(math.sqrt(ss / df) if df else None, math.sqrt(float(np.mean(within))) if within else None, df)
+
+
+def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | None:
+    """The start-to-start spread of log capacity pooled over points (as analysis pools a
+    metric's start-to-start noise): the resolved starts' variance about their point's mean,
+    less the starts' own bootstrap variance, on sum(n - 1) degrees of freedom (start_spread;
+    floored at 0.1% where nothing is left). None below POOL_MIN_DF of them: each point's
+    own starts then give its spread (a t-interval's width on n - 1 df). The intervals on it
+    are pooled t-intervals (fit.combine's spread_df), as a two-sample t-test's on n1 + n2 - 2 df."""
+    sp = start_spread(points)
+    if sp.df < POOL_MIN_DF:
         return None
-    var = ss / df - (float(np.mean(within)) if within else 0.0)
-    return math.sqrt(max(var, 1e-6)), df
+    return max(sp.corrected or 0.0, 1e-3), sp.df
 
 
 def point_capacities(folders: dict[str, tuple[PointFolder, set[int] | None]], slo: dict[str, float],
