@@ -388,6 +388,7 @@ class ConfigCapacity(BaseModel):
     censored: int = 0              # starts that entered as bounds
     spread: float | None = None    # start-to-start sigma of log capacity (fitted, or given)
     spread_measured: bool = True   # False: one start and no spread given (a value's interval is within-start only)
+    bracket_bound: bool = False    # an end is its starts' bracket's (within_bracket): more starts do not narrow it
 
     @property
     def half_width(self) -> float | None:
@@ -461,7 +462,9 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
     if not measured:    # one start: nothing measures the spread between starts
         s = res[0]
         return ConfigCapacity(kind="value", value=s.value, low=s.low, high=s.high, starts=1,
-                              spread=None, spread_measured=False)
+                              spread=None, spread_measured=False,
+                              bracket_bound=bool(s.interpolated and s.bracket and (s.low, s.high) != (None, None)
+                                                 and (s.low == s.bracket[0] or s.high == s.bracket[1])))
 
     floor_sigma = 1e-3   # 0.1%: starts that tie exactly still leave a finite likelihood
 
@@ -497,9 +500,10 @@ def combine(starts: Sequence[StartCapacity], *, spread: float | None = None, spr
     high = math.exp(ends[1]) if ends[1] is not None and ends[1] <= highest else None
     # the likelihood's interval holds noise (requests, restarts); the interpolation's error is
     # the same in every start that brackets alike, so more starts do not shrink it
+    likelihood = (low, high)
     low, high = within_bracket(low, high, [s.bracket for s in res if s.interpolated and s.bracket])
     return ConfigCapacity(kind="value", value=math.exp(mu), low=low, high=high, starts=n,
-                          censored=len(below) + len(above), spread=sigma)
+                          censored=len(below) + len(above), spread=sigma, bracket_bound=(low, high) != likelihood)
 
 
 # -- a config against a baseline -----------------------------------------------------------
