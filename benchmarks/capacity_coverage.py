@@ -19,7 +19,10 @@ is "at least hi".
 
 Scenarios: a flat and a steep config inside [lo, hi]; one below lo (found by halving);
 one near the floor (some starts below it: censored); one near hi (some starts at least
-hi: censored). Coverage counts a config's interval (or bound) holding the truth; a
+hi: censored); and a convex curve searched coarsely: a queue's TTFT P90, 0.632 + 0.287 /
+(4.43 - x) of its bound at capacity 3.65 (0.75 at 2x, 1.3 at 4x, as azure_code's margins
+read on the CPU), searched over [1, 16] from lo in 4 steps (1, 16, 4, 2: a bracket [2, 4],
+across which a straight line crosses 1 near 2.9x). Coverage counts a config's interval (or bound) holding the truth; a
 half-open interval (an end beyond the loads measured) holds all on its open side.
 
 Confirmation: the best config (flat, 1.9x), vLLM's defaults (flat, 0.7x: below lo) and
@@ -42,6 +45,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+from vllm_study.capacity import fit  # noqa: E402
 from vllm_study.capacity.fit import (StepData, bounds_from_slo, combine, fit_start,  # noqa: E402
                                      gain)
 
@@ -62,23 +66,51 @@ SCENARIOS = {            # name: (true capacity in the search's unit, TTFT slope
     "flat, below lo": (0.7, 0.15),
     "steep, near the floor": (0.14, 3.0),
     "flat, near hi": (3.7, 0.15),
+    "convex, coarse bracket": (3.65, "queue"),
 }
+# the coarse search of the convex scenario: lo, hi, precision, max_steps, probing lo first
+COARSE = (1.0, 16.0, 0.05, 4)
 Z90, Z99 = 1.2815515655446004, 2.3263478740408408
 
 
-def measure(rng, x: float, c: float, k: float) -> tuple[StepData, bool]:
+def ttft_level(x: float, c: float, k) -> float:
+    """TTFT P90 over its bound at load x for capacity c: exp(k (x / c - 1)), or a queue's
+    curve (k = "queue"), saturated (10) near 4.43 / 3.65 of c."""
+    if k == "queue":
+        u = x * 3.65 / c
+        return 0.632 + 0.287 / (4.43 - u) if u < 4.4 else 10.0
+    return math.exp(k * (x / c - 1))
+
+
+def measure(rng, x: float, c: float, k) -> tuple[StepData, bool]:
     """One round at load x of a start with capacity c: its requests' latencies, and
     whether it met the SLO (the kit's judge: every bound's percentile within its limit)."""
     def draw(z):   # requests about a level: the population's quantile at z is the level
         return np.exp(REQ_SIGMA * (rng.standard_normal(REQUESTS) - z))
-    ttft = SLO["ttft_p90_ms"] * math.exp(k * (x / c - 1)) * draw(Z90)
+    ttft = SLO["ttft_p90_ms"] * ttft_level(x, c, k) * draw(Z90)
     itl = 0.6 * SLO["itl_p99_ms"] * math.exp(0.5 * (x / c - 1)) * draw(Z99)
     met = np.percentile(ttft, 90) <= SLO["ttft_p90_ms"] and np.percentile(itl, 99) <= SLO["itl_p99_ms"]
     return StepData(load=x, latencies={"ttft_p90_ms": ttft, "itl_p99_ms": itl}), bool(met)
 
 
-def search(rng, c: float, k: float) -> list[StepData]:
+def coarse_search(rng, c: float, k) -> list[StepData]:
+    """The convex scenario's search: the kit's own Bracket, probing lo first, over COARSE."""
+    from vllm_study.capacity.bracket import Bracket, Step
+    steps = []
+
+    def take(x):
+        s, met = measure(rng, x, c, k)
+        steps.append(s)
+        return Step(x, met, "")
+    lo, hi, precision, max_steps = COARSE
+    Bracket("speed", lo, hi, precision, max_steps, probe="lo").run(take)
+    return steps
+
+
+def search(rng, c: float, k) -> list[StepData]:
     """The kit's step placement (capacity.Search.run), extended below lo by halving."""
+    if k == "queue":
+        return coarse_search(rng, c, k)
     steps = []
 
     def take(x):
@@ -136,8 +168,10 @@ def covers(c, truth: float) -> bool:
 
 
 def coverage_job(args):
-    i, seed, name = args
+    i, seed, name, bracket_bound = args
     cap, k = SCENARIOS[name]
+    if not bracket_bound:   # the interval as it was before it reached the bracket's ends
+        fit.within_bracket = lambda low, high, brackets: (low, high)
     fits = study(seed, cap, k)
     c = combine(fits)
     half = None
@@ -173,6 +207,9 @@ def main(argv=None):
     ap.add_argument("--confirmations", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--without-bracket", action="store_true",
+                    help="also the coverage of the likelihood's interval alone (capacity.fit before its interval "
+                         "reached the bracket's ends): every study fitted twice")
     a = ap.parse_args(argv)
 
     rng = np.random.default_rng(a.seed)
@@ -181,21 +218,34 @@ def main(argv=None):
 
     seeds = np.random.SeedSequence(a.seed).generate_state(a.studies + a.confirmations)
     names = list(SCENARIOS)
-    jobs = [(i, int(seeds[i]), names[i % len(names)]) for i in range(a.studies)]
+    jobs = [(i, int(seeds[i]), names[i % len(names)], True) for i in range(a.studies)]
     with ProcessPoolExecutor(a.jobs) as ex:
         rows = list(ex.map(coverage_job, jobs, chunksize=4))
         confirms = list(ex.map(confirm_job, [int(s) for s in seeds[a.studies:]]))
+    before = None
+    if a.without_bracket:   # a pool of its own: the patch stays in its workers
+        with ProcessPoolExecutor(a.jobs) as ex:
+            before = list(ex.map(coverage_job, [j[:3] + (False,) for j in jobs], chunksize=4))
 
     print(f"\n{a.studies} studies, {STARTS} starts each; search lo {LO:g}, hi {HI:g}, precision {PRECISION:g}, "
           f"max_steps {MAX_STEPS}, floor {FLOOR:g}; {RESAMPLES} resamples a start")
+    print(f"convex, coarse bracket: lo {COARSE[0]:g}, hi {COARSE[1]:g}, max_steps {COARSE[3]}, probe lo")
+    extra = f" {'without bracket':>16} {'its half-width':>15}" if before else ""
     print(f"{'scenario':26} {'studies':>7} {'coverage':>9} {'median half-width':>18} {'bounds':>7} "
-          f"{'censored starts':>16}")
+          f"{'censored starts':>16}{extra}")
+
+    def cells(rs):
+        halves = [r[2] for r in rs if r[2] is not None]
+        return np.mean([r[1] for r in rs]), f"{np.median(halves):.1%}" if halves else "-"
     for name in names + ["all"]:
         rs = [r for r in rows if name in ("all", r[0])]
-        halves = [r[2] for r in rs if r[2] is not None]
-        hw = f"{np.median(halves):.1%}" if halves else "-"
-        print(f"{name:26} {len(rs):7d} {np.mean([r[1] for r in rs]):9.1%} {hw:>18} "
-              f"{sum(r[3] != 'value' for r in rs):7d} {sum(r[4] for r in rs):16d}")
+        cov, hw = cells(rs)
+        more = ""
+        if before:
+            cov0, hw0 = cells([r for r in before if name in ("all", r[0])])
+            more = f" {cov0:16.1%} {hw0:>15}"
+        print(f"{name:26} {len(rs):7d} {cov:9.1%} {hw:>18} "
+              f"{sum(r[3] != 'value' for r in rs):7d} {sum(r[4] for r in rs):16d}{more}")
 
     print(f"\nconfirmation over {len(confirms)} studies: best 1.9x, baseline 0.7x (below lo), runner-up 1.65x; "
           f"from 2 starts each, one more of each a block, at most {MAX_STARTS}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from vllm_study.capacity import bracket as capacity
@@ -190,14 +191,15 @@ def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_
     answer = capacity_section.capacity_answer(r)
     assert "The baseline mbt=8192__pc=on met the SLO at no load tried" in answer
     assert "itl_p99_ms 202 > 150" in answer and "Its capacity is < 1.87 req/s" in answer
-    # the gain is a ratio bounded below: the best's interval low (5.86 req/s) over the lowest load's rate
-    assert "sustains at least 3.14 x the baseline's capacity (a lower bound" in answer and "0.00 [" not in answer
+    # the gain is a ratio bounded below: the best's interval low (5.28 req/s: its starts' bracket reaches
+    # down to that step, where the straight line between two steps cannot say more) over the lowest load's rate
+    assert "sustains at least 2.83 x the baseline's capacity (a lower bound" in answer and "0.00 [" not in answer
     assert "a resolved gain" in answer
     table = capacity_section.capacity_table(r)
     assert table.loc["mbt=8192__pc=on", "capacity (req/s)"] == "< 1.87"
     assert table.loc["mbt=8192__pc=on", "capacity (speed)"] == "< 0.5"
-    # the margins' fit over each start's steps, not the highest step that met (5.28)
-    assert table.loc["mbt=2048__pc=on", "capacity (req/s)"] == "6.50 [5.86, 7.22]"
+    # the margins' fit over each start's steps, not the highest step that met (5.28, the interval's low end)
+    assert table.loc["mbt=2048__pc=on", "capacity (req/s)"] == "6.50 [5.28, 7.22]"
     assert answer.splitlines()[-1] == (
         "Capacity: isotonic fit of each step's SLO margins, intervals by bootstrap over requests; starts combined "
         "by an interval-censored likelihood, the start-to-start spread pooled over the run's points (4 degrees of "
@@ -411,3 +413,30 @@ def test_a_capacity_from_one_start_says_its_interval_is_within_that_start(tmp_pa
                              "(no start-to-start spread measured)."), sentence
     two = make_capacity_run(tmp_path / "two", {"mbt=256": (3.0, 3.2), "mbt=512": (5.0, 5.5)}, lo=2.0, hi=8.0)
     assert "one start" not in capacity_section.statistic_sentence(report.Run.load(two))
+
+
+def test_capacitys_noise_floor_is_its_fitted_starts_spread_raw_beside_corrected():
+    """Three starts read 2.59, 3.18 and 2.95: their spread is 10.4%, never '0.0%'. Less each
+    start's bootstrap noise (16% here) nothing is left, which the table says in words; with
+    tighter starts (3%) the corrected spread is stated beside the raw one."""
+    from vllm_study.capacity.fit import StartCapacity
+    from vllm_study.records.point_capacity import start_spread
+
+    def starts(se):
+        return [StartCapacity(kind="value", value=v, lowest=1, highest=16, log_se=se) for v in (2.59, 3.18, 2.95)]
+    loose = start_spread([starts(0.16)])
+    assert loose.df == 2 and loose.raw == pytest.approx(np.std(np.log([2.59, 3.18, 2.95]), ddof=1))
+    assert loose.corrected is None
+    tight = start_spread([starts(0.03)])
+    assert tight.corrected == pytest.approx(math.sqrt(tight.raw ** 2 - 0.03 ** 2))
+
+
+def test_the_committed_steady_runs_noise_floor_gives_capacitys_spread_not_zero():
+    """The H200 steady run: its starts' highest loads that met were equal (the old row read
+    start-to-start 0.0%); the fitted capacities differ by 0.8%, within their bootstrap's noise."""
+    from vllm_study.report import report
+    r = report.Run.load(Path(__file__).resolve().parents[1] / "results" /
+                        "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e")
+    row = report.noise_table(r).loc["capacity (req/s)", "summary"]
+    assert row.startswith("start-to-start 0.8% (df 4) between the fitted capacities")
+    assert "within each start's bootstrap noise (4.1%)" in row and "0.0%" not in row

@@ -236,3 +236,36 @@ def test_a_gain_on_one_start_each_is_not_called_resolved(tmp_path):
     text = capacity_section._baseline_words(r, "mbt=512", "mbt=256")
     assert "at least 1.51 x" in text and "not resolved yet (mbt=512 has one start, so no start-to-start spread)" in text
     assert "a resolved gain" not in text
+
+
+def test_summary_csv_holds_each_starts_fitted_capacity_and_a_bound_as_a_bound(run):
+    """The sweep's summary.csv (point_capacity.write_summary_csv): on the round at each
+    start's capacity, the statistic the report states for that start, not the highest load
+    that met; a start below the floor holds its bound, marked below, never 0 or nothing."""
+    import pandas as pd
+
+    from vllm_study.records import point_capacity
+    from vllm_study.report import report
+    point_capacity.write_summary_csv(run)
+    df = pd.read_csv(run.summary_csv)
+    at = df[(df["group"] == "all") & (df["at_capacity"] == True)].set_index(["point", "start"])  # noqa: E712
+    r = report.Run.load(run.path)
+    for (pid, k), row in at.iterrows():
+        c = r.capacity(pid).starts[k - 1]
+        assert row["capacity_load"] == pytest.approx(c.value) and row["capacity_rps"] == pytest.approx(c.value)
+        highest_met = run.point(pid).start(k).capacity.load
+        if c.kind == "value":
+            assert pd.isna(row["capacity_censored"]) and row["capacity_rps"] != pytest.approx(highest_met)
+    below = at.loc[("mbt=256", 1)]
+    assert below["capacity_censored"] == "below" and below["capacity_rps"] == pytest.approx(0.25)
+    # the report reads the bound as no value, and states it as a bound
+    rows = r.rounds[(r.rounds["point"] == "mbt=256") & (r.rounds["at_capacity"] == True)]  # noqa: E712
+    assert rows.set_index("start").loc[1, "capacity_rps"] != rows.set_index("start").loc[1, "capacity_rps"]  # NaN
+    assert r.capacity("mbt=512").cell().startswith(f"{r.capacity('mbt=512').config.value:.2f} [")
+
+
+def test_the_capacity_metric_is_defined_as_the_statistic_the_kit_states():
+    from vllm_study.vocab import metrics
+    d = metrics.get("capacity_rps").definition
+    assert "0 when" not in d and "highest load" not in d
+    assert "margins" in d and "capacity_censored" in d

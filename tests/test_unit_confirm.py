@@ -323,3 +323,20 @@ def test_the_report_counts_the_starts_each_point_has_after_confirmation(tmp_path
     context = answer.answer_context(r)
     assert f"3 points, 2 to {max(counts.values())} server starts each" in context, context
     assert "2 server starts each" not in context
+
+
+def test_a_half_width_a_coarse_bracket_cannot_reach_stops_instead_of_starting_the_best_again(tmp_path):
+    """Searched in 3 steps over [1, 16], every start of the best brackets [4, 8]: its interval
+    reaches that bracket (capacity.fit.within_bracket), and more starts do not narrow it.
+    Once both gains resolve, confirmation stops and names the setting that would."""
+    caps = {"mbt=256": [2.5, 2.6] * 4, "mbt=512": [2.7, 2.8] * 4, "mbt=1024": [6.3, 6.5] * 4}
+    coarse = {"over": "rate", "lo": 1.0, "hi": 16.0, "precision": 0.1, "max_steps": 3, "floor": 1.0}
+    run = make_capacity_run(tmp_path / "r", {p: tuple(v[:2]) for p, v in caps.items()}, study_over={
+        **GRID, "capacity": coarse, "confirm": {"until": "resolved", "max_starts": 8, "half_width": 0.05}})
+    from vllm_study.report.run import Run
+    study = Run.load(run).study
+    confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(caps))
+    rec = confirmation.read(run.path)
+    assert rec.last.resolved and not rec.last.precise and rec.last.best_bracket_bound
+    assert rec.stop.startswith(confirmation.NOTHING) and "capacity.precision" in rec.stop
+    assert max(rec.last.starts.values()) < 8          # no start spent on what starts cannot move

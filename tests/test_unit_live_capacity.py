@@ -179,10 +179,12 @@ def test_a_server_gone_before_a_step_fails_the_start_with_what_ended_it(tmp_path
             return True
     start.server = Gone()
     start.run_rounds()
-    planned = start.record.rounds_planned
-    assert start.failed and start.record.reason.startswith(f"server died before round 1 of {planned}: ")
+    assert start.failed and start.record.reason.startswith("server died before step 1: ")
     assert "killed by SIGKILL" in start.record.reason
     assert not start.rounds and not steps and not start.record.capacity.load
+    # no step ran, so none is recorded, and the record says why the search stopped
+    assert start.record.capacity.steps == [] and start.record.capacity.censored is None
+    assert start.record.capacity.stopped == start.record.reason
 
 
 def test_a_target_that_stops_answering_after_a_round_keeps_the_round_as_failed(tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from urllib.error import URLError
 
 import pytest
 from transformers import AutoTokenizer
@@ -473,3 +474,80 @@ def test_prime_left_out_is_history_where_a_mooncake_window_has_traffic_before_it
     assert TraceSpec(file="mooncake_conversation", requests=10).prime == "none"
     assert TraceSpec(file="azure_code", start_s=60, requests=10).prime == "none"
     assert TraceSpec(file="mooncake_conversation", windows=3, requests=10, prime="none").prime == "none"
+
+
+class _DyingServer:
+    """The kit's own server, killed by SIGKILL once `dead` is set; its exit shows only to a
+    wait (as a killed process's sockets close a moment before its parent sees it end)."""
+    proc = SimpleNamespace(returncode=-9)
+
+    def __init__(self, tmp_path):
+        self.dead, self.log_path = False, tmp_path / "server" / "server.log"
+
+    def exited(self, wait_s=0):
+        return self.dead and wait_s > 0
+
+
+CAPACITY = {"over": "speed", "lo": 0.5, "hi": 4, "precision": 0.15, "max_steps": 4}
+
+
+def test_a_server_killed_during_priming_leaves_the_steps_that_ran_and_no_capacity(tmp_path, tok, monkeypatch):
+    """Killed while step 2's first window is primed: its priming requests meet a dead
+    server. The start fails with what ended the server and where; the record keeps step 1
+    alone (no step that never ran, no bound below the floor), and gives no capacity."""
+    from vllm_study.measure import client, counters
+    from vllm_study.records.point_capacity import point_capacity
+    from vllm_study.records.results import PointFolder
+    calls = _fake_server(monkeypatch)
+    ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000}, capacity=CAPACITY)
+    server = ps.server = _DyingServer(tmp_path)
+    primed = client.run_closed_loop
+
+    async def dies_at_fourth_priming(url, model, api, requests, concurrency, **k):
+        res = await primed(url, model, api, requests, concurrency, **k)
+        if sum(kind == "prime" for kind, _ in calls) == 4:   # step 2, window 1
+            server.dead = True
+            for r in res:
+                r.error = "URLError: <urlopen error [Errno 111] Connection refused>"
+        return res
+
+    def reset(*_a, **_k):
+        if server.dead:
+            raise URLError(ConnectionRefusedError(111, "Connection refused"))
+    monkeypatch.setattr(client, "run_closed_loop", dies_at_fourth_priming)
+    monkeypatch.setattr(counters, "reset_prefix_cache", reset)
+    ps.run_rounds()
+    assert ps.failed
+    assert ps.record.reason.startswith("server died during priming of step 2 (window 1): server killed by SIGKILL")
+    cap = ps.record.capacity
+    assert [s["load"] for s in cap.steps] == [4.0] and cap.stopped == ps.record.reason
+    assert cap.load is None and cap.censored is None
+    assert len(ps.rounds) == 3                             # step 1's three windows, nothing after
+    assert "start failed" not in json.dumps(cap.steps)
+    assert point_capacity(PointFolder(tmp_path), ps.study.capacity.slo, 0.5) is None   # no capacity from it
+
+
+def test_a_server_killed_between_two_windows_of_a_step_ends_the_search_there(tmp_path, tok, monkeypatch):
+    """Killed after step 1's first window: the next window's cache reset finds nothing
+    listening; the start fails with the server's end before step 1 (window 2), and no
+    step is recorded (step 1 had no verdict)."""
+    from vllm_study.measure import client, counters
+    _fake_server(monkeypatch)
+    ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000}, capacity=CAPACITY)
+    server = ps.server = _DyingServer(tmp_path)
+    measured = client.run_open_loop
+
+    async def dies_after_first_window(*a, **k):
+        res = await measured(*a, **k)
+        server.dead = True
+        return res
+
+    def reset(*_a, **_k):
+        if server.dead:
+            raise URLError(ConnectionRefusedError(111, "Connection refused"))
+    monkeypatch.setattr(client, "run_open_loop", dies_after_first_window)
+    monkeypatch.setattr(counters, "reset_prefix_cache", reset)
+    ps.run_rounds()
+    assert ps.record.reason.startswith("server died before step 1 (window 2): server killed by SIGKILL")
+    assert ps.record.capacity.steps == [] and ps.record.capacity.load is None
+    assert [r.window for r in ps.rounds] == [1]            # what it measured is kept

@@ -31,7 +31,7 @@ from .define.params import Study
 from .define.schema import StudyError
 from .define.study_file import load_study
 from .define.traces import TraceError
-from .records import confirmation
+from .records import confirmation, point_capacity
 from .records.results import (NO_COMMIT, ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu,
                               read_rounds, resume_hint, write_atomic)
 from .launch.slots import SLOT_LOCKS
@@ -214,7 +214,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             folder = run.point(p.id)
             if folder.starts():
                 summarize(folder, folder.plan())
-        run.write_summary_csv()
+        point_capacity.write_summary_csv(run)
         print(f"\ninterrupted: finished rounds are kept in {run.path}; complete the run with:\n  "
               f"{resume_hint(run)}", flush=True)
         raise
@@ -228,7 +228,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
     if report:
         render_report(run)
     else:
-        run.write_summary_csv()
+        point_capacity.write_summary_csv(run)
     return outcome
 
 
@@ -477,7 +477,7 @@ def _kernel_chatter_held():
 def render_report(run: RunFolder, slo: str = "") -> Path:
     """summary.csv, report.ipynb and report.html; `slo` replaces the study's SLO for
     the report (e.g. to ask a finished study a new question)."""
-    run.write_summary_csv()
+    point_capacity.write_summary_csv(run)
     out = run.path / "report.ipynb"
     with _kernel_chatter_held():
         pm.execute_notebook(str(notebook("report.ipynb")), str(out), parameters={"run_dir": ".", "slo": slo},

@@ -76,7 +76,7 @@ def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None,
     sel = rounds["group"] == key
     if "at_capacity" in rounds.columns:
         # a capacity study: a start's figures are those of the round at its capacity (met, so ok;
-        # or, where even the lowest load missed, that round, which carries capacity 0)
+        # or, where even the lowest load missed, that round, whose capacity is a bound: no value)
         sel &= rounds["at_capacity"].astype(str) == "True"
     else:
         sel &= rounds["round_status"].isin(["ok", "failed"] if failed_too else ["ok"])

@@ -35,6 +35,12 @@ R = TypeVar("R")
 FROM_SCHEDULE = {"ttft": "ttft_sched", "e2e": "e2e_sched"}
 
 
+class Stopped(Exception):
+    """measure() raises it where the start itself failed (its server died, say) before the
+    step had its verdict: the search ends with the steps that ran, the one that raised is
+    none of them (a dead server says nothing of that load), and the record has no capacity."""
+
+
 @dataclass(frozen=True)
 class Step:
     load: float
@@ -54,6 +60,7 @@ class CapacityRecord(BaseModel):
     requests_per_s: float | None = None   # the load as requests per second (the report's unit)
     at_round: int | None = None     # the round measured at the capacity (its latencies are "at capacity")
     steps: list[dict] = []          # every step: load, met, why, round, margins (not in older runs)
+    stopped: str | None = None      # why the search ended before its answer (the start failed): no capacity
 
     def step_rounds(self, rounds: list[R]) -> list[list[R]]:
         """Each step's round records (anything with .round and .load): its `round` and the
@@ -105,6 +112,17 @@ class Bracket:
         return hi / lo - 1 <= self.precision
 
     def run(self, measure: Callable[[float], Step]) -> CapacityRecord:
+        """The search (_run); where measure() raises Stopped, the steps that ran and why
+        it stopped, with no capacity: load None, the bracket as far as those steps went."""
+        try:
+            return self._run(measure)
+        except Stopped as e:
+            met = [s.load for s in self.steps if s.met]
+            missed = [s.load for s in self.steps if not s.met]
+            return CapacityRecord(over=self.over, load=None, bracket=(max(met, default=0.0), min(missed, default=None)),
+                                  floor=self.floor, steps=[vars(s) for s in self.steps], stopped=str(e))
+
+    def _run(self, measure: Callable[[float], Step]) -> CapacityRecord:
         """Probe hi (a pass: the capacity is at or above it), then bisect between the
         highest pass and the lowest miss; lo is measured only if no step above it met
         (a miss there: the capacity is below the bracket). hi goes first because a

@@ -19,9 +19,9 @@ from pathlib import Path
 from . import stats
 from ..define.grid import PointPlan
 from ..launch.machine import NvmlProbe
-from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, StartRecord, capacity_figures,
+from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, StartRecord,
                                compress_log, now_utc)
-from ..records.point_capacity import rps_per_load
+from ..records.point_capacity import rps_per_load, start_figures
 from ..launch.slots import SlotLock
 from ..prefix_budget import steps
 from ..launch.server import VllmServer
@@ -116,8 +116,13 @@ def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:
         estimates["startup_s"] = stats.estimate([[v] for v in startups])
     below = []
     if study.capacity and searched:
+        # each start's capacity as the report states it (records.point_capacity.start_figures),
+        # a bound below as no value (capacity_below lists it)
+        by_start = {st.start: st for st in starts}
+        figures = [start_figures(by_start[k], folder.start_dir(k), study.capacity.slo, study.capacity.lo)
+                   for k in searched]
         for name in ("capacity_rps", "capacity_load"):
-            est = stats.estimate([[capacity_figures(c)[name]] for c in searched.values()])
+            est = stats.estimate([[f[name]] for f in figures if f["capacity_censored"] != "below"])
             if est is not None:   # (none where every start missed at its lowest load: a bound, below)
                 estimates[name] = est
         for st in starts:

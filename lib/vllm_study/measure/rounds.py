@@ -46,19 +46,6 @@ class RoundProtocol(StartWriter):
         except (OSError, ValueError):  # not written yet: the engine has not scheduled
             return None
 
-    def _round_server_figures(self, before: dict, after: dict, duration: float) -> dict:
-        """/metrics deltas, whether the chunk budget bound, and hardware use."""
-        values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
-        if self.point.effective and self.point.effective.max_num_batched_tokens:
-            values |= counters.long_prefills(before, after, self.point.effective.max_num_batched_tokens)
-        gpus = self.record.gpus
-        figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
-                                       self.point.engine_args.tensor_parallel_size or 1,
-                                       models.local_config(self.study.model))
-        if source:
-            self.record.launch.hardware_source = source
-        return values | figures
-
     def _run_closed(self, requests) -> list[dict]:
         w = self.study.workload
         return [r.to_dict() for r in client.run_sync(client.run_closed_loop(
@@ -105,18 +92,26 @@ class RoundProtocol(StartWriter):
             self._server_died("during warm-up", wait_s=10 if self.record.warmup_errors else 0)
 
     @_step
-    def run_round(self, index: int, load: float | None = None) -> RoundRecord | None:
-        """One measured round; `load`: a capacity step's load (judged against the SLO)."""
+    def run_round(self, index: int, load: float | None = None, step: int | None = None) -> RoundRecord | None:
+        """One measured round; `load`: a capacity step's load (judged against the SLO),
+        `step` its number in the search (for the words a dead server is recorded with)."""
         launch = self.record.launch
-        if self._server_died(f"before round {index + 1} of {self.record.rounds_planned}"):  # 0-based in records
+        k = self._pick_window(index)
+        where = (f"step {step}" + (f" (window {k + 1})" if self.windows else "") if step is not None
+                 else f"round {index + 1} of {self.record.rounds_planned}")  # 0-based in records
+        if self._server_died(f"before {where}"):
             return None
+        self._doing = f"before {where}"   # where a request that finds the server gone was (_step)
         # a shared start (live knobs): this point's limits in force first, or no round (live_start.py)
         limits = self.live.enter(point_limits(self.point)) if self.live else None
         if launch.cache_reset:
             counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
         trace = self.study.workload.kind == "trace"
-        k = self._pick_window(index)
+        self._doing = f"during priming of {where}"
         primed = self.primer.prime(self._run_closed, k) if trace else {}  # unmeasured: before the first snapshot
+        if primed.get("prime_errors") and self._server_died(self._doing, wait_s=10):
+            return None   # its priming's requests met a dead server: no round to measure
+        self._doing = f"during {where}"
         before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
         pb_before = self._pb_snapshot()
         sending = self._prepare_round(load)
@@ -136,7 +131,7 @@ class RoundProtocol(StartWriter):
             try:
                 if before is not None:
                     after = counters.scrape(self.url, self.api_key, self.proxy)
-                    values |= self._round_server_figures(before, after, duration)
+                    values |= _server_figures(self, before, after, duration)
             except OSError as e:  # a killed server's sockets close a moment before its exit shows
                 died = self._server_exited(wait_s=10)
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
@@ -161,7 +156,7 @@ class RoundProtocol(StartWriter):
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
         if died:
-            self._server_died(f"during round {index + 1} of {self.record.rounds_planned}", wait_s=10)  # gone: at once
+            self._server_died(f"during {where}", wait_s=10)  # gone: at once
         elif lost:
             self._fail(lost)
         elif ok:
@@ -205,17 +200,19 @@ class RoundProtocol(StartWriter):
         bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor, probe=c.probe)
 
         def measure(load: float) -> capacity.Step:
-            if self.failed:
-                return capacity.Step(load, False, f"start failed: {self.record.reason}")
+            # a start that failed (its server died, a limit refused) ends its search with the
+            # steps that ran: the step it failed in has no verdict, and no step after it runs
             recs, pooled = [], []
             for _ in range(len(self.windows.workloads) if self.windows else 1):
                 # trace.windows: every window at this load, one round each (round i replays window i % K)
                 i = len(self.rounds)
-                rec = self.run_round(i, load)
+                rec = self.run_round(i, load, step=len(bracket.steps) + 1)
                 if progress:
                     progress(i)
+                if self.failed:
+                    raise capacity.Stopped(self.record.reason)
                 if rec is None:
-                    return capacity.Step(load, False, self.record.reason or "round failed")
+                    return capacity.Step(load, False, "round failed")
                 recs.append(rec)
                 pooled += self._last_results
             if len(recs) == 1:
@@ -252,6 +249,20 @@ def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
             start.record.warnings.append(why)
         return
     steps.save_round(start.dir, index, rows)
+
+
+def _server_figures(start: RoundProtocol, before: dict, after: dict, duration: float) -> dict:
+    """/metrics deltas over a round of `start`, whether the chunk budget bound, and hardware use."""
+    point = start.point
+    values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
+    if point.effective and point.effective.max_num_batched_tokens:
+        values |= counters.long_prefills(before, after, point.effective.max_num_batched_tokens)
+    gpus = start.record.gpus
+    figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
+                                   point.engine_args.tensor_parallel_size or 1, models.local_config(start.study.model))
+    if source:
+        start.record.launch.hardware_source = source
+    return values | figures
 
 
 def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,

@@ -12,14 +12,20 @@ from ..records.results import START, read_log
 
 def _step(method):
     """A step that raises records the start as failed (with the error) instead of
-    stopping the notebook: failures are data, and later steps become no-ops."""
+    stopping the notebook: failures are data, and later steps become no-ops. Where the
+    error is a connection's and the kit's own server has ended, the start fails with
+    what ended it and where (`_doing`: "during priming of step 2 (window 1)"), not with
+    the connection refused that a request to a dead server meets."""
     @functools.wraps(method)
     def wrapper(self, *a, **kw):
         if self.failed:
             return None
+        self._doing = None
         try:
             return method(self, *a, **kw)
         except Exception as e:
+            if isinstance(e, OSError) and self._server_died(self._doing or f"during {method.__name__}", wait_s=10):
+                return None
             self._fail(f"{method.__name__}: {type(e).__name__}: {e}")
             return None
     return wrapper

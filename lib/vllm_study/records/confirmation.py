@@ -45,6 +45,7 @@ class Verdict(BaseModel):
     runner_up_resolved: bool = False
     best_half_width: float | None = None   # the best's 95% interval, the farther end over its value (None: open)
     precise: bool = True                   # within confirm.half_width (True where none is asked)
+    best_bracket_bound: bool = False       # the best's interval is its starts' bracket (capacity.fit.within_bracket)
 
     @property
     def resolved(self) -> bool:
@@ -111,6 +112,7 @@ def judge(run: RunFolder, study: Study, block: int) -> Verdict:
     if runner is not None:
         v.over_runner_up, v.runner_up_resolved = _told_apart(caps[best], caps[runner])
     v.best_half_width = caps[best].config.half_width
+    v.best_bracket_bound = caps[best].config.bracket_bound
     want = study.confirm.half_width if study.confirm else None
     v.precise = want is None or (v.best_half_width is not None and v.best_half_width <= want)
     return v
@@ -177,6 +179,10 @@ def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:
     if open_ and all({v.best, p} <= set(v.at_highest) for p in open_):
         return (f"{NOTHING}: {v.best} and {' and '.join(open_)} met the SLO at the highest load, so more "
                 "starts cannot tell their capacities apart: raise capacity.hi")
+    if v.resolved and v.best_bracket_bound:   # only half_width is left, and starts do not move a bracket
+        return (f"{NOTHING}: {v.best}'s interval reaches its starts' bracket (the loads measured either side "
+                "of its capacity), which more starts do not narrow: a finer capacity.precision (with the "
+                "max_steps to reach it) does")
     if v.resolved and v.best in v.at_highest:
         return (f"{NOTHING}: {v.best} met the SLO at the highest load, so its capacity is a bound with no "
                 "interval to narrow: raise capacity.hi")

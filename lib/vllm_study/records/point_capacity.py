@@ -28,8 +28,9 @@ import numpy as np
 
 from ..capacity import fit
 from ..capacity.bracket import CapacityRecord, bound_key, margins
+from ..define.study_file import study_from_dict
 from ..vocab import metrics
-from .results import REQUESTS, PointFolder, StartRecord, read_rounds
+from .results import REQUESTS, PointFolder, RunFolder, StartRecord, read_rounds
 
 STATISTICS = {
     "fit": "isotonic fit of each step's SLO margins, intervals by bootstrap over requests",
@@ -226,13 +227,39 @@ def _start_capacity(start_dir: str, rec_json: str, slo_json: str, floor: float,
                              lowest=lowest, highest=highest), "margins"
 
 
+def start_figures(st: StartRecord, start_dir: Path, slo: dict[str, float], floor: float) -> dict:
+    """A start's capacity as summary.csv holds it, on the round at its capacity: the
+    statistic the report, console and export state (start_capacity), in the search's unit
+    (capacity_load) and in req/s (capacity_rps); a bound as a bound, its value the load
+    it lies below or at least, with capacity_censored "below" or "above" (never 0). Over
+    concurrency no load fixes a rate: capacity_rps stays the throughput measured at the
+    highest load that met, as the report states it."""
+    rec = st.capacity
+    c, _ = start_capacity(start_dir, rec, slo, rec.floor or floor, seed=st.start)
+    per = rps_per_load(rec, st)
+    rps = c.value * per if per else rec.requests_per_s if rec.over == "concurrency" and c.kind != "below" else None
+    return {"capacity_rps": rps, "capacity_load": c.value,
+            "capacity_censored": {"below": "below", "at_least": "above"}.get(c.kind, "")}
+
+
+def write_summary_csv(run: RunFolder):
+    """summary.csv (RunFolder.write_summary_csv), a capacity study's with each start's
+    capacity as start_figures states it."""
+    study = study_from_dict(run.manifest().params, source=str(run.manifest_path)) \
+        if run.manifest_path.exists() else None
+    if study is None or not study.capacity:
+        return run.write_summary_csv()
+    slo, lo = study.capacity.slo, study.capacity.lo
+    return run.write_summary_csv(lambda st, d: start_figures(st, d, slo, lo))
+
+
 def _legacy_start(rec: CapacityRecord, floor: float) -> fit.StartCapacity:
     """The bracket's record as a start's capacity: the highest load that met, or a bound."""
     if rec.censored:
         return _censored_start(rec, floor)
     loads = [s["load"] for s in rec.steps] or [rec.load]
     return fit.StartCapacity(kind="value", value=rec.load, bracket=(rec.bracket[0], rec.bracket[1]),
-                             lowest=min(loads), highest=max(loads))
+                             lowest=min(loads), highest=max(loads), interpolated=False)
 
 
 def _fitted_starts(folder: PointFolder, slo: dict[str, float], floor: float, starts: set[int] | None):
@@ -243,13 +270,25 @@ def _fitted_starts(folder: PointFolder, slo: dict[str, float], floor: float, sta
     return [c for c, _ in fitted], [k for _, k in fitted], per
 
 
-def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | None:
-    """The start-to-start spread of log capacity pooled over points (as analysis pools a
-    metric's start-to-start noise): the resolved starts' variance about their point's mean,
-    less the starts' own bootstrap variance, on sum(n - 1) degrees of freedom. None below
-    POOL_MIN_DF of them: each point's own starts then give its spread (a t-interval's width
-    on n - 1 df). The intervals on it are pooled t-intervals (fit.combine's spread_df), as
-    a two-sample t-test's on n1 + n2 - 2 df."""
+class Spread(NamedTuple):
+    """The start-to-start spread of log capacity over a run's points: `raw`, the resolved
+    starts' sd about their point's mean, pooled on `df` degrees of freedom; `within`, the
+    starts' own bootstrap sd (root mean square), which a restart that replays the same
+    requests need not move; `corrected`, what the raw spread leaves beyond it (None where
+    nothing is left: the starts differ no more than the bootstrap's noise)."""
+    raw: float | None
+    within: float | None
+    df: int
+
+    @property
+    def corrected(self) -> float | None:
+        if self.raw is None:
+            return None
+        var = self.raw ** 2 - (self.within or 0.0) ** 2
+        return math.sqrt(var) if var > 0 else None
+
+
+def start_spread(points: list[list[fit.StartCapacity]]) -> Spread:
     ss, df, within = 0.0, 0, []
     for caps in points:
         ys = [math.log(c.value) for c in caps if c.kind == "value"]
@@ -257,10 +296,20 @@ def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | 
             ss += float(np.sum((np.array(ys) - np.mean(ys)) ** 2))
             df += len(ys) - 1
             within += [c.log_se ** 2 for c in caps if c.kind == "value" and c.log_se is not None]
-    if df < POOL_MIN_DF:
+    return Spread(math.sqrt(ss / df) if df else None, math.sqrt(float(np.mean(within))) if within else None, df)
+
+
+def pooled_spread(points: list[list[fit.StartCapacity]]) -> tuple[float, int] | None:
+    """The start-to-start spread of log capacity pooled over points (as analysis pools a
+    metric's start-to-start noise): the resolved starts' variance about their point's mean,
+    less the starts' own bootstrap variance, on sum(n - 1) degrees of freedom (start_spread;
+    floored at 0.1% where nothing is left). None below POOL_MIN_DF of them: each point's
+    own starts then give its spread (a t-interval's width on n - 1 df). The intervals on it
+    are pooled t-intervals (fit.combine's spread_df), as a two-sample t-test's on n1 + n2 - 2 df."""
+    sp = start_spread(points)
+    if sp.df < POOL_MIN_DF:
         return None
-    var = ss / df - (float(np.mean(within)) if within else 0.0)
-    return math.sqrt(max(var, 1e-6)), df
+    return max(sp.corrected or 0.0, 1e-3), sp.df
 
 
 def point_capacities(folders: dict[str, tuple[PointFolder, set[int] | None]], slo: dict[str, float],

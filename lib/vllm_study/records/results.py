@@ -359,10 +359,13 @@ class RunFolder:
                                 machine=describe(), units_left=units_left))
         m.save(self.manifest_path)
 
-    def rounds_table(self) -> pd.DataFrame:
+    def rounds_table(self, start_capacity=None) -> pd.DataFrame:
         """Tidy: one row per point x start x round x group (group 'all' is the whole
         round), with the point's axis values and its status beside each row. A run with
-        no round has the columns and no row."""
+        no round has the columns and no row. `start_capacity(start record, its folder)`:
+        a capacity study's figures on the round at each start's capacity
+        (records.point_capacity.start_figures); without it, the search's record's
+        (capacity_figures: the highest load that met)."""
         rows = []
         for s in self.summaries():
             base = {"point": s.point, **s.values, "point_status": s.status}
@@ -370,6 +373,7 @@ class RunFolder:
             starts = folder.starts()
             # a start that failed mid-search has no capacity: it is a failed start
             searches = {st.start: st.capacity for st in starts if st.capacity and st.status == "ok"}
+            by_start = {st.start: st for st in starts}
             capacity_study = any(st.capacity for st in starts)
             for r in folder.rounds():
                 head = {**base, "start": r.start, "block": r.block, "round": r.round, "round_status": r.status}
@@ -378,15 +382,18 @@ class RunFolder:
                     cap = searches.get(r.start)
                     at = cap is not None and cap.at_round == r.round
                     head |= {"load": r.load, "slo_met": r.slo_met, "at_capacity": at}
-                    extra = capacity_figures(cap) if at else {}
+                    extra = {} if not at else start_capacity(by_start[r.start], folder.start_dir(r.start)) \
+                        if start_capacity else capacity_figures(cap)
                 if r.window is not None:  # trace.windows (a column only where a run has them)
                     head |= {"window": r.window}
                 rows.append({**head, "group": "all", "group_value": "", **r.metrics, **extra})
                 rows += [{**head, "group": g.key, "group_value": g.value, **g.metrics} for g in r.groups]
         return pd.DataFrame(rows) if rows else pd.DataFrame(columns=ROUND_KEYS)
 
-    def write_summary_csv(self) -> pd.DataFrame:
-        df = self.rounds_table()
+    def write_summary_csv(self, start_capacity=None) -> pd.DataFrame:
+        """summary.csv; a capacity study's is written by records.point_capacity.write_summary_csv
+        (each start's fitted capacity)."""
+        df = self.rounds_table(start_capacity)
         write_atomic(self.summary_csv, df.to_csv(index=False))
         return df
 

@@ -300,11 +300,14 @@ def below_lowest_load_words(r: Run, point: str | None = None) -> str:
 
 def bracket_words(c) -> str:
     """One start's bracket and steps: '[1.26, 1.59] in 4 steps'; censored, a bound, never a
-    bracket from 0: '< 0.8 in 1 step' (missed at the floor), '>= 2 in 2 steps' (met at hi)."""
+    bracket from 0: '< 0.8 in 1 step' (missed at the floor), '>= 2 in 2 steps' (met at hi);
+    a search its start's failure stopped gives none: 'no capacity: stopped after 1 step'."""
+    n = len(c.steps)
+    if c.stopped:
+        return f"no capacity: stopped after {n} step{'' if n == 1 else 's'}"
     lo, hi = c.bracket
     below = c.censored == "below" or (lo == 0 and hi is not None)  # records before `censored`: met nowhere
     where = f"< {hi:.3g}" if below else f">= {lo:.3g}" if hi is None else f"[{lo:.3g}, {hi:.3g}]"
-    n = len(c.steps)
     return f"{where} in {n} step{'' if n == 1 else 's'}"
 
 

@@ -8,12 +8,14 @@ used here as `report.Run` too), the static page (page.py), whether each knob bou
 from __future__ import annotations
 
 import json
+import math
 
 import pandas as pd
 
 from ..analysis import intervals as analysis
 from ..vocab import metrics
 from ..define.params import TraceSpec
+from ..records import point_capacity
 from ..records.results import PointSummary
 from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study, slo_metrics
 from .run import Run, _lookup, _per_start, status_label
@@ -176,7 +178,25 @@ def noise_table(r: Run) -> pd.DataFrame:
     nf = analysis.noise_floor(r.rounds, [n for n in metrics.HEADLINE if n in metrics.REGISTRY])
     if nf.empty:
         return pd.DataFrame({"summary": ["(nothing measured)"]})
+    if is_capacity_study(r) and "capacity_rps" in nf.index:
+        nf.loc["capacity_rps", "summary"] = capacity_noise(r)
     return nf[["scale", "summary"]].rename(index=lambda n: metrics.get(n).title)
+
+
+def capacity_noise(r: Run) -> str:
+    """Capacity's start-to-start spread as its statistic measures it (records.point_capacity
+    .start_spread over the fitted starts): the raw spread beside what is left of it beyond
+    each start's bootstrap noise, never a 0 where the correction went below nothing."""
+    sp = point_capacity.start_spread([pc.starts for pc in r.capacities.values() if pc])
+    if not sp.df:
+        return "start-to-start n/a (one resolved start per point)"
+    pct = lambda sd: f"{math.expm1(sd) * 100:.1f}%"  # noqa: E731
+    raw = f"start-to-start {pct(sp.raw)} (df {sp.df}) between the fitted capacities"
+    if sp.within is None:
+        return raw
+    left = sp.corrected
+    return raw + (f", {pct(left)} beyond each start's bootstrap noise ({pct(sp.within)})" if left else
+                  f", within each start's bootstrap noise ({pct(sp.within)}): the starts differ no more than that")
 
 
 def reported_metrics(r: Run) -> list[str]:

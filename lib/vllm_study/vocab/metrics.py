@@ -263,8 +263,9 @@ _add(
 _add(Metric("startup_s", "startup", "s", ".0f", "lower", "kit", "launch of vLLM until /health answers 200"))
 _add(
     Metric("capacity_rps", "capacity", "req/s", ".2f", "higher", "kit",
-           "the highest load, in requests/s, whose round met every SLO bound with no failed request "
-           "(capacity.py: a probe at the bracket's ends, then a bisection; 0 when even the lowest load missed)"),
+           "the most load, in requests/s, a start sustains within the SLO: where its steps' fitted SLO margins "
+           "cross 1 (docs/capacity.md); a bound (capacity_censored below / above) where it missed at its lowest "
+           "load or met at its highest, never 0"),
     Metric("capacity_load", "capacity (search units)", "", ".3g", "higher", "kit",
            "the capacity in the search's own unit: the trace's speed, the Poisson rate or the concurrency"),
 )
