@@ -274,7 +274,9 @@ def git_state(repo: Path) -> GitState:
     if env:  # named by whoever shipped the tree: it wins over a .git that may have come along stale
         dirty = os.environ.get("VLLM_STUDY_GIT_DIRTY")
         return GitState(sha=env, dirty=None if dirty is None else dirty == "1", source="VLLM_STUDY_GIT_SHA")
-    sha = git_output("rev-parse", "HEAD", cwd=repo)
+    # only the checkout's own .git: a copy without one may lie inside another repository
+    # (a test's folder under the checkout), whose commit is not the kit's
+    sha = git_output("rev-parse", "HEAD", cwd=repo) if (Path(repo) / ".git").exists() else None
     if sha is None:
         stamp = Path(repo) / COMMIT_FILE
         words = stamp.read_text().split() if stamp.is_file() else []
