@@ -169,7 +169,10 @@ def group_table(r: Run) -> pd.DataFrame | None:
                      for n in metrics.GROUP_METRICS}
             if any(cells.values()):
                 rows.append({"point": s.point, "group": lab, **cells})
-    return pd.DataFrame(rows).set_index(["point", "group"])
+    table = pd.DataFrame(rows).set_index(["point", "group"])
+    # a metric no group recorded has no column (the stall figures came after many runs), as
+    # in headline_table
+    return table[[c for c in table.columns if (table[c] != "").any()]]
 
 
 def noise_table(r: Run) -> pd.DataFrame:
