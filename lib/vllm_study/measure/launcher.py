@@ -202,6 +202,7 @@ class Launcher(StartWriter):
         try:
             deployment.start(self.dir / LOG, hold=self._hold_for_slot if ahead else None,
                              spawned=lambda server: self._spawned(server, env, ahead))
+            self._mark("ready")
             reason = None
         except ServerStartError as e:
             reason = e.reason
