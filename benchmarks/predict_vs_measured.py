@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
@@ -37,6 +36,7 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+from vllm_study.launch.machine import cpu_info  # noqa: E402
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict.replay import predict_capacity, replay_start  # noqa: E402
 from vllm_study.predict.start import SimulatedStart, StudyInputs  # noqa: E402
@@ -66,16 +66,6 @@ def _git_head() -> str | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 # -- 1. measure ------------------------------------------------------------------------
 def run_folder(out: Path) -> RunFolder | None:
     runs = sorted(p for p in (out / "runs").glob("*") if (p / "manifest.json").exists()) \
@@ -99,7 +89,7 @@ def measure(study_path: Path, out: Path) -> RunFolder:
     git = run.manifest().git
     _save(out / MEASURED, {"run": str(run.path.relative_to(out)), "sweep_rc": rc, "wall_s": time.time() - t0,
                            "study": str(study_path), "commit": git.sha[:7] if git and git.sha else None,
-                           "cpu": _cpu_model(),
+                           "cpu": cpu_info().model,
                            "command": " ".join(cmd)})
     return run
 
