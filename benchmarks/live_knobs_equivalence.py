@@ -74,12 +74,14 @@ from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
 from vllm_study.measure.rounds import _send_to_finish
 from vllm_study.prefix_budget import steps
+from vllm_study.records.results import git_state
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.workload.trace_workload import TraceWorkload
 
 KNOBS = ("max_num_batched_tokens", "max_num_seqs")
 METRICS = ("ttft_p50_ms", "ttft_p90_ms", "itl_p99_ms", "tpot_p50_ms", "output_throughput", "preemptions",
            "kv_tokens")
+KIT_ROOT = Path(__file__).resolve().parents[1]
 EQUAL, LOOSE = 0.03, 0.05   # the rule's bounds on lowered / fresh - 1
 MARGIN_S = 20               # left at --minutes for the summary and the files' way back
 
@@ -175,8 +177,10 @@ def report(plan: dict, s: dict) -> str:
     pct = lambda x: "    -" if x is None else f"{x:+.1%}"  # noqa: E731
     fresh = "fresh starts at each value" + (" (the kit's scheduler too)" if runs_plugin("fresh", plan) else "")
     kit = " with the kit's measuring" if plan.get("kit_measuring") else ""
-    lines = [f"{plan['knob']}: launched at {plan['launch']}{kit} and lowered live, over {fresh}; "
-             f"{s['method']}; rounds a value {plan['rounds']}",
+    head = (f"{plan['knob']} {plan['launch']}: the kit's server as a sweep launches it (its measuring) over "
+            f"plain vLLM starts" if footprint(plan) else
+            f"{plan['knob']}: launched at {plan['launch']}{kit} and lowered live, over {fresh}")
+    lines = [f"{head}; {s['method']}; rounds a value {plan['rounds']}",
              f"{'value':>7}  {'metric':<18} {'lowered':>10} {'fresh':>10} {'ratio':>7}  {'95% interval':<18} "
              f"pairs  verdict"]
     for v, ms in s["by_value"].items():
@@ -186,7 +190,9 @@ def report(plan: dict, s: dict) -> str:
             lines.append(f"{v:>7}  {m:<18} {num(x['lowered']):>10} {num(x['fresh']):>10} {pct(x['effect']):>7}  "
                          f"{ci:<18} {x['pairs']:>5}  {x['verdict']}")
     rule = f"rule (equal within +-{EQUAL:.0%}, or not resolved inside +-{LOOSE:.0%}): "
-    if s["passes"]:
+    if footprint(plan):
+        lines.append(footprint_verdict(s))
+    elif s["passes"]:
         lines.append(rule + "PASSES: live knobs may be the default on this engine")
     elif any(x["verdict"] == "too few pairs" for ms in s["by_value"].values() for x in ms.values()):
         lines.append(rule + "not decided: every value needs at least 2 complete pairs")
@@ -199,6 +205,23 @@ def report(plan: dict, s: dict) -> str:
     else:
         lines.append("no interval yet: it needs at least 2 complete pairs")
     return "\n".join(lines)
+
+
+def footprint(plan: dict) -> bool:
+    """Nothing lowered: the kit's measuring start at its launch value against plain vLLM's,
+    a footprint check rather than a live-knobs one."""
+    return bool(plan.get("kit_measuring")) and plan["values"] == [plan["launch"]]
+
+
+def footprint_verdict(s: dict) -> str:
+    """The footprint's target: every metric equal within +-3%, resolved. Names the metrics
+    that miss it, each with its verdict."""
+    rows = [(m, x) for ms in s["by_value"].values() for m, x in ms.items()]
+    missing = [f"{m} ({x['verdict']})" for m, x in rows if x["verdict"] != "equal"]
+    target = f"footprint target (every metric equal within +-{EQUAL:.0%}, resolved): "
+    if not rows or any(x["verdict"] == "too few pairs" for _, x in rows):
+        return target + "not decided: every metric needs at least 2 complete pairs"
+    return target + ("met" if not missing else "not met: " + ", ".join(missing))
 
 
 # ------------------------------------------------------------------ the plan and its files
@@ -299,6 +322,7 @@ class Bench:
                             self.dummy, extra)
         t0 = time.perf_counter()
         rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "rounds": [], "extra_cli_args": extra,
+               "commit": git_state(KIT_ROOT).model_dump(),  # a copy without .git: VLLM_STUDY_GIT_SHA names it
                "sampling_s": counters.RoundSampler.PERIOD_S if measuring else None}
         with VllmServer(cmd, port, work / "server.log", env=env, startup_timeout_s=s.server.startup_timeout_s) as srv:
             rec["startup_s"] = srv.startup_s

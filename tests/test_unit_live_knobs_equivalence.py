@@ -187,5 +187,24 @@ def test_kit_measuring_is_part_of_the_plan_and_the_report(tmp_path):
     with pytest.raises(SystemExit, match="kit_measuring"):
         eq.check_plan(tmp_path, plan | {"kit_measuring": True})
     s = {"by_value": {}, "passes": False, "widest": None, "method": "m"}
-    assert "launched at 2048 with the kit's measuring and lowered live" in eq.report(plan | {"kit_measuring": True}, s)
-    assert "launched at 2048 and lowered live" in eq.report(plan, s)
+    lowered = plan | {"launch": 8192, "values": [2048]}
+    assert "launched at 8192 with the kit's measuring and lowered live" in eq.report(lowered | {"kit_measuring": True}, s)
+    assert "launched at 8192 and lowered live" in eq.report(lowered, s)
+    assert "footprint target (every metric equal within +-3%, resolved): not decided" in eq.report(
+        plan | {"kit_measuring": True}, s)
+
+
+def test_footprint_run_is_judged_by_its_own_target_not_the_live_knobs_rule():
+    plan = {"knob": "max_num_batched_tokens", "launch": 2048, "values": [2048], "rounds": 3, "kit_measuring": True}
+    assert eq.footprint(plan) and not eq.footprint({**plan, "values": [2048, 512]})
+    assert not eq.footprint({**plan, "kit_measuring": False})
+    starts = []
+    for p, k in enumerate((1.00, 1.20, 0.85, 1.10)):  # TTFT P90 spreads +-20% pair to pair
+        starts.append(_start(p, "fresh", 2048, {2048: [_metrics(100)] * 3}))
+        starts.append(_start(p, "lowered", 2048, {2048: [_metrics(100, ttft_p90_ms=100 * k)] * 3}))
+    s = eq.summary(starts, [2048])
+    text = eq.report(plan, s)
+    assert "over plain vLLM starts" in text and "live knobs" not in text
+    assert "not met: ttft_p90_ms (too wide)" in text and "tpot_p50_ms" not in text.split("not met:")[1]
+    same = [_start(p, w, 2048, {2048: [_metrics(100)] * 3}) for p in range(3) for w in ("fresh", "lowered")]
+    assert eq.footprint_verdict(eq.summary(same, [2048])).endswith(": met")
