@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 # The pip list of environment.yml: the lines after "- pip:", without comments.
 REQS   := $(shell sed -n '/- pip:/,$$p' environment.yml | sed -e 's/\#.*//' -n -e 's/^ *- *\([^ ]\{1,\}\) *$$/\1/p' | grep -v '^pip:')
 PARAMS ?= params/default.yaml
-# nbval: each committed report is re-executed and its tables (cells tagged
-# nbval-check-output) must reproduce. The point notebook runs in the end-to-end sweep
+# nbval: one committed report of each kind (tests/nbval_reports.txt) is re-executed and
+# its tables (cells tagged nbval-check-output) must reproduce. The point notebook runs in the end-to-end sweep
 # tests through papermill, against real vLLM CPU servers.
 # They run on a copy (.nbval/): executing a notebook where it lies redraws its figures,
 # and make test must leave the checkout as it found it.
-REF_REPORTS := $(shell git ls-files 'results/*/report.ipynb' 2>/dev/null)
+REF_REPORTS := $(shell grep -v '^\#' tests/nbval_reports.txt 2>/dev/null)
 NBVAL_COPY := .nbval
 NBVAL  := --nbval-lax --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg
 
