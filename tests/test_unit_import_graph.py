@@ -5,7 +5,8 @@
 - each module imports only its own package and packages of a lower layer
   (vllm_study.LAYERS), at most 8 layers;
 - the slot lock's module imports nothing of the package, so every executor may use it;
-- server.extra_cli_args is read by one parser.
+- server.extra_cli_args is read by one parser;
+- no module imports or reads a name another module keeps private (a leading underscore).
 Size is a signal, not a rule: tools/layout.py prints the modules and classes over its
 targets (600 and 200 lines) as a warning; a module is split where an interface is."""
 
@@ -164,3 +165,21 @@ def test_the_architecture_pages_stage_map_names_every_module_of_each_package():
         if module not in ("vllm_study", f"vllm_study.{package}") and short not in rows[package][1]:
             missing.append(module)
     assert missing == []
+
+
+def test_no_module_imports_or_reads_another_modules_private_name():
+    assert layout.private_imports() == []
+
+
+def test_a_private_name_used_across_modules_is_caught(tmp_path, monkeypatch):
+    pkg = tmp_path / "vllm_study" / "report"
+    pkg.mkdir(parents=True)
+    (pkg / "run.py").write_text("def _lookup():\n    pass\n")
+    (pkg / "a.py").write_text("from .run import _lookup, __all__\n")
+    (pkg / "b.py").write_text("from . import run as r\nfrom vllm_study.report import run\nr._lookup()\nrun.__name__\n")
+    (pkg / "c.py").write_text("import vllm_study.report.run as rr\nrr._lookup()\n")
+    known = {f"vllm_study.report.{m}": pkg / f"{m}.py" for m in ("run", "a", "b", "c")}
+    monkeypatch.setattr(layout, "modules", lambda: known)
+    assert layout.private_imports() == ["vllm_study.report.a:1 imports _lookup from vllm_study.report.run",
+                                        "vllm_study.report.b:3 reads vllm_study.report.run._lookup",
+                                        "vllm_study.report.c:2 reads vllm_study.report.run._lookup"]

@@ -188,7 +188,8 @@ def test_kit_measuring_is_part_of_the_plan_and_the_report(tmp_path):
         eq.check_plan(tmp_path, plan | {"kit_measuring": True})
     s = {"by_value": {}, "passes": False, "widest": None, "method": "m"}
     lowered = plan | {"launch": 8192, "values": [2048]}
-    assert "launched at 8192 with the kit's measuring and lowered live" in eq.report(lowered | {"kit_measuring": True}, s)
+    measured = eq.report(lowered | {"kit_measuring": True}, s)
+    assert "launched at 8192 with the kit's measuring and lowered live" in measured
     assert "launched at 8192 and lowered live" in eq.report(lowered, s)
     assert "footprint target (every metric equal within +-3%, resolved): not decided" in eq.report(
         plan | {"kit_measuring": True}, s)

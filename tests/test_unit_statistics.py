@@ -156,9 +156,9 @@ def test_rerun_check_accepts_a_rerun_from_the_same_servers_and_flags_a_shifted_o
     rerun_check = _benchmark("rerun_check")
     rng = np.random.default_rng(7)
     truth = {f"p{i}": 1000.0 * (1 + i / 4) for i in range(12)}
-    from vllm_study.report.run import _lookup
+    from vllm_study.report.run import interval_row
     published = analysis.point_intervals(_rounds(_grid(rng, truth, 2, 2, 0.10, 0.03)))
-    study = SimpleNamespace(interval=lambda point, metric: _lookup(published, point, metric))
+    study = SimpleNamespace(interval=lambda point, metric: interval_row(published, point, metric))
     same = _grid(rng, {"p0": truth["p0"], "p5": truth["p5"]}, 1, 2, 0.10, 0.03)
     shifted = {p: v * 1.6 for p, v in same.items()}  # the +35-40% kind of drift, and more
     ok = rerun_check.check(study, SimpleNamespace(rounds=_rounds(same)), ["ttft_p90_ms"])

@@ -67,6 +67,36 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     return found
 
 
+def private_imports() -> list[str]:
+    """Each name with a leading underscore that a module imports from another of the package:
+    a name used across modules is part of an interface and says so by having no underscore."""
+    known = modules()
+    private = lambda n: n.startswith("_") and not n.startswith("__")  # noqa: E731
+    bad = []
+    for name, path in known.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        aliases = {}  # a local name bound to another module of the package -> that module
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                aliases |= {a.asname: a.name for a in node.names if a.asname and a.name in known}
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rsplit(".", 1)[0]
+            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            for a in node.names:
+                if f"{base}.{a.name}" in known and f"{base}.{a.name}" != name:  # `from . import m as x`
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif base in known and base != name and private(a.name):
+                    bad.append(f"{name}:{node.lineno} imports {a.name} from {base}")
+        bad += [f"{name}:{node.lineno} reads {aliases[node.value.id]}.{node.attr}" for node in ast.walk(tree)
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases and private(node.attr)]
+    return bad
+
+
 def import_edges() -> list[tuple[str, str]]:
     known = modules()
     return sorted((name, t) for name, path in known.items() for t in imports(name, path, known))
@@ -182,6 +212,8 @@ def main(argv: list[str] | None = None) -> None:
               + ", ".join(over))
     up = upward_imports()
     print("upward imports:", "\n  ".join(["", *up]) if up else "none")
+    hidden = private_imports()
+    print("private names used across modules:", "\n  ".join(["", *hidden]) if hidden else "none")
 
 
 if __name__ == "__main__":

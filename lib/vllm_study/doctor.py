@@ -99,10 +99,10 @@ def study_findings(study, stop_at_target_fail: bool = False) -> list[Finding]:
     targets = target_findings(study)
     if stop_at_target_fail and any(f.status == FAIL for f in targets):
         return targets
-    return _model_findings(study) + targets
+    return model_findings(study) + targets
 
 
-def _model_findings(study) -> list[Finding]:
+def model_findings(study) -> list[Finding]:
     why = models.check_path(study.model)
     if why:
         return [Finding(FAIL, "model", why, "fix model.path in the study")]

@@ -286,7 +286,7 @@ def freeze_line(r: report.Run) -> None:
     """Under the point-by-point answer: the export command for its best point, or why this
     run has nothing to freeze."""
     text = report_answer.freeze_words(r)
-    _markdown(report_answer._md_prose(text, [s.point for s in r.summaries]), text.replace("`", ""))
+    _markdown(report_answer.md_prose(text, [s.point for s in r.summaries]), text.replace("`", ""))
 
 
 def fidelity(r: report.Run) -> pd.DataFrame | None:

@@ -551,7 +551,7 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
     if study.workload.kind == "trace" and not study.targets and _shortest_prompt(study) < FRAME_BOUND:
         # a prompt may be under the chat template's floor: its tokenizer is read (seconds), and
         # what it finds is said here as the sweep will say it (the sweep refuses a FAIL)
-        for f in doctor._model_findings(study):
+        for f in doctor.model_findings(study):
             if f.status != doctor.OK:
                 print(f"\n{f}")
     # the targets are asked (about a second) as the sweep will ask them; the model is not loaded here

@@ -159,7 +159,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                    "of the requests that completed")
     noise = data.noise()
     se, df, _ = data.se(best, noise)
-    half = analysis._t(df) * se
+    half = analysis.t_quantile(df) * se
     tied, others = [], []
     for p in candidates:
         if p == best:

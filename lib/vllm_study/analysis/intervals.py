@@ -203,7 +203,7 @@ class MetricData:
         return np.exp(x) if self.log else x
 
 
-def _t(df: int) -> float:
+def t_quantile(df: int) -> float:
     return float(sps.t.ppf(Z_LEVEL, df)) if df else float("nan")
 
 
@@ -215,7 +215,7 @@ def _half(*parts: tuple[float, int]) -> float:
     spread = [(se, df) for se, df in parts if se != 0]
     if not spread:
         return 0.0
-    return _t(min(df for _, df in spread)) * float(np.hypot.reduce([se for se, _ in spread]))
+    return t_quantile(min(df for _, df in spread)) * float(np.hypot.reduce([se for se, _ in spread]))
 
 
 def _interval(data: MetricData, center: float, half: float) -> tuple[float, float]:

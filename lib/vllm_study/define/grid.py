@@ -28,7 +28,7 @@ from . import grid_spec
 from .schema import EngineArgs, StudyError
 from ..launch.flags import Flags
 from .params import Study, Target, live_knobs_unsupported
-from .study_file import _explain
+from .study_file import explain_errors
 from .models import max_positions
 from .traces import TraceError, read_history, read_trace, read_whole
 
@@ -268,7 +268,7 @@ class PointMaker:
         try:
             args = EngineArgs.model_validate({**study.engine_args.model_dump(exclude_none=True), **engine_values})
         except ValidationError as e:
-            return None, [_explain(e, f"point {values}")]
+            return None, [explain_errors(e, f"point {values}")]
         mml = args.max_model_len or self.supported
         if self.supported and mml > self.supported:
             return None, [f"  max_model_len={mml} is above what the model supports ({self.supported} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .schema import EngineArgs, _did_you_mean
+from .schema import EngineArgs, did_you_mean
 
 Grid = dict[str, list[Any]] | list[dict[str, Any]]
 
@@ -41,7 +41,7 @@ def check(grid: Grid, engine_args: EngineArgs) -> None:
     for axis, values in axes(grid).items():
         if axis not in known:
             raise ValueError(f"grid axis {axis!r} is not an engine argument the kit "
-                             f"knows{_did_you_mean(axis, known)}; axes: {', '.join(sorted(known))}")
+                             f"knows{did_you_mean(axis, known)}; axes: {', '.join(sorted(known))}")
         if getattr(engine_args, axis) is not None:
             raise ValueError(f"{axis} is both a grid axis and fixed in engine_args; remove one of them")
         if isinstance(grid, dict) and not values:

@@ -21,13 +21,13 @@ from ..capacity.bracket import halvings
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
 from .models import CARDS
 from .traces import SHIPPED
-from .schema import EngineArgs, _Strict, _did_you_mean
+from .schema import EngineArgs, Strict, did_you_mean
 from ..launch.flags import Flags, option
 from .search_space import Search
 from . import grid_spec
 
 
-class ModelSpec(_Strict):
+class ModelSpec(Strict):
     card: str | None = Field("tiny-qwen2", description="architecture card for dummy weights")
     path: str | None = Field(None, description="a model id or folder (overrides card)")
     dummy_weights: bool | None = Field(None, description="random weights from the config alone; "
@@ -46,7 +46,7 @@ class ModelSpec(_Strict):
         return self.path is None if self.dummy_weights is None else self.dummy_weights
 
 
-class Uniform(_Strict):
+class Uniform(Strict):
     uniform: tuple[int, int]
 
     @model_validator(mode="after")
@@ -64,12 +64,12 @@ class Uniform(_Strict):
         return rng.randint(lo, hi)
 
 
-class _LogN(_Strict):
+class _LogN(Strict):
     mean: float = Field(gt=0)
     sd: float = Field(ge=0)
 
 
-class Lognormal(_Strict):
+class Lognormal(Strict):
     """mean and sd are those of the token count itself, not of its log."""
     lognormal: _LogN
 
@@ -97,7 +97,7 @@ def sample_length(spec: Length, rng: random.Random) -> int:
     return spec if isinstance(spec, int) else spec.sample(rng)
 
 
-class Load(_Strict):
+class Load(Strict):
     """How requests arrive. closed: `workload.concurrency` in flight, the next sent as one
     ends. poisson: arrivals at `rate` req/s, gamma-distributed gaps (`burstiness` 1 is
     Poisson, below 1 burstier, as in vllm bench serve). ladder: poisson steps at each of
@@ -120,7 +120,7 @@ class Load(_Strict):
 TRACE_FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
 
 
-class TraceSpec(_Strict):
+class TraceSpec(Strict):
     """A replayed trace: which file, which window of it, how fast. `file` is a path or
     the name of a window the kit ships (traces.SHIPPED: mooncake_conversation,
     mooncake_synthetic, azure_conv, azure_code). The window is `requests` requests from
@@ -175,7 +175,7 @@ class TraceSpec(_Strict):
         return self
 
 
-class Workload(_Strict):
+class Workload(Strict):
     # eviction: mixed traffic named for the Prefix Reuse Budget: shared-prefix chats (class
     # shared) among long distinct prompts (class cold, long_fraction of them) that evict them
     # trace: a replayed request trace (`trace`): its lengths, prefix blocks and arrival times
@@ -251,7 +251,7 @@ LIVE_GPU_EVIDENCE = (": on one H200, TTFT P50 at chunk 2048 lowered from 8192 re
                      "server.live_knobs: true turns them on")
 
 
-class Server(_Strict):
+class Server(Strict):
     engine: Literal["auto", "cpu", "gpu"] = "auto"  # auto: gpu when NVML sees one
     startup_timeout_s: float = Field(900, gt=0)  # not counting a start ahead's hold
     # Spawn a slot's next server while the previous one still measures and hold it,
@@ -324,7 +324,7 @@ def normalize_base_url(url: str) -> str:
     return u
 
 
-class Target(_Strict):
+class Target(Strict):
     """An OpenAI-compatible endpoint the kit measures but does not launch."""
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     base_url: str
@@ -343,7 +343,7 @@ class Target(_Strict):
 SLO_STATS = ("mean", "p50", "p90", "p99")
 
 
-def _check_slo(bounds: dict[str, float]) -> dict[str, float]:
+def check_slo(bounds: dict[str, float]) -> dict[str, float]:
     """An SLO is a bound per latency metric at a statistic: ttft_p99_ms: 500 means the
     point's TTFT P99 must stay at or under 500 ms, and a request meets it when its own
     TTFT does (its own P99 gap, for ITL; its own longest gap, for stall_p90_ms)."""
@@ -351,7 +351,7 @@ def _check_slo(bounds: dict[str, float]) -> dict[str, float]:
     allowed = slo_bound_names(SLO_STATS)
     for key in bounds:
         if key not in allowed:
-            raise ValueError(f"slo.{key}: not a latency bound the kit knows{_did_you_mean(key, allowed)}; use <ttft|"
+            raise ValueError(f"slo.{key}: not a latency bound the kit knows{did_you_mean(key, allowed)}; use <ttft|"
                              f"itl|tpot|e2e>_<{'|'.join(SLO_STATS)}>_ms, e.g. ttft_p99_ms: 500, or stall_p90_ms")
     return bounds
 
@@ -361,10 +361,10 @@ def _drop_unset(bounds):
     return {k: v for k, v in bounds.items() if v is not None} if isinstance(bounds, dict) else bounds
 
 
-SLO = Annotated[dict[str, Annotated[float, Field(gt=0)]], BeforeValidator(_drop_unset), AfterValidator(_check_slo)]
+SLO = Annotated[dict[str, Annotated[float, Field(gt=0)]], BeforeValidator(_drop_unset), AfterValidator(check_slo)]
 
 
-class Scheduler(_Strict):
+class Scheduler(Strict):
     """The Prefix Reuse Budget scheduler (vllm_study.prefix_budget, loaded through vLLM's
     --scheduler-cls): a waiting request whose cached share of the prompt is below
     `min_reuse_ratio` waits, up to `max_defer_ms`, while requests that reuse the cache go
@@ -379,7 +379,7 @@ class Scheduler(_Strict):
         return list(r) if isinstance(r, list) else [r]
 
 
-class Precision(_Strict):
+class Precision(Strict):
     """Keep adding server starts (one more block of the points that need it) until
     `metric`'s 95% interval is at most `relative_width` wide at every point (high/low
     ratio - 1, e.g. 0.2 = the high end within 20% of the low end), or `max_starts` is
@@ -393,11 +393,11 @@ class Precision(_Strict):
         from ..vocab.metrics import REGISTRY  # metrics imports pandas; the CLI reads a study before it needs it
         if self.metric not in REGISTRY:
             raise ValueError(f"precision.metric {self.metric!r} is not a metric the kit reports"
-                             f"{_did_you_mean(self.metric, REGISTRY)}")
+                             f"{did_you_mean(self.metric, REGISTRY)}")
         return self
 
 
-class Confirm(_Strict):
+class Confirm(Strict):
     """After the planned starts (a grid's replicates, a search's confirmation), start the
     best config, the runner-up and the baseline (the study's `baseline`; vLLM's defaults
     in a search) again, one fresh start each per shuffled block, until the best's gain
@@ -413,7 +413,7 @@ class Confirm(_Strict):
     half_width: float | None = Field(None, gt=0, lt=1)
 
 
-class Capacity(_Strict):
+class Capacity(Strict):
     """How much load each server start sustains within the SLO: a probe at `hi`, then a
     bisection (geometric: loads scale multiplicatively) until the bracket is at most
     `precision` wide (hi/lo - 1) or `max_steps` rounds have run; `lo` is measured only
@@ -463,7 +463,7 @@ def live_knobs_unsupported(study) -> str | None:
     return None
 
 
-class Study(_Strict):
+class Study(Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9._-]+$")
     description: str = ""
     model: ModelSpec = ModelSpec()

@@ -13,11 +13,11 @@ class StudyError(ValueError):
     """A study definition that cannot run; the message lists every problem found."""
 
 
-class _Strict(BaseModel):
+class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class EngineArgs(_Strict):
+class EngineArgs(Strict):
     """vLLM engine arguments the kit knows (snake_case, as `vllm serve --help` spells
     them with dashes). None means: leave vLLM's default. Anything else goes in
     server.extra_cli_args."""
@@ -45,6 +45,6 @@ class EngineArgs(_Strict):
         return self.flags().argv()
 
 
-def _did_you_mean(key: str, options) -> str:
+def did_you_mean(key: str, options) -> str:
     close = difflib.get_close_matches(key, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (Discriminator, Field, Tag,
                       model_validator)
 
-from .schema import EngineArgs, _Strict, _did_you_mean
+from .schema import EngineArgs, Strict, did_you_mean
 
 
 # -- a search instead of a grid (config_search.py) --------------------------------------
@@ -18,7 +18,7 @@ def _low_below_high(kind: str, pair: tuple):
     return pair
 
 
-class IntRange(_Strict):
+class IntRange(Strict):
     """Whole numbers from low to high: {int: [256, 8192], log: true} or {int: [8, 256], step: 8}."""
     int: tuple[int, int]
     log: bool = False
@@ -32,7 +32,7 @@ class IntRange(_Strict):
         return self
 
 
-class FloatRange(_Strict):
+class FloatRange(Strict):
     """Reals from low to high on a grid of `step` (point ids show two decimals, so the
     default step is 0.01): {float: [0.80, 0.95], step: 0.05}."""
     float: tuple[float, float]
@@ -61,7 +61,7 @@ CONDITION = r"^\s*([A-Za-z_]\w*|[-+]?\d+(?:\.\d+)?)\s*(<=|>=|==|!=|<|>)\s*([A-Za
 SAMPLERS = ("tpe", "random", "gp", "qmc", "nsga2")
 
 
-class Search(_Strict):
+class Search(Strict):
     """Search a space of engine arguments instead of measuring a grid: `trials`
     configurations measured (or until `minutes`), each one Optuna's `sampler` proposes from
     what the earlier ones measured, judged by `objective` (capacity_rps in a capacity
@@ -98,7 +98,7 @@ class Search(_Strict):
         for name, dim in self.space.items():
             if name not in known:
                 raise ValueError(f"search.space: {name!r} is not an engine argument the kit knows"
-                                 f"{_did_you_mean(name, known)}; knobs: {', '.join(sorted(known))}")
+                                 f"{did_you_mean(name, known)}; knobs: {', '.join(sorted(known))}")
             if isinstance(dim, list) and (len(dim) < 2 or len(set(map(repr, dim))) != len(dim)):
                 raise ValueError(f"search.space.{name}: a list needs two or more distinct values (got {dim})")
         for cond in self.when:
@@ -110,7 +110,7 @@ class Search(_Strict):
                 if side[0].isalpha() or side[0] == "_":
                     if side not in known:
                         raise ValueError(f"search.when: {side!r} in {cond!r} is not an engine argument"
-                                         f"{_did_you_mean(side, known)}")
+                                         f"{did_you_mean(side, known)}")
         for i, cfg in enumerate(self.first):
             extra = set(cfg) - set(self.space)
             if extra:
@@ -120,7 +120,7 @@ class Search(_Strict):
         if self.objective is not None:
             if self.objective not in REGISTRY:
                 raise ValueError(f"search.objective {self.objective!r} is not a metric the kit reports"
-                                 f"{_did_you_mean(self.objective, REGISTRY)}")
+                                 f"{did_you_mean(self.objective, REGISTRY)}")
             if self.direction is None and REGISTRY[self.objective].better is None:
                 raise ValueError(f"search.objective {self.objective!r} has no better direction; "
                                  "set search.direction: maximize or minimize")

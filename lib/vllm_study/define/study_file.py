@@ -9,7 +9,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from .params import Study
-from .schema import StudyError, _did_you_mean
+from .schema import StudyError, did_you_mean
 
 
 def _deep_merge(base: dict, over: dict, top: bool = True) -> dict:
@@ -57,7 +57,7 @@ def _read_layers(path: Path, seen: tuple = ()) -> dict:
     return _deep_merge(_read_layers(path.parent / base, seen + (path,)), data)
 
 
-def _explain(err: ValidationError, source: str) -> str:
+def explain_errors(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
@@ -65,7 +65,7 @@ def _explain(err: ValidationError, source: str) -> str:
             parent = _model_at(e["loc"][:-1])
             options = sorted(parent.model_fields) if parent else []
             allowed = f"; allowed here: {', '.join(options)}" if options else ""
-            lines.append(f"  {loc}: unknown key{_did_you_mean(str(e['loc'][-1]), options)}{allowed}")
+            lines.append(f"  {loc}: unknown key{did_you_mean(str(e['loc'][-1]), options)}{allowed}")
         elif e["type"] == "missing":
             lines.append(f"  {loc}: required key is missing")
         elif not e["loc"]:  # a check across keys: its message says it all
@@ -115,4 +115,4 @@ def study_from_dict(data: dict, source: str = "params") -> Study:
     try:
         return Study.model_validate(data)
     except ValidationError as e:
-        raise StudyError(_explain(e, source)) from None
+        raise StudyError(explain_errors(e, source)) from None

@@ -28,7 +28,7 @@ from ..workload import windows
 from ..workload.build_workload import make_workload
 from ..workload.trace_workload import window_workload
 from .live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
-from .start_record import StartWriter, _step
+from .start_record import StartWriter, recorded_step
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -54,7 +54,7 @@ class Launcher(StartWriter):
     `self.model_name`, `self.api_key`, `self.proxy`, `self.tokenizer`, `self.workload`."""
     served_chunks: tuple[int, ...] = ()  # live knobs: every chunk size this start's rounds run at
 
-    @_step
+    @recorded_step
     def launch(self) -> None:
         """Start this point's vLLM, or, for an endpoint target, check that it answers.
         Under the sweep it first takes its slot (the previous server there has stopped),

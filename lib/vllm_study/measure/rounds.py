@@ -22,7 +22,7 @@ from ..records.results import RoundRecord, append_round, now_utc
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..prefix_budget import steps
 from .primer import Primer, model_departure
-from .start_record import StartWriter, _step
+from .start_record import StartWriter, recorded_step
 
 
 STEPS_SETTLE_S = 1.0  # the longest wait for a round's last step records (its last step in flight)
@@ -80,7 +80,7 @@ class RoundProtocol(StartWriter):
         return client.run_open_loop(self.url, self.model_name, w.api, requests, times,
                                     max_concurrency=load.max_concurrency, **common)
 
-    @_step
+    @recorded_step
     def warmup(self) -> None:
         """Requests from a separate stream, excluded from every statistic."""
         n = self.study.workload.warmup_requests
@@ -91,7 +91,7 @@ class RoundProtocol(StartWriter):
             self._save()
             self._server_died("during warm-up", wait_s=10 if self.record.warmup_errors else 0)
 
-    @_step
+    @recorded_step
     def run_round(self, index: int, load: float | None = None, step: int | None = None) -> RoundRecord | None:
         """One measured round; `load`: a capacity step's load (judged against the SLO),
         `step` its number in the search (for the words a dead server is recorded with)."""
@@ -101,7 +101,7 @@ class RoundProtocol(StartWriter):
                  else f"round {index + 1} of {self.record.rounds_planned}")  # 0-based in records
         if self._server_died(f"before {where}"):
             return None
-        self._doing = f"before {where}"   # where a request that finds the server gone was (_step)
+        self._doing = f"before {where}"   # where a request that finds the server gone was (recorded_step)
         # a shared start (live knobs): this point's limits in force first, or no round (live_start.py)
         limits = self.live.enter(point_limits(self.point)) if self.live else None
         if launch.cache_reset:

@@ -1,6 +1,6 @@
 """A server start's record (start.json) and its writer: every step of a start saves
 what it learned at once, so a start that dies keeps it. A step that raises marks the
-start failed with the error instead of stopping the notebook (`_step`)."""
+start failed with the error instead of stopping the notebook (`recorded_step`)."""
 from __future__ import annotations
 
 import functools
@@ -10,7 +10,7 @@ from ..launch.server import failure_reason
 from ..records.results import START, read_log
 
 
-def _step(method):
+def recorded_step(method):
     """A step that raises records the start as failed (with the error) instead of
     stopping the notebook: failures are data, and later steps become no-ops. Where the
     error is a connection's and the kit's own server has ended, the start fails with

@@ -19,7 +19,7 @@ from .simulator import VirtualEngine
 
 class Prompts:
     """Exact prompt token ids of a workload's requests, as vLLM's server makes them
-    (workload._Base._ids: the chat template rendered, or a completion's special
+    (workload.WorkloadBase._ids: the chat template rendered, or a completion's special
     tokens): the block hashes prefix caching compares are those of what the kit sends."""
 
     def __init__(self, workload):

@@ -9,8 +9,8 @@ import pandas as pd
 
 from ..define.traces import floor_warning
 from ..vocab import metrics
-from .capacity_section import _trace_info, below_everywhere, capacity_answer, is_capacity_study
-from .run import Run, _per_start
+from .capacity_section import trace_info, below_everywhere, capacity_answer, is_capacity_study
+from .run import Run, per_start_work
 from ..measure.primer import model_departure
 
 
@@ -25,7 +25,7 @@ def fidelity_table(r: Run) -> pd.DataFrame | None:
     cache would reach on the window, the cache model's at the server's KV size and vLLM's
     measured one; priming's requests, tokens and time (trace.prime: history); and how late
     the client sent."""
-    trace = _trace_info(r)
+    trace = trace_info(r)
     if trace is None:
         return None
     df = r.rounds[(r.rounds["group"] == "all") & (r.rounds["round_status"] == "ok")]
@@ -96,7 +96,7 @@ def md_escape(text: str) -> str:
     return re.sub(r"([\\`*_\[\]<>#|~])", r"\\\1", text)
 
 
-def _md_prose(text: str, points: list[str], strong: str | None = None) -> str:
+def md_prose(text: str, points: list[str], strong: str | None = None) -> str:
     """One line of the answer as Markdown: `code` spans kept, point ids set as code (and
     `strong` in bold too: the recommended point, where the line names it first), the
     rest escaped."""
@@ -143,7 +143,7 @@ def answer_context(r: Run) -> str:
     gpus = sorted({g.name for g in m.machine.gpus})
     where = " and ".join(gpus) if gpus else f"CPU ({m.machine.cpu.model})"
     parts.append(f"Study {m.study}: {n} point{'s' * (n != 1)}, {_starts_words(r)} "
-                 f"{'each ' * (n != 1)}of {_per_start(r.study)}, on {where} with {m.versions.vllm_distribution} "
+                 f"{'each ' * (n != 1)}of {per_start_work(r.study)}, on {where} with {m.versions.vllm_distribution} "
                  f"{m.versions.vllm}.")
     short = [s for s in r.summaries if s.status != "ok"]
     parts.append(f"{len(short)} of {n} points did not complete every planned round: see Failures below."
@@ -221,8 +221,8 @@ def answer_markdown(r: Run) -> str:
     lines = [ln for ln in answer_text(r).splitlines() if ln.strip()]
     first = 1 if r.search else 0  # a search's first line says what it did; the answer follows
     for i, line in enumerate(lines):
-        paras.append(_md_prose(line, points, strong=best if i == first else None))
-    paras.append(_md_prose(answer_context(r), points))
+        paras.append(md_prose(line, points, strong=best if i == first else None))
+    paras.append(md_prose(answer_context(r), points))
     if best and not r.study.targets:  # an endpoint is run elsewhere: nothing to export
         paras.append(freeze_words(r))
     return "\n\n".join(paras)

@@ -125,13 +125,13 @@ def scheduler_axis(r: Run) -> str | None:
     return SCHEDULER_AXIS if SCHEDULER_AXIS in r.axes else None
 
 
-def _same(a, b) -> bool:
+def same_value(a, b) -> bool:
     return a == b or str(a) == str(b)
 
 
 def _budget_points(r: Run, axis: str) -> list[str]:
     """Measured points that ran with the budget (min_reuse_ratio not off)."""
-    return [s.point for s in r.measured if axis in s.values and not _same(s.values[axis], "off")]
+    return [s.point for s in r.measured if axis in s.values and not same_value(s.values[axis], "off")]
 
 
 def _scheduler_evidence(r: Run) -> dict | None:

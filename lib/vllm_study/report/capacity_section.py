@@ -15,7 +15,7 @@ def is_capacity_study(r: Run) -> bool:
     return r.study.capacity is not None
 
 
-def _trace_info(r: Run) -> dict | None:
+def trace_info(r: Run) -> dict | None:
     """A replayed trace's record (source, window, real rate), from the first start that has one."""
     for s in r.summaries:
         for st in r.folder.point(s.point).starts():
@@ -47,7 +47,7 @@ def capacity_answer(r: Run) -> str | None:
     if pc.config.kind == "below":  # the best is below the floor: so is every point
         return (f"Capacity below {_load_words(r, floor(r))} at every point: the SLO ({bounds}) was "
                 f"missed at every load measured; {_lower(r)}.\n{confirmed}{statistic_sentence(r)}")
-    trace = _trace_info(r)
+    trace = trace_info(r)
     c = pc.config
     value_rps = pc.rps(c.value)
     times = f" ({c.value:.2f} x the trace's real rate)" if r.study.capacity.over == "speed" and trace \
@@ -182,13 +182,13 @@ def cost_per_million(r: Run, point: str) -> str | None:
     return f"{per(iv['value']):.3g}"
 
 
-def _completed_capacities(r: Run, point: str) -> list:
+def completed_capacities(r: Run, point: str) -> list:
     """The capacity searches of the point's starts that completed."""
     return [st.capacity for st in r.folder.point(point).starts() if st.capacity and st.status == "ok"]
 
 
 def _censored(r: Run, point: str) -> str | None:
-    starts = _completed_capacities(r, point)
+    starts = completed_capacities(r, point)
     above = sum(1 for c in starts if c.censored == "above")
     below = sum(1 for c in starts if c.censored == "below")
     cap = r.study.capacity
@@ -218,7 +218,7 @@ def _lower(r: Run, point: str | None = None) -> str:
 def _lowest_load(r: Run, lo: float | None = None) -> tuple[str, float | None]:
     """The search's lowest load (or `lo`) in words, and as requests/s where the load fixes the rate."""
     lo, over = r.study.capacity.lo if lo is None else lo, r.study.capacity.over
-    trace = _trace_info(r)
+    trace = trace_info(r)
     if over == "speed" and trace and trace.get("rate"):
         return f"speed {lo:g} ({lo * trace['rate']:.2f} req/s)", lo * trace["rate"]
     if over == "rate":
@@ -229,7 +229,7 @@ def _lowest_load(r: Run, lo: float | None = None) -> tuple[str, float | None]:
 def _load_words(r: Run, load: float) -> str:
     """A load of the search as the user reads it: '10.17 req/s (12 x the trace's real
     rate)', '2.00 req/s', or 'concurrency 4' where no rate fixes it."""
-    over, trace = r.study.capacity.over, _trace_info(r)
+    over, trace = r.study.capacity.over, trace_info(r)
     if over == "speed" and trace and trace.get("rate"):
         return f"{load * trace['rate']:.2f} req/s ({load:g} x the trace's real rate)"
     return f"{load:.2f} req/s" if over == "rate" else f"{over} {load:g}"
@@ -245,7 +245,7 @@ def below_everywhere(r: Run, point: str) -> bool:
 def _baseline_below(r: Run, point: str) -> str | None:
     """Where every start of a point missed the SLO at the search's lowest load (its floor), say so with
     why each missed: its capacity is not 0 but unmeasured below the bracket."""
-    starts = _completed_capacities(r, point)
+    starts = completed_capacities(r, point)
     if not _all_below(starts):
         return None
     lo = floor(r, point)
@@ -256,7 +256,7 @@ def _baseline_below(r: Run, point: str) -> str | None:
 
 
 def _all_below(completed: list) -> bool:
-    """Every completed start of a point (_completed_capacities) missed the SLO at the
+    """Every completed start of a point (completed_capacities) missed the SLO at the
     search's lowest load (its floor): its capacity is a bound below it, never 0."""
     return bool(completed) and all(c.censored == "below" for c in completed)
 
@@ -388,7 +388,7 @@ def binding_bound(r: Run, point: str) -> str:
     lowest load they missed (the bracket's top, or the floor); where a start never missed,
     the bound nearest its limit at the highest load ('closest'); '-' where no step says."""
     found, closest = [], []
-    for c in _completed_capacities(r, point):
+    for c in completed_capacities(r, point):
         missed = [s for s in c.steps if not s.get("met")]
         if missed:
             b = _step_bound(min(missed, key=lambda s: s["load"]))
@@ -414,7 +414,7 @@ def measured_at(r: Run, point: str) -> list[float]:
     """The loads the point's figures 'at capacity' were measured at, one per completed
     start: its capacity step's, or the floor's where it missed even there."""
     out = []
-    for c in _completed_capacities(r, point):
+    for c in completed_capacities(r, point):
         at = next((s["load"] for s in c.steps if s.get("round") == c.at_round), c.load)
         if at is not None:
             out.append(at)

@@ -88,7 +88,7 @@ def difference(a: analysis.MetricData, b: analysis.MetricData, point: str) -> Di
     otherwise in the metric's unit (with an interval only when both are linear)."""
     se_a, df_a, _ = a.se(point, a.noise())
     se_b, df_b, _ = b.se(point, b.noise())
-    half = analysis._t(min(df_a, df_b)) * float(np.hypot(se_a, se_b))
+    half = analysis.t_quantile(min(df_a, df_b)) * float(np.hypot(se_a, se_b))
     if a.log and b.log:
         d = b.center(point) - a.center(point)
         return Difference(a.metric, point, point, True, float(np.expm1(d)), float(np.expm1(d - half)),

@@ -9,9 +9,9 @@ from ..analysis import intervals as analysis
 from ..define import grid_spec
 from ..vocab import axes, metrics
 from ..vocab.axes import SCHEDULER_AXIS
-from .binding import _same, scheduler_binding
-from .report import _group_order
-from .run import Run, _lookup
+from .binding import same_value, scheduler_binding
+from .report import group_order
+from .run import Run, interval_row
 
 
 EFFECT_METRICS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms")       # per request group and for all
@@ -33,7 +33,7 @@ def reference_value(r: Run, axis: str):
     """What an axis's other values are set against: vLLM's own scheduler (off) for the
     budget; else the baseline point's value; else the axis's first value."""
     values = axis_values(r, axis)
-    if axis == SCHEDULER_AXIS and any(_same(v, "off") for v in values):
+    if axis == SCHEDULER_AXIS and any(same_value(v, "off") for v in values):
         return "off"
     base = next((s for s in r.summaries if s.point == r.baseline), None)
     if base is not None and axis in base.values:
@@ -46,12 +46,13 @@ def axis_pairs(r: Run, axis: str, reference=None) -> list[tuple[str, str]]:
     the point at the reference value whose other axes' values are the same."""
     ref = reference_value(r, axis) if reference is None else reference
     values = {s.point: s.values for s in r.summaries if axis in s.values}
-    at_ref = [q for q, v in values.items() if _same(v[axis], ref)]
+    at_ref = [q for q, v in values.items() if same_value(v[axis], ref)]
     pairs = []
     for p, v in values.items():
-        if _same(v[axis], ref):
+        if same_value(v[axis], ref):
             continue
-        twin = next((q for q in at_ref if all(_same(values[q].get(k), x) for k, x in v.items() if k != axis)), None)
+        twin = next((q for q in at_ref
+                     if all(same_value(values[q].get(k), x) for k, x in v.items() if k != axis)), None)
         if twin:
             pairs.append((p, twin))
     return pairs
@@ -63,7 +64,7 @@ def request_groups(rounds: pd.DataFrame) -> list[tuple[str, tuple[str, str] | No
     if rounds.empty or "group" not in rounds.columns:
         return [("all", None)]
     groups = rounds.loc[rounds["group"] != "all", ["group", "group_value"]].drop_duplicates()
-    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=_group_order)
+    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=group_order)
     return [("all", None)] + [(lab, tuple(lab.split("=", 1))) for lab in labels]
 
 
@@ -107,8 +108,8 @@ def axis_effect_frame(r: Run, axis: str, reference=None, names=EFFECT_METRICS,
             d = analysis.difference(data, p, ref, noise)
             mm = metrics.get(m)
             rows.append({**values[p], "point": p, "against": ref, "group": label, "metric": m,
-                         "value": metrics.with_interval(_lookup(iv, p, m), mm),
-                         "reference value": metrics.with_interval(_lookup(iv, ref, m), mm),
+                         "value": metrics.with_interval(interval_row(iv, p, m), mm),
+                         "reference value": metrics.with_interval(interval_row(iv, ref, m), mm),
                          "change": _change_text(d), "verdict": d.verdict(), "estimate": d.estimate, "low": d.low,
                          "high": d.high, "relative": d.relative, "resolved": d.resolved})
     return pd.DataFrame(rows, columns=cols)

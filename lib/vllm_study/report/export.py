@@ -238,7 +238,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
              f"- command: {source}",
              f"- model: {model} ({model_note})", f"- run: `{r.folder.path.name}` (commit {str(m.git.sha)[:8]})",
              f"- vLLM {v.vllm} ({v.vllm_distribution}), torch {v.torch}; hardware: {gpus}",
-             f"- workload: {w.kind}, " + (report._trace_line(w.trace) if w.trace else f"load {_load(w.load)}"),
+             f"- workload: {w.kind}, " + (report.trace_line(w.trace) if w.trace else f"load {_load(w.load)}"),
              f"- SLO: {', '.join(f'{k} <= {b:g}' for k, b in slo.items()) or 'none set'}", ""]
     s = next(x for x in r.summaries if x.point == point)
     method = r.intervals[r.intervals["point"] == point]["method"]

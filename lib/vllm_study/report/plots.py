@@ -408,7 +408,7 @@ def margin_vs_load(r: Run, out: Path | None = None) -> str | None:
     drawn = False
     for i, s in enumerate(r.summaries):
         colour = cycle[i % len(cycle)]
-        steps = [(st["load"], max(st["margins"].values())) for c in cs._completed_capacities(r, s.point)
+        steps = [(st["load"], max(st["margins"].values())) for c in cs.completed_capacities(r, s.point)
                  for st in c.steps if st.get("margins") and st.get("load") is not None]
         pc = r.capacity(s.point)
         if not steps or pc is None:

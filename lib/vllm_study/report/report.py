@@ -18,7 +18,7 @@ from ..define.params import TraceSpec
 from ..records import point_capacity
 from ..records.results import PointSummary
 from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study, slo_metrics
-from .run import Run, _lookup, _per_start, status_label
+from .run import Run, interval_row, per_start_work, status_label
 
 
 def describe(r: Run) -> str:
@@ -34,8 +34,8 @@ def describe(r: Run) -> str:
         + (f"; dtype {m.cpu_dtype['dtype']}: {m.cpu_dtype['reason']}" if m.cpu_dtype else ""),
         f"GPU: {gpus or m.machine.no_gpu_reason}",
         f"grid: {json.dumps(s.grid)}" if s.grid else f"targets: {[t.name for t in s.targets]}",
-        f"{s.replicates} server start(s) per point x {_per_start(s)}; workload {w.kind} via {w.api}, "
-        + (_trace_line(w.trace) if w.trace else f"load {w.load.kind}, {w.requests_per_round} requests/round"),
+        f"{s.replicates} server start(s) per point x {per_start_work(s)}; workload {w.kind} via {w.api}, "
+        + (trace_line(w.trace) if w.trace else f"load {w.load.kind}, {w.requests_per_round} requests/round"),
         "fixed engine args: " + json.dumps(s.engine_args.model_dump(exclude_none=True), sort_keys=True),
     ]
     if m.resumes:
@@ -48,7 +48,7 @@ def describe(r: Run) -> str:
     return "\n".join(lines)
 
 
-def _trace_line(t: TraceSpec) -> str:
+def trace_line(t: TraceSpec) -> str:
     window = f"{t.requests} requests" if t.requests else f"{t.duration_s:g} s" if t.duration_s else "the whole file"
     where = (f"{t.windows} windows of {window} from across the whole trace" if t.windows
              else f"{window} from {t.start_s:g} s")
@@ -139,7 +139,7 @@ def _change(r: Run, metric: str, a: str, b: str) -> str:
     return f"{d.estimate:+{m.fmt}} [{d.low:+{m.fmt}}, {d.high:+{m.fmt}}]"
 
 
-def _group_order(label: str):
+def group_order(label: str):
     key, _, value = label.partition("=")
     try:
         return key, 0, float(value), ""
@@ -160,12 +160,12 @@ def group_table(r: Run) -> pd.DataFrame | None:
         print("this run's workload has no classes, turns or rate steps")
         return None
     groups = df.loc[df["group"] != "all", ["group", "group_value"]].drop_duplicates()
-    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=_group_order)
+    labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=group_order)
     frames = {lab: analysis.point_intervals(df, metrics.GROUP_METRICS, tuple(lab.split("=", 1))) for lab in labels}
     rows = []
     for s in r.summaries:
         for lab in labels:
-            cells = {metrics.get(n).title: metrics.with_interval(_lookup(frames[lab], s.point, n), metrics.get(n))
+            cells = {metrics.get(n).title: metrics.with_interval(interval_row(frames[lab], s.point, n), metrics.get(n))
                      for n in metrics.GROUP_METRICS}
             if any(cells.values()):
                 rows.append({"point": s.point, "group": lab, **cells})

@@ -95,7 +95,7 @@ class Run:
         return self.study.baseline
 
     def interval(self, point: str, metric: str) -> dict | None:
-        return _lookup(self.intervals, point, metric)
+        return interval_row(self.intervals, point, metric)
 
     @property
     def axes(self) -> list[str]:
@@ -140,7 +140,7 @@ class Run:
 def parse_slo(text: str) -> dict[str, float]:
     """'ttft_p90_ms=2500,itl_p90_ms=100' (or with ':') -> bounds, checked as a study's slo: is.
     The one parser of report's and export's --slo: a bad one is a StudyError (the CLI's exit 2)."""
-    from ..define.params import _check_slo
+    from ..define.params import check_slo
     if not text.strip():
         return {}
     try:
@@ -149,7 +149,7 @@ def parse_slo(text: str) -> dict[str, float]:
         raise StudyError(f"--slo {text!r}: write it as metric=bound pairs, "
                          "e.g. ttft_p90_ms=2500,itl_p90_ms=100") from None
     try:
-        return _check_slo(bounds)
+        return check_slo(bounds)
     except ValueError as e:
         raise StudyError(f"--slo {text!r}: {e}") from None
 
@@ -223,7 +223,7 @@ def _fitted_capacity(r: Run) -> pd.DataFrame:
         if rows else out.reset_index(drop=True)
 
 
-def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
+def interval_row(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
     """One point x metric row of an intervals frame, or None."""
     if iv.empty:
         return None
@@ -231,7 +231,7 @@ def _lookup(iv: pd.DataFrame, point: str, metric: str) -> dict | None:
     return row.iloc[0].to_dict() if len(row) else None
 
 
-def _per_start(s: Study) -> str:
+def per_start_work(s: Study) -> str:
     c = s.capacity
     if not c:
         return f"{s.rounds} rounds"

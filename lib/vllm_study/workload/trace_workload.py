@@ -15,7 +15,7 @@ from itertools import islice
 from typing import NamedTuple
 
 from ..define.traces import Trace, TraceRequest, read_trace
-from .workload import Request, TemplateError, _Base
+from .workload import Request, TemplateError, WorkloadBase
 
 WARMUP_MAX_INPUT = 1024  # warmup prompts: the trace's first lengths, capped to keep warmup short
 _CHUNK = 32               # requests rendered and checked per tokenizer batch
@@ -32,7 +32,7 @@ class _Draft(NamedTuple):
     want: int | None      # the trace's input tokens; None: too short to be exact
 
 
-class TraceWorkload(_Base):
+class TraceWorkload(WorkloadBase):
     """The requests of a trace window; `schedule(speed)` gives their send times."""
 
     def __init__(self, tokenizer, *, api: str, seed: int, trace: Trace, stream: str = "measure"):
@@ -45,7 +45,7 @@ class TraceWorkload(_Base):
         self._anchor, self._lead, self._tail = self._frame()
         self._blocks: dict[int, list[int]] = {}  # block id -> its piece indices (block_tokens of them)
         self._measured: list[Request] | None = None
-        self._batch_ok: bool | None = None  # does the batch encoder agree with _Base._ids?
+        self._batch_ok: bool | None = None  # does the batch encoder agree with WorkloadBase._ids?
 
     # ------------------------------------------------------------ the template's frame
 
@@ -145,7 +145,7 @@ class TraceWorkload(_Base):
         return ([{"role": "user", "content": text}], None) if self.api == "chat" else (None, text)
 
     def _encode_many(self, shapes: list[tuple]) -> list[list[int]]:
-        """_Base._ids of each (messages, prompt), in one batch: the tokenizer's own Rust
+        """WorkloadBase._ids of each (messages, prompt), in one batch: the tokenizer's own Rust
         encoder without offsets, which is what tokenizer.encode runs, ~2x faster; a
         tokenizer without one, or whose batch differs from _ids on the first, goes one
         by one."""

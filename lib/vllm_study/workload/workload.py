@@ -76,7 +76,7 @@ def random_text(pieces: list[str], n_tokens: int, rng: random.Random) -> str:
     return "".join(rng.choice(pieces) for _ in range(n_tokens))
 
 
-class _Base:
+class WorkloadBase:
     """Shared by every workload: exact-length text, the chat/completions shape, and a
     random stream per (seed, stream name, request index) so every request replays."""
 
@@ -131,7 +131,7 @@ class _Base:
         return [self.request(i, stream) for i in range(n)]
 
 
-class SharedPrefixWorkload(_Base):
+class SharedPrefixWorkload(WorkloadBase):
     """Long system prompts shared by requests (what prefix caching reuses) plus a short
     question of each request's own. `prefixes` distinct prompts are used round-robin:
     together with their length they set the hit rate a perfect cache would reach."""
@@ -198,7 +198,7 @@ class MixedWorkload(SharedPrefixWorkload):
         return None if r.tags.get("class") == self.long_class else super().prefix_of(r)
 
 
-class RandomWorkload(_Base):
+class RandomWorkload(WorkloadBase):
     """Prompts of random text (no shared prefix) with input and output lengths drawn
     from the params' distributions."""
 
