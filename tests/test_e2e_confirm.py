@@ -15,6 +15,7 @@ import json
 import pytest
 from e2e_support import UNI, sweep, tiny, write
 
+from vllm_study.analysis import confirmation as confirming
 from vllm_study.records import confirmation
 from vllm_study.records.results import RunFolder
 
@@ -81,6 +82,6 @@ def test_confirmation_adds_blocks_of_the_best_runner_up_and_baseline_and_says_wh
     # the report's answer states what was resolved and why it stopped, as the record says
     nb = json.loads((path / "report.ipynb").read_text())
     text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
-    words = confirmation.stop_words(rec)
+    words = confirming.stop_words(rec)
     assert words and words in text, (words, text[-3000:])
     assert f"stopped: {rec.stop}." in text

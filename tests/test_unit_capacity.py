@@ -420,7 +420,7 @@ def test_capacitys_noise_floor_is_its_fitted_starts_spread_raw_beside_corrected(
     start's bootstrap noise (16% here) nothing is left, which the table says in words; with
     tighter starts (3%) the corrected spread is stated beside the raw one."""
     from vllm_study.capacity.fit import StartCapacity
-    from vllm_study.records.point_capacity import start_spread
+    from vllm_study.capacity.estimate import start_spread
 
     def starts(se):
         return [StartCapacity(kind="value", value=v, lowest=1, highest=16, log_se=se) for v in (2.59, 3.18, 2.95)]

@@ -52,7 +52,7 @@ def test_a_run_saved_with_zeros_reads_them_as_no_value(run, tmp_path):
 
 
 def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run, tmp_path, capsys):
-    from vllm_study.records import point_capacity
+    from vllm_study.capacity import estimate
     from vllm_study.report import answer, capacity_section, export, report
     r = report.Run.load(run.path)
     pc = r.capacity("mbt=256")
@@ -84,7 +84,7 @@ def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run,
     assert capacity_table.main() == 0
     out = capsys.readouterr().out
     assert " 0.00 " not in out and "[0.00" not in out
-    assert point_capacity.STATISTICS["margins"] in out
+    assert estimate.STATISTICS["margins"] in out
 
 
 def test_a_point_below_its_floor_everywhere_is_a_bound_in_tables_compare_export_and_the_objective(tmp_path):
@@ -112,7 +112,7 @@ def test_a_point_below_its_floor_everywhere_is_a_bound_in_tables_compare_export_
 
 
 def test_the_gain_over_a_baseline_below_its_floor_is_a_lower_bound(tmp_path):
-    from vllm_study.records.point_capacity import gain
+    from vllm_study.capacity.estimate import gain
     from vllm_study.report import capacity_section, report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
     r = report.Run.load(run.path)
@@ -127,7 +127,7 @@ def test_the_gain_over_a_baseline_below_its_floor_is_a_lower_bound(tmp_path):
 def test_a_gain_bounded_by_the_best_meeting_the_slo_at_hi_says_so(tmp_path):
     """The best met the SLO at the highest load, the baseline has a capacity: the gain is a
     lower bound because of the best, and the answer does not blame the baseline."""
-    from vllm_study.records.point_capacity import gain
+    from vllm_study.capacity.estimate import gain
     from vllm_study.report import capacity_section, report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 3.0, "mbt=512": 20.0}, lo=2.0, hi=8.0)
     r = report.Run.load(run.path)
@@ -224,7 +224,7 @@ def test_a_gain_on_one_start_each_is_not_called_resolved(tmp_path):
     not resolved yet, as confirmation judges it, though the start's interval parts them
     (the H200 steady-state run after its first block: 4.85 [4.44, 5.12] over below 2.95)."""
     from vllm_study.capacity import fit
-    from vllm_study.records.point_capacity import PointCapacity, gain
+    from vllm_study.capacity.estimate import PointCapacity, gain
     from vllm_study.report import capacity_section, report
     run = make_capacity_run(tmp_path / "r", {"mbt=256": 0.1, "mbt=512": 3.0}, lo=2.0, hi=8.0, floor=0.25)
     r = report.Run.load(run.path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from synthetic_run import add_capacity_start, make_capacity_run
 
+from vllm_study.analysis import confirmation as confirming
 from vllm_study.records import confirmation
 from vllm_study.sweep import SweepOutcome, confirm_until_resolved, unit_finished
 
@@ -118,9 +119,9 @@ def test_a_run_stopped_inside_a_block_is_reported_on_the_starts_it_holds(tmp_pat
     rec = confirmation.read(run.path)
     first = next(u for u in run.manifest().order if u.block == rec.last.block + 1)
     assert rec.last.starts[first.point] == 2          # judged before the block's start
-    now = confirmation.current(run, study, rec)
+    now = confirming.current(run, study, rec)
     assert now.block == rec.last.block + 1 and now.starts[first.point] == 3
-    assert confirmation.current(run, study, rec) is not rec.last
+    assert confirming.current(run, study, rec) is not rec.last
     answer = capacity_answer(Run.load(run))
     assert f"{first.point} 3" in answer and "1 block(s) begun" in answer and "It stopped: --max-minutes" in answer
 
@@ -217,7 +218,7 @@ def test_the_blocks_run_through_the_sweeps_dispatcher(tmp_path):
 def _capacity(point: str, starts: list[tuple[float, float, float] | float], pooled_df: int | None = None):
     """A point's capacity from its starts: (value, low, high) fitted ones, or a float: below it."""
     from vllm_study.capacity import fit
-    from vllm_study.records.point_capacity import PointCapacity
+    from vllm_study.capacity.estimate import PointCapacity
     caps = [fit.StartCapacity(kind="value", value=s[0], low=s[1], high=s[2], lowest=2.95, highest=7.4,
                               log_se=0.025) if isinstance(s, tuple)
             else fit.StartCapacity(kind="below", value=s, lowest=s, highest=s) for s in starts]
@@ -230,14 +231,14 @@ def test_a_gain_on_one_start_is_not_resolved_until_a_restart_measures_the_spread
     # the baseline below 2.95; its interval alone would part them
     best = _capacity("4096", [(3.33, 3.12, 3.43)])
     base = _capacity("defaults", [2.95])
-    words, ok = confirmation._told_apart(best, base)
+    words, ok = confirming._told_apart(best, base)
     assert not ok and "one start, so no start-to-start spread" in words and "4096 and defaults" in words
     # restarts measure the spread (two give t on 1 df, too wide here; three that agree part them)
     best3 = _capacity("4096", [(3.33, 3.12, 3.43), (3.30, 3.1, 3.4), (3.36, 3.15, 3.45)])
-    words, ok = confirmation._told_apart(best3, _capacity("defaults", [2.95] * 3))
+    words, ok = confirming._told_apart(best3, _capacity("defaults", [2.95] * 3))
     assert ok and "one start" not in words, words
     # or a spread pooled over the run's points (3 df or more) stands in for a point's own
-    words, ok = confirmation._told_apart(_capacity("4096", [(3.33, 3.12, 3.43)], pooled_df=4),
+    words, ok = confirming._told_apart(_capacity("4096", [(3.33, 3.12, 3.43)], pooled_df=4),
                                          _capacity("defaults", [2.95], pooled_df=4))
     assert ok, words
 
@@ -281,7 +282,7 @@ def test_a_half_width_not_met_by_max_starts_says_so(tmp_path):
     confirm_until_resolved(run, study, SweepOutcome(run, 0), _blocks(RESOLVES))
     rec = confirmation.read(run.path)
     assert rec.stop.startswith(confirmation.MAX_STARTS) and rec.last.resolved and not rec.last.precise
-    words = confirmation.stop_words(rec)
+    words = confirming.stop_words(rec)
     assert f"its interval +-{rec.last.best_half_width:.0%} of its value, wider than confirm.half_width" in words
 
 
@@ -289,11 +290,11 @@ def test_an_unresolved_gain_says_which_capacity_is_a_bound_and_which_is_open():
     """The baseline below the floor against a best whose interval is open below: only the
     baseline is a bound, and the words say so (never "both are bounds on the same side")."""
     from vllm_study.capacity import fit
-    from vllm_study.records.point_capacity import PointCapacity
+    from vllm_study.capacity.estimate import PointCapacity
     best = PointCapacity("chunk2048", fit.ConfigCapacity(kind="value", value=1.1, low=None, high=1.4, starts=3,
                                                          spread=0.1), [], ["fit"] * 3, 3.7, None)
     base = PointCapacity("defaults", fit.ConfigCapacity(kind="below", value=0.8, starts=2), [], ["fit"] * 2, 3.7)
-    words, ok = confirmation._told_apart(best, base)
+    words, ok = confirming._told_apart(best, base)
     assert not ok
     assert "both are bounds" not in words
     assert "defaults's capacity is a bound, below 0.8" in words
@@ -304,7 +305,7 @@ def test_a_runner_up_that_is_the_baseline_is_compared_once():
     v = confirmation.Verdict(block=3, best="mbt=1024", runner_up="mbt=256", baseline="mbt=256",
                              starts={"mbt=1024": 3, "mbt=256": 3}, over_baseline="1.80x [1.50, 2.10]",
                              over_runner_up="1.80x [1.50, 2.10]", baseline_resolved=True, runner_up_resolved=True)
-    words = confirmation.stop_words(confirmation.ConfirmRecord(planned_blocks=2, verdicts=[v], stop="resolved"), v)
+    words = confirming.stop_words(confirmation.ConfirmRecord(planned_blocks=2, verdicts=[v], stop="resolved"), v)
     assert words.count("1.80x [1.50, 2.10]") == 1, words
     assert "over the baseline mbt=256, also the runner-up, resolved (1.80x [1.50, 2.10])" in words
 

@@ -11,7 +11,7 @@ from vllm_study.capacity.bracket import judge, margins
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.client import RequestResult
 from vllm_study.measure.stats import request_value_ms, round_metrics
-from vllm_study.records.point_capacity import _step_from_requests
+from vllm_study.capacity.estimate import step_from_requests
 from vllm_study.vocab import metrics
 
 
@@ -73,7 +73,7 @@ def test_capacity_fits_a_stall_bound_over_requests_not_over_pooled_gaps():
     steps = []
     for load, stalled in ((1.0, 1), (2.0, 1), (4.0, 10)):
         reqs = _round(stalled, 0.250)
-        d = _step_from_requests({"load": load}, reqs, bounds, round_metrics(reqs, 10.0))
+        d = step_from_requests({"load": load}, reqs, bounds, round_metrics(reqs, 10.0))
         assert d is not None and len(d.latencies["stall_p90_ms"]) == 20
         assert all(len(v) == 1 for v in d.latencies["stall_p90_ms"])      # one value per request
         assert sum(len(v) for v in d.latencies["itl_p99_ms"]) == 20 * 255  # every gap, pooled

@@ -31,6 +31,7 @@ from .define.params import Study
 from .define.schema import StudyError
 from .define.study_file import load_study
 from .define.traces import TraceError
+from .analysis import confirmation as confirming
 from .records import confirmation, point_capacity
 from .records.results import (NO_COMMIT, ROUNDS, Manifest, RunFolder, git_output, git_state, now_utc, on_gpu,
                               read_rounds, resume_hint, write_atomic)
@@ -395,7 +396,7 @@ def more_starts(run: RunFolder, study: Study) -> list[Unit]:
 
 def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, run_block) -> SweepOutcome:
     """`confirm:` after the planned starts: judge the run, append one shuffled block of the
-    best, the runner-up and the baseline (records.confirmation.next_block), run it with
+    best, the runner-up and the baseline (analysis.confirmation.next_block), run it with
     run_block(units, outcome), and judge again, until resolved or stopped. Each verdict and
     the reason it stopped go to confirm.json. A block is appended only once every unit in
     the manifest has run, so --resume finishes an appended block before judging again."""
@@ -415,7 +416,7 @@ def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, 
         if bad:
             rec.stop = f"{confirmation.FAILED}: {', '.join(bad)} (--resume --retry-failed starts it again)"
             break
-        v = confirmation.judge(run, study, last)
+        v = confirming.judge(run, study, last)
         rec.record(v)
         over = [(v.baseline, v.over_baseline)] + ([(v.runner_up, v.over_runner_up)] if v.runner_up != v.baseline
                                                     else [])   # the runner-up is the baseline: said once
@@ -424,7 +425,7 @@ def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, 
         else:
             print(f"confirm: best {v.best}; " + "; ".join(f"over {p} {words}" for p, words in over)
                   + (f"; its interval +-{v.best_half_width:.0%}" if v.best_half_width is not None else ""))
-        step = confirmation.next_block(run, study, v)
+        step = confirming.next_block(run, study, v)
         if isinstance(step, str):
             rec.stop = step
             break

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 
 from . import intervals as analysis
-from ..records.point_capacity import PointCapacity, told_apart
+from ..capacity.estimate import PointCapacity, told_apart
 from ..vocab import metrics
 
 
@@ -107,7 +107,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
               goodput_counts: bool = True) -> Recommendation:
     """The point with the highest goodput among those that meet (or may meet) the SLO;
     without an SLO, the highest output throughput; in a capacity study (`capacities`:
-    report.Run.capacities, records.point_capacity's estimate per point), the highest
+    report.Run.capacities, capacity.estimate's estimate per point), the highest
     capacity (by_capacity). Only points whose every planned start and round completed are
     candidates (a point whose server died mid-run has figures from fewer rounds, or none at
     its load). Under open-loop load, output throughput is not a ranking: the arrival rate
@@ -118,7 +118,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
     left_out = _incomplete(rounds)
     if capacities or "capacity_rps" in measured:
         if not capacities:
-            raise ValueError("a capacity study is ranked by records.point_capacity's estimates, not by the rounds' "
+            raise ValueError("a capacity study is ranked by capacity.estimate's estimates, not by the rounds' "
                              "per-start figures: pass capacities=run.capacities (report.Run)")
         return by_capacity(rounds, capacities, left_out)
     judge = "goodput" if slo and goodput_counts and "goodput" in measured else "output_throughput"
@@ -186,10 +186,10 @@ def _rank(pc: PointCapacity) -> tuple[int, float]:
 
 def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None],
                 left_out: dict[str, str]) -> Recommendation:
-    """recommend in a capacity study: the highest of records.point_capacity's estimates
+    """recommend in a capacity study: the highest of capacity.estimate's estimates
     (each start's SLO margins fitted, starts combined with the censored ones as bounds),
     the same figure the capacity table, compare and export state. Ties are the points
-    whose gain over the best is not resolved (point_capacity.told_apart); a point whose capacity
+    whose gain over the best is not resolved (capacity.estimate.told_apart); a point whose capacity
     is below its lowest load is never a tie, and nothing is recommended when every one is."""
     gone = [f"{p} ({st})" for p, st in left_out.items()]
     found = {p: pc for p, pc in capacities.items() if pc is not None and p not in left_out}
@@ -241,7 +241,7 @@ TRADE_METRICS = ("capacity_rps", "goodput", "output_throughput", "ttft_p90_ms", 
 
 def trade(rounds: pd.DataFrame, a: str, b: str, capacities: dict[str, PointCapacity | None] | None = None) -> str:
     """What point a gives and takes against point b: resolved differences only. With
-    `capacities`, the capacity is a's gain over b (point_capacity.told_apart), not the
+    `capacities`, the capacity is a's gain over b (capacity.estimate.told_apart), not the
     difference of the rounds' per-start figures."""
     parts = []
     pa, pb = (capacities or {}).get(a), (capacities or {}).get(b)

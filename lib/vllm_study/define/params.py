@@ -402,7 +402,7 @@ class Confirm(Strict):
     best config, the runner-up and the baseline (the study's `baseline`; vLLM's defaults
     in a search) again, one fresh start each per shuffled block, until the best's gain
     over the baseline and over the runner-up are both resolved (the ratio's 95% interval,
-    or its bound, excludes 1: records.point_capacity.gain) or each of the three has
+    or its bound, excludes 1: capacity.estimate.gain) or each of the three has
     `max_starts` starts (sweep.confirm_until_resolved; records/confirmation.py). A grid
     study runs it; after a search's confirmation it is shown by --dry-run, not run yet.
     `half_width` (e.g. 0.10): once both are resolved, the best alone is started again until

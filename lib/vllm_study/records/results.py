@@ -402,7 +402,7 @@ class RunFolder:
 
 def capacity_figures(cap: CapacityRecord) -> dict[str, float | None]:
     """A start's capacity as metrics: none where even the search's lowest load missed (its
-    capacity is a bound below that load, never 0: records.point_capacity states it)."""
+    capacity is a bound below that load, never 0: capacity.estimate states it)."""
     return {"capacity_rps": cap.requests_per_s if cap.load is not None else None,
             "capacity_load": cap.load}
 

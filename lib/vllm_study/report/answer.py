@@ -169,7 +169,7 @@ def best_point(r: Run) -> str | None:
     objective, else the recommendation (by capacity, or under the SLO)."""
     if not r.measured:
         return None
-    if is_capacity_study(r):   # the highest capacity of records.point_capacity, as the answer says
+    if is_capacity_study(r):   # the highest capacity of capacity.estimate, as the answer says
         from .capacity_section import best_capacity
         return best_capacity(r)
     if r.search:

@@ -88,14 +88,15 @@ def capacity_answer(r: Run) -> str | None:
 
 def confirmation_words(r: Run) -> str | None:
     """Which comparisons confirmation until resolved resolved, and why it stopped
-    (records/confirmation.py); None for a run without its record."""
+    (analysis/confirmation.py); None for a run without its record."""
+    from ..analysis import confirmation as confirming
     from ..records import confirmation
     rec = confirmation.read(r.folder.path)
-    return confirmation.stop_words(rec, confirmation.current(r.folder, r.study, rec)) if rec else None
+    return confirming.stop_words(rec, confirming.current(r.folder, r.study, rec)) if rec else None
 
 
 def best_capacity(r: Run) -> str | None:
-    """The point with the highest capacity (records.point_capacity's estimate, or its bound
+    """The point with the highest capacity (capacity.estimate's estimate, or its bound
     where it met the SLO at the highest load) among those whose every planned start
     completed, as decision.recommend ranks them; None where every capacity is below its
     lowest load."""
@@ -103,23 +104,23 @@ def best_capacity(r: Run) -> str | None:
 
 
 def statistic_sentence(r: Run) -> str:
-    """Which statistic the run's capacities were judged by (records.point_capacity)."""
-    from ..records import point_capacity
+    """Which statistic the run's capacities were judged by (capacity.estimate)."""
+    from ..capacity import estimate
     used: list[str] = []
     for s in r.summaries:
         pc = r.capacity(s.point)
         used += pc.statistics if pc else []
     keys = list(dict.fromkeys(used)) or ["highest met"]
-    how = "; ".join(point_capacity.STATISTICS[k] + (f" ({used.count(k)} of {len(used)} starts)" if len(keys) > 1
+    how = "; ".join(estimate.STATISTICS[k] + (f" ({used.count(k)} of {len(used)} starts)" if len(keys) > 1
                                                    else "") for k in keys)
     pooled = next((pc.pooled_df for pc in r.capacities.values() if pc and pc.pooled_df), None)
-    spread = f", {point_capacity.POOLED.format(df=pooled)}" if pooled else ""
+    spread = f", {estimate.POOLED.format(df=pooled)}" if pooled else ""
     # one start and nothing pooled: the interval is the start's bootstrap alone (capacity.fit.combine)
     alone = [pid for pid, pc in r.capacities.items()
              if pc and pc.config.kind == "value" and not pc.config.spread_measured]
     within = (f" {', '.join(alone)}: one start, so {'its interval is' if len(alone) == 1 else 'their intervals are'}"
               " within that start (no start-to-start spread measured)." if alone else "")
-    return f"Capacity: {how}; {point_capacity.COMBINED}{spread}.{within}"
+    return f"Capacity: {how}; {estimate.COMBINED}{spread}.{within}"
 
 
 def _gain_words(g) -> str:
@@ -135,8 +136,8 @@ def _gain_words(g) -> str:
 
 
 def _baseline_words(r: Run, best: str, base: str) -> str:
-    """The baseline's capacity and the best's gain over it (records.point_capacity.told_apart)."""
-    from ..records.point_capacity import one_start_words, told_apart
+    """The baseline's capacity and the best's gain over it (capacity.estimate.told_apart)."""
+    from ..capacity.estimate import one_start_words, told_apart
     pb, pc = r.capacity(base), r.capacity(best)
     t = told_apart(pc, pb)
     g = t.gain
@@ -275,7 +276,7 @@ def below_lowest_load(r: Run, point: str | None = None) -> str:
 def capacity_cell(r: Run, point: str, unit: str = "rps") -> str:
     """A point's capacity for a table: '5.39 [4.80, 6.05]' (req/s, or `unit` "load": the
     search's own), '< 0.77' where its starts missed even at their lowest load, '≥ 9.25'
-    where they met at the highest (records.point_capacity); '-' where none completed."""
+    where they met at the highest (capacity.estimate); '-' where none completed."""
     pc = r.capacity(point)
     return pc.cell(unit) if pc else "-"
 

@@ -143,10 +143,10 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
 
 
 def _capacity_rows(ra: report.Run, rb: report.Run, same: bool) -> list[dict]:
-    """Capacity, B over A, per point both measured: records.point_capacity's gain (a ratio
+    """Capacity, B over A, per point both measured: capacity.estimate's gain (a ratio
     with its interval; a bound where either side's capacity is one), never a 0 for a
     capacity below the lowest load; resolved as told_apart says (both spreads measured)."""
-    from ..records.point_capacity import told_apart
+    from ..capacity.estimate import told_apart
     m, rows = metrics.get("capacity_rps"), []
     for point in [s.point for s in ra.measured if s.point in {x.point for x in rb.measured}]:
         pa, pb = ra.capacity(point), rb.capacity(point)

@@ -260,7 +260,7 @@ def _justification(r: report.Run, point: str, rec: decision.Recommendation, slo:
     for name in metrics.HEADLINE:
         iv = r.interval(point, name)
         if name == "capacity_rps" and capacity_section.is_capacity_study(r):
-            # records.point_capacity's: a censored capacity is a bound, never 0
+            # capacity.estimate's: a censored capacity is a bound, never 0
             lines.append(f"| {capacity_section.capacity_column(r)} | {capacity_section.capacity_cell(r, point)} |")
         elif iv is not None:
             lines.append(f"| {metrics.get(name).title} | {metrics.with_interval(iv, metrics.get(name))} |")

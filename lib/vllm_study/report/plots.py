@@ -227,7 +227,7 @@ def trend_vs_axis(r: Run, names=metrics.TRENDS, out: Path | None = None) -> str 
 
 
 def _capacity_bounds(ax, r: Run, name: str, x: str) -> list:
-    """A capacity that is a bound (records.point_capacity) has no value on the line: a
+    """A capacity that is a bound (capacity.estimate) has no value on the line: a
     grey triangle at its bound, pointing down for "below the lowest load", up for "at or
     above the highest"; never a point at 0. Returns the axis values it drew at."""
     drawn = []

@@ -15,7 +15,7 @@ import pandas as pd
 from ..analysis import intervals as analysis
 from ..vocab import metrics
 from ..define.params import TraceSpec
-from ..records import point_capacity
+from ..capacity import estimate
 from ..records.results import PointSummary
 from .capacity_section import capacity_cell, capacity_column, capacity_table, is_capacity_study, slo_metrics
 from .run import Run, interval_row, per_start_work, status_label
@@ -187,10 +187,10 @@ def noise_table(r: Run) -> pd.DataFrame:
 
 
 def capacity_noise(r: Run) -> str:
-    """Capacity's start-to-start spread as its statistic measures it (records.point_capacity
+    """Capacity's start-to-start spread as its statistic measures it (capacity.estimate
     .start_spread over the fitted starts): the raw spread beside what is left of it beyond
     each start's bootstrap noise, never a 0 where the correction went below nothing."""
-    sp = point_capacity.start_spread([pc.starts for pc in r.capacities.values() if pc])
+    sp = estimate.start_spread([pc.starts for pc in r.capacities.values() if pc])
     if not sp.df:
         return "start-to-start n/a (one resolved start per point)"
     pct = lambda sd: f"{math.expm1(sd) * 100:.1f}%"  # noqa: E731

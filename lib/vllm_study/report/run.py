@@ -17,7 +17,8 @@ from ..define.search_space import Search
 from ..define.params import Study
 from ..define.schema import StudyError
 from ..define.study_file import study_from_dict
-from ..records.point_capacity import PointCapacity, point_capacities
+from ..capacity.estimate import PointCapacity
+from ..records.point_capacity import point_capacities
 from ..records.results import Manifest, PointSummary, RunFolder
 
 
@@ -55,7 +56,7 @@ class Run:
 
     def capacity(self, point: str) -> PointCapacity | None:
         """The point's capacity over its completed searches (its confirmation starts, in a
-        search): records.point_capacity's fit, with its interval, or a bound."""
+        search): capacity.estimate's fit, with its interval, or a bound."""
         return self.capacities.get(point)
 
     @cached_property
@@ -156,7 +157,7 @@ def parse_slo(text: str) -> dict[str, float]:
 
 def _censored_as_missing(rounds: pd.DataFrame, folder: RunFolder) -> pd.DataFrame:
     """A start that missed the SLO even at its lowest load has no capacity: runs written
-    before it was a bound recorded 0 in summary.csv; it is no value (records.point_capacity
+    before it was a bound recorded 0 in summary.csv; it is no value (capacity.estimate
     states it as a bound)."""
     if "at_capacity" not in rounds:
         return rounds
@@ -197,7 +198,7 @@ def _windows_at_capacity(rounds: pd.DataFrame, folder: RunFolder) -> pd.DataFram
 
 def _fitted_capacity(r: Run) -> pd.DataFrame:
     """The intervals frame with each point's capacity (req/s and the search's unit) from
-    records.point_capacity: its value and 95% interval (an end beyond the loads measured
+    capacity.estimate: its value and 95% interval (an end beyond the loads measured
     is open: nan); a point whose capacity is a bound has no row (the tables state it)."""
     iv = r.intervals
     keep = ~iv["metric"].isin(["capacity_rps", "capacity_load"]) if not iv.empty else []

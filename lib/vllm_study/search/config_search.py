@@ -141,7 +141,7 @@ class TrialOutcome:
 
 def outcome_of(summary, study: Study, folder=None) -> TrialOutcome:
     """A trial's outcome from its point's summary (one start). In a capacity study with the
-    trial's point folder, the capacity every table and answer states (records.point_capacity:
+    trial's point folder, the capacity every table and answer states (capacity.estimate:
     the margins' fit), not the highest load that met the SLO."""
     spec = study.search
     if summary is None or summary.status in ("failed", "running"):

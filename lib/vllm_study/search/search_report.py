@@ -65,7 +65,7 @@ def trials_frame(r) -> pd.DataFrame:
 def trials_table(r, below: str | None = None) -> pd.DataFrame | None:
     """The trials that started a server, in order (the refused and the skipped are counted
     in the answer and listed in the journal). In a capacity search each trial's capacity
-    is records.point_capacity's estimate over its own start, as the rest of the report
+    is capacity.estimate's estimate over its own start, as the rest of the report
     states capacities ('5.39 [4.80, 6.05]', or the bound '< 3.08' / '≥ 9.25' that bounds
     it). `below`: what a trial with no capacity record that missed the SLO at the lowest
     load shows (capacity_section.below_lowest_load: its 0 is a bound, not a value)."""
@@ -83,7 +83,7 @@ def trials_table(r, below: str | None = None) -> pd.DataFrame | None:
 
 
 def trial_capacities(r) -> dict:
-    """Each trial's capacity (records.point_capacity) over the one start it ran as a trial;
+    """Each trial's capacity (capacity.estimate) over the one start it ran as a trial;
     {} outside a capacity study."""
     from ..records.point_capacity import point_capacities
     if not r.study.capacity:
