@@ -233,3 +233,28 @@ def test_rows_match_each_requests_own_count_through_preemptions(parts, raw, asyn
                                                   "preempted"))))
     assert got == expect
     assert rows["preempted"].sum() > 0  # the case this test is for
+
+
+def test_an_empty_step_in_the_batch_queue_loses_no_row(parts, raw, monkeypatch):
+    """EngineCore's batch queue (step_with_batch_queue) holds the empty steps schedule()
+    returns too (under async scheduling, when every running request already has a step in
+    flight) and hands each back to update_from_output in its turn. The mixin never queued
+    an empty step: its output must leave the steps scheduled after it where they are."""
+    from vllm.v1.outputs import ModelRunnerOutput
+    clock = Clock()
+    monkeypatch.setattr(step_records, "time", clock)
+    s = make(parts, async_scheduling=True, mbt=256)
+    clock.now = 1.0
+    empty = s.schedule()                    # nothing to run: an empty step, queued by the engine
+    s.add_request(req(parts, "R", range(40), max_tokens=4))
+    clock.now = 2.0
+    first = s.schedule()                    # scheduled behind it
+    clock.now = 3.0
+    s.update_from_output(empty, ModelRunnerOutput(req_ids=[], req_id_to_index={}))
+    clock.now = 4.0
+    s.update_from_output(first, output_for(s, first))
+    s.shutdown()
+    rows = steps.read_raw(raw)
+    assert empty.total_num_scheduled_tokens == 0 and first.total_num_scheduled_tokens == 40
+    assert rows["t_scheduled"].tolist() == [2.0] and rows["t_done"].tolist() == [4.0]
+    assert s._sr_unpaired == 0

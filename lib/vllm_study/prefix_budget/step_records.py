@@ -37,7 +37,10 @@ scheduling its batch queue holds up to two steps in flight (vllm/v1/engine/core.
 schedule, pop on output, so outputs come back first in, first out). The mixin keeps
 its open rows in a FIFO and pairs by identity: the head matches; a step whose output
 never came back (a batch the engine dropped) is passed over, not paired with the wrong
-output. Steps that scheduled no token (no forward pass) are not recorded.
+output. Steps that scheduled no token (no forward pass) are not recorded, but the
+engine's batch queue holds them and returns them in turn: such an output pairs with
+nothing and leaves the open rows alone (before this, it passed over every step scheduled
+after it, and rounds on a GPU lost most of their later rows).
 
 Writes: rows collect in a list of tuples and go to the file as one ``os.write`` of
 packed bytes every ``FLUSH_S``, whenever the engine holds no request (so a round's last
@@ -106,7 +109,9 @@ class StepRecordsMixin:
             return super().update_from_output(scheduler_output, model_runner_output)
         t = time.monotonic()
         q = self._sr_open
-        while q:
+        # an empty step (never queued here) comes back in its turn too: it must not take
+        # the steps scheduled after it along (a queue of at most 2: the check is cheap)
+        while q and any(out is scheduler_output for out, _ in q):
             out, row = q.popleft()
             if out is scheduler_output:
                 self._sr_rows.append((row[0], t, *row[1:]))
