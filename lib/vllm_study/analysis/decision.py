@@ -2,7 +2,7 @@
 one to run, what the runner-up trades, and the Pareto fronts of throughput against
 per-user speed and against TTFT.
 
-Every verdict is taken on intervals (analysis.py), so a point is said to meet a bound
+Every verdict is taken on intervals (intervals.py), so a point is said to meet a bound
 only when its whole 95% interval does, and two points are told apart only when the
 interval of their difference excludes zero.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from . import intervals as analysis
+from .intervals import MetricData, difference, t_quantile
 from ..capacity.estimate import PointCapacity, told_apart
 from ..vocab import metrics
 
@@ -122,7 +122,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                              "per-start figures: pass capacities=run.capacities (report.Run)")
         return by_capacity(rounds, capacities, left_out)
     judge = "goodput" if slo and goodput_counts and "goodput" in measured else "output_throughput"
-    data = analysis.MetricData.from_rounds(rounds, judge)
+    data = MetricData.from_rounds(rounds, judge)
     none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
                                          [f"{p} ({st})" for p, st in left_out.items()])
     if data is None:
@@ -159,12 +159,12 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
                    "of the requests that completed")
     noise = data.noise()
     se, df, _ = data.se(best, noise)
-    half = analysis.t_quantile(df) * se
+    half = t_quantile(df) * se
     tied, others = [], []
     for p in candidates:
         if p == best:
             continue
-        d = analysis.difference(data, p, best, noise)
+        d = difference(data, p, best, noise)
         (others if d.resolved else tied).append((centers[p], p))
     rest = sorted(tied + others, reverse=True)
     runner = rest[0][1] if rest else None
@@ -254,10 +254,10 @@ def trade(rounds: pd.DataFrame, a: str, b: str, capacities: dict[str, PointCapac
     for name in TRADE_METRICS:
         if capacities and name == "capacity_rps":
             continue
-        data = analysis.MetricData.from_rounds(rounds, name)
+        data = MetricData.from_rounds(rounds, name)
         if data is None or a not in data.starts or b not in data.starts:
             continue
-        d = analysis.difference(data, a, b)
+        d = difference(data, a, b)
         if d.resolved:
             change = f"{d.estimate:+.0%}" if d.relative else f"{d.estimate:+.3g}"
             parts.append(f"{metrics.get(name).label} {change} ({d.verdict()})")

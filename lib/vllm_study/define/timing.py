@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from ..capacity import bracket as capacity
+from ..capacity.bracket import trace_speed
 from ..launch import machine
 from . import models
 from .grid import CPU_KV_CAP, search_sharing
@@ -135,7 +135,7 @@ def round_s(study: Study, latency_s: float) -> float:
     mid = (c.lo * c.hi) ** 0.5 if c else None
     if w.kind == "trace":
         trace = _trace(study)
-        speed = capacity.trace_speed(c.over if c else None, mid, trace.rate, w.trace.speed)
+        speed = trace_speed(c.over if c else None, mid, trace.rate, w.trace.speed)
         return trace.duration_s / speed + latency_s
     if c and c.over == "rate":
         return n / mid + latency_s

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, replace
 
-from ..capacity import bracket as capacity
+from ..capacity.bracket import trace_speed
 from ..define.traces import read_history
 from ..workload import prefix_cache_model as pcm, priming
 
@@ -109,7 +109,7 @@ class Primer:
         if trace.block_tokens is None or self.kv is None or not self.caching:
             return {}
         over = self.study.capacity.over if load is not None else None
-        speed = capacity.trace_speed(over, load, trace.rate, self.spec.speed)
+        speed = trace_speed(over, load, trace.rate, self.spec.speed)
         measured = [replace(r, t_s=r.t_s / speed) for r in trace.requests]
         ms = lambda k: (values.get(k) or 0.0) / 1000  # noqa: E731
         m = pcm.simulate(measured, block_tokens=trace.block_tokens, kv_tokens=self.kv[0], block_size=self.kv[1],

@@ -12,7 +12,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..capacity import bracket as capacity
+from ..capacity.bracket import Bracket, CapacityRecord, Step, Stopped, judge, margins, trace_speed
 from . import client, counters, stats
 from ..launch import machine
 from ..workload import loads
@@ -64,7 +64,7 @@ class RoundProtocol(StartWriter):
             return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
                                             w.concurrency, w.think_time_s, **common)
         if w.kind == "trace":
-            speed = capacity.trace_speed(over, load_value, self.workload.trace.rate, w.trace.speed)
+            speed = trace_speed(over, load_value, self.workload.trace.rate, w.trace.speed)
             return client.run_open_loop(self.url, self.model_name, w.api, self.workload.requests(),
                                         self.workload.schedule(speed), **common)
         requests = self.workload.requests(n)
@@ -151,7 +151,7 @@ class RoundProtocol(StartWriter):
             rec.window, rec.window_first, rec.window_last = k + 1, w.start, w.stop - 1
         if load is not None:
             why = None if ok else "the server died" if died else lost or "round failed"
-            rec.slo_met, rec.slo_why = capacity.judge(values, self.study.capacity.slo, why)
+            rec.slo_met, rec.slo_why = judge(values, self.study.capacity.slo, why)
         self.rounds.append(rec)
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(self.dir, rec, results)
@@ -194,12 +194,12 @@ class RoundProtocol(StartWriter):
         self._mark("measured", save=True)
 
     def search_capacity(self, progress=None) -> None:
-        """capacity.Bracket over this start's server, one round a step; the record is saved
+        """Bracket over this start's server, one round a step; the record is saved
         after every step, so a start that dies mid-search keeps what it measured."""
         c = self.study.capacity
-        bracket = capacity.Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor, probe=c.probe)
+        bracket = Bracket(c.over, c.lo, c.hi, c.precision, c.max_steps, floor=c.floor, probe=c.probe)
 
-        def measure(load: float) -> capacity.Step:
+        def measure(load: float) -> Step:
             # a start that failed (its server died, a limit refused) ends its search with the
             # steps that ran: the step it failed in has no verdict, and no step after it runs
             recs, pooled = [], []
@@ -210,14 +210,14 @@ class RoundProtocol(StartWriter):
                 if progress:
                     progress(i)
                 if self.failed:
-                    raise capacity.Stopped(self.record.reason)
+                    raise Stopped(self.record.reason)
                 if rec is None:
-                    return capacity.Step(load, False, "round failed")
+                    return Step(load, False, "round failed")
                 recs.append(rec)
                 pooled += self._last_results
             if len(recs) == 1:
-                return capacity.Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round,
-                                     capacity.margins(rec.metrics, c.slo))
+                return Step(load, bool(rec.slo_met), rec.slo_why or "", rec.round,
+                                     margins(rec.metrics, c.slo))
             return _pooled_step(load, recs, pooled, c.slo)
         result = bracket.run(measure)
         # the start's trace record's rate: its window's, or with trace.windows theirs pooled
@@ -265,7 +265,7 @@ def _server_figures(start: RoundProtocol, before: dict, after: dict, duration: f
     return values | figures
 
 
-def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,
+def _requests_per_s(result: CapacityRecord, trace_rate: float | None,
                     rounds: list[RoundRecord]) -> float | None:
     """The capacity in requests/s: the offered rate of an open-loop search (over speed: times
     the trace's real rate), the measured throughput at the capacity of a closed-loop one."""
@@ -279,13 +279,13 @@ def _requests_per_s(result: capacity.CapacityRecord, trace_rate: float | None,
     return at.metrics.get("request_throughput") if at else None
 
 
-def _pooled_step(load: float, recs: list[RoundRecord], results: list[dict], slo: dict) -> capacity.Step:
+def _pooled_step(load: float, recs: list[RoundRecord], results: list[dict], slo: dict) -> Step:
     """trace.windows: a capacity step over its windows' rounds, judged on their requests
     pooled; any failed round is a miss. Its round is the first window's."""
     values = stats.round_metrics(results, sum(r.metrics.get("duration_s") or 0.0 for r in recs), slo)
     bad = next((r for r in recs if r.status != "ok"), None)
-    ok, why = capacity.judge(values, slo, f"window {bad.window}'s round failed" if bad else None)
-    return capacity.Step(load, ok, why, recs[0].round, capacity.margins(values, slo))
+    ok, why = judge(values, slo, f"window {bad.window}'s round failed" if bad else None)
+    return Step(load, ok, why, recs[0].round, margins(values, slo))
 
 
 def _send_to_finish(results: list[dict]) -> float | None:

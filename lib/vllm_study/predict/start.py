@@ -5,7 +5,7 @@ loop) and judged as a capacity step is, on the simulated requests' records.
 
     sim = SimulatedStart(plan, step_time, cache_config=start.json's launch.cache_config)
     values, results = sim.run_round(0, load=2.0)
-    record = sim.capacity()      # capacity.Bracket over simulated rounds
+    record = sim.capacity()      # Bracket over simulated rounds
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..capacity import bracket as capacity
+from ..capacity.bracket import Bracket, CapacityRecord, Step, judge, margins, trace_speed
 from ..define import models
 from ..define.grid import PointPlan
 from ..measure import stats
@@ -158,7 +158,7 @@ class SimulatedStart:
         w, eng = self.study.workload, self.engine
         over = self.study.capacity.over if load is not None else None
         if w.kind == "trace":
-            speed = capacity.trace_speed(over, load, wl.trace.rate, w.trace.speed)
+            speed = trace_speed(over, load, wl.trace.rate, w.trace.speed)
             return open_loop(eng, prompts, wl.requests(), wl.schedule(speed))
         n, lm = w.requests_per_round, w.load
         requests = wl.requests(n)
@@ -172,27 +172,27 @@ class SimulatedStart:
         return open_loop(eng, prompts, requests, times, max_concurrency=lm.max_concurrency)
 
     # -- a capacity search ----------------------------------------------------------------
-    def capacity(self, precision: float | None = None, max_steps: int | None = None) -> capacity.CapacityRecord:
-        """The study's capacity bracket (capacity.Bracket and judge, as search_capacity runs
+    def capacity(self, precision: float | None = None, max_steps: int | None = None) -> CapacityRecord:
+        """The study's capacity bracket (Bracket and judge, as search_capacity runs
         them) over simulated rounds; with trace.windows a step pools its windows' rounds.
         precision, max_steps: a finer bracket than the study's (a simulated step costs a
         second, not a round of the server's time)."""
         c = self.study.capacity
         if c is None:
             raise ValueError("the study has no capacity section: there is no bracket to run")
-        bracket = capacity.Bracket(c.over, c.lo, c.hi, precision or c.precision, max_steps or c.max_steps,
+        bracket = Bracket(c.over, c.lo, c.hi, precision or c.precision, max_steps or c.max_steps,
                                    floor=c.floor, probe=c.probe)
 
-        def measure(load: float) -> capacity.Step:
+        def measure(load: float) -> Step:
             rounds = [self.run_round(len(self.rounds), load)
                       for _ in range(len(self.workloads) if self.windows else 1)]
             if len(rounds) == 1:
-                ok, why = capacity.judge(rounds[0].values, c.slo)
-                return capacity.Step(load, ok, why, rounds[0].index, capacity.margins(rounds[0].values, c.slo))
+                ok, why = judge(rounds[0].values, c.slo)
+                return Step(load, ok, why, rounds[0].index, margins(rounds[0].values, c.slo))
             pooled = [r for x in rounds for r in x.results]
             values = stats.round_metrics(pooled, sum(x.values.get("duration_s") or 0.0 for x in rounds), c.slo)
-            ok, why = capacity.judge(values, c.slo)
-            return capacity.Step(load, ok, why, rounds[0].index, capacity.margins(values, c.slo))
+            ok, why = judge(values, c.slo)
+            return Step(load, ok, why, rounds[0].index, margins(values, c.slo))
         result = bracket.run(measure)
         if result.load is not None and c.over == "speed":
             result.requests_per_s = result.load * self._trace_rate()

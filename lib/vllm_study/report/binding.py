@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from .run import Run
@@ -17,7 +17,7 @@ EVICTION_GAP = 0.05     # a hit rate this far below the study's best: prefixes w
 
 def _per_point(r: Run, metric: str, how: str) -> pd.Series:
     """One metric aggregated over each point's measured rounds (whole rounds only)."""
-    df = analysis.ok_rounds(r.rounds)
+    df = intervals.ok_rounds(r.rounds)
     if df.empty or metric not in df.columns or df[metric].isna().all():
         return pd.Series(dtype=float)
     return df.groupby("point")[metric].agg(how).dropna()
@@ -194,7 +194,7 @@ def deferral_table(r: Run) -> pd.DataFrame | None:
     ev = _scheduler_evidence(r)
     if ev is None:
         return None
-    axis, df = ev["axis"], analysis.ok_rounds(r.rounds)
+    axis, df = ev["axis"], intervals.ok_rounds(r.rounds)
     rows = []
     for p in ev["points"]:
         g = df[df["point"] == p]

@@ -443,11 +443,11 @@ def window_at_capacity(r: Run, point: str, metric: str, window: int) -> str:
     """A windowed capacity study's figure of one window at capacity: each start's capacity
     step measured every window at its load (one round a window), and the step was judged on
     their requests pooled; the value [95% interval] of that window's rounds across starts."""
-    from ..analysis import intervals as analysis
+    from ..analysis import intervals
     df = r.rounds
     sel = (df["point"] == point) & (df["at_capacity"].astype(str) == "True")
     one = df.copy()
     one["at_capacity"] = sel & (df["window"] == window)
-    iv = analysis.point_intervals(one[one["point"] == point], [metric])
+    iv = intervals.point_intervals(one[one["point"] == point], [metric])
     row = iv[(iv["point"] == point) & (iv["metric"] == metric)] if not iv.empty else iv
     return metrics.with_interval(row.iloc[0].to_dict(), metrics.get(metric)) if len(row) else "-"

@@ -5,7 +5,7 @@ not resolved). What differs between the two studies is listed first, and the poi
 measured in one run only; a change is called better or worse only when both runs ran
 the same workload (WORKLOAD_KEYS), else it is higher or lower, across different workloads.
 
-Each run's point values and standard errors come from its own noise model (analysis.py);
+Each run's point values and standard errors come from its own noise model (intervals.py);
 the difference's interval uses the smaller of the two runs' degrees of freedom, which
 errs on the wide side. Where either run measured every point from one server start, its
 intervals hold round-to-round noise only: two starts of one config differ by more than
@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..vocab import metrics
 from . import report
 from ..analysis.intervals import Difference
@@ -83,12 +83,12 @@ def same_workload(diffs: list[tuple[str, object, object]]) -> bool:
     return not any(_workload_key(k) for k, _, _ in diffs)
 
 
-def difference(a: analysis.MetricData, b: analysis.MetricData, point: str) -> Difference:
+def difference(a: intervals.MetricData, b: intervals.MetricData, point: str) -> Difference:
     """B minus A at one point: a relative change when both runs use the log scale;
     otherwise in the metric's unit (with an interval only when both are linear)."""
     se_a, df_a, _ = a.se(point, a.noise())
     se_b, df_b, _ = b.se(point, b.noise())
-    half = analysis.t_quantile(min(df_a, df_b)) * float(np.hypot(se_a, se_b))
+    half = intervals.t_quantile(min(df_a, df_b)) * float(np.hypot(se_a, se_b))
     if a.log and b.log:
         d = b.center(point) - a.center(point)
         return Difference(a.metric, point, point, True, float(np.expm1(d)), float(np.expm1(d - half)),
@@ -108,7 +108,7 @@ def compare(run_a, run_b, names=METRICS) -> pd.DataFrame:
 def one_start_runs(ra: report.Run, rb: report.Run) -> list[str]:
     """'A' and/or 'B': the runs in which no point was measured from two or more server
     starts, so nothing in them measured start-to-start spread."""
-    return [who for who, r in (("A", ra), ("B", rb)) if analysis.single_start(r.rounds)]
+    return [who for who, r in (("A", ra), ("B", rb)) if intervals.single_start(r.rounds)]
 
 
 ONE_START = "not resolved (one start)"
@@ -122,8 +122,8 @@ def _compare(ra: report.Run, rb: report.Run, names=METRICS) -> pd.DataFrame:
         if name == "capacity_rps" and ra.study.capacity and rb.study.capacity:
             rows += _capacity_rows(ra, rb, same)
             continue
-        a = analysis.MetricData.from_rounds(ra.rounds, name)
-        b = analysis.MetricData.from_rounds(rb.rounds, name)
+        a = intervals.MetricData.from_rounds(ra.rounds, name)
+        b = intervals.MetricData.from_rounds(rb.rounds, name)
         if a is None or b is None:
             continue
         for point in [p for p in a.starts if p in b.starts]:

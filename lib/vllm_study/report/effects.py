@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..define import grid_spec
 from ..vocab import axes, metrics
 from ..vocab.axes import SCHEDULER_AXIS
@@ -68,8 +68,8 @@ def request_groups(rounds: pd.DataFrame) -> list[tuple[str, tuple[str, str] | No
     return [("all", None)] + [(lab, tuple(lab.split("=", 1))) for lab in labels]
 
 
-def _change_text(d: analysis.Difference) -> str:
-    if not np.isfinite(d.low):  # a point's spread was not measured (analysis.MetricData.spread): no interval
+def _change_text(d: intervals.Difference) -> str:
+    if not np.isfinite(d.low):  # a point's spread was not measured (intervals.MetricData.spread): no interval
         return f"{d.estimate:+.1%} (no spread measured)" if d.relative else f"{d.estimate:+.3g} (no spread measured)"
     if d.low == d.high and metrics.get(d.metric).exact:  # both points exact by construction
         return f"{d.estimate:+.1%} (exact)" if d.relative else f"{d.estimate:+.3g} (exact)"
@@ -97,15 +97,15 @@ def axis_effect_frame(r: Run, axis: str, reference=None, names=EFFECT_METRICS,
     found = {}
     for label, group in groups:
         for m in tuple(names) + (tuple(whole) if group is None else ()):
-            data = analysis.MetricData.from_rounds(r.rounds, m, group)
+            data = intervals.MetricData.from_rounds(r.rounds, m, group)
             if data is not None:
-                found[label, m] = (data, data.noise(), analysis.point_intervals(r.rounds, [m], group))
+                found[label, m] = (data, data.noise(), intervals.point_intervals(r.rounds, [m], group))
     rows = []
     for p, ref in pairs:
         for (label, m), (data, noise, iv) in found.items():
             if p not in data.starts or ref not in data.starts:
                 continue
-            d = analysis.difference(data, p, ref, noise)
+            d = intervals.difference(data, p, ref, noise)
             mm = metrics.get(m)
             rows.append({**values[p], "point": p, "against": ref, "group": label, "metric": m,
                          "value": metrics.with_interval(interval_row(iv, p, m), mm),
@@ -147,8 +147,8 @@ def axis_effect_notes(r: Run, axis: str, reference=None) -> list[str]:
         notes.append(f"{axis}: no measured point has a measured twin at {axis}={axes.get(axis).fmt(ref)} "
                      "to be set against")
         return notes
-    if analysis.single_start(r.rounds):
-        notes.append(analysis.SINGLE_START_NOTE)
+    if intervals.single_start(r.rounds):
+        notes.append(intervals.SINGLE_START_NOTE)
     effects = f[f["resolved"]]
     if effects.empty:
         notes.append(f"no effect of {axis} this study resolves, in any request group: every interval includes 0")
@@ -169,18 +169,18 @@ def comparison_table(r: Run, against: str | None = None) -> pd.DataFrame | None:
         return None
     rows = {}
     for n in names:
-        data = analysis.MetricData.from_rounds(r.rounds, n)
-        ref = against if against in (data.starts if data else {}) else analysis.best_point(data)
+        data = intervals.MetricData.from_rounds(r.rounds, n)
+        ref = against if against in (data.starts if data else {}) else intervals.best_point(data)
         noise = data.noise()
         for p in data.starts:
-            cell = "reference" if p == ref else _diff_cell(analysis.difference(data, p, ref, noise))
+            cell = "reference" if p == ref else _diff_cell(intervals.difference(data, p, ref, noise))
             rows.setdefault(p, {})[f"{metrics.get(n).label} vs {'baseline' if against else 'best'}"] = cell
-    if analysis.single_start(r.rounds):
-        print(analysis.SINGLE_START_NOTE)
+    if intervals.single_start(r.rounds):
+        print(intervals.SINGLE_START_NOTE)
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("point")
 
 
-def _diff_cell(d: analysis.Difference) -> str:
+def _diff_cell(d: intervals.Difference) -> str:
     fmt = (lambda v: f"{v:+.1%}") if d.relative else (lambda v: f"{v:+.3g}")
     if not np.isfinite(d.low):  # a point's spread was not measured: never resolved
         return f"{fmt(d.estimate)} (no spread measured) not resolved"

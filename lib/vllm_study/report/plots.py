@@ -17,7 +17,7 @@ import seaborn as sns
 from matplotlib.patches import Rectangle
 from matplotlib.textpath import TextPath
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..vocab import axes, metrics
 from . import capacity_section as cs
 from .capacity_section import is_capacity_study, slo_metrics
@@ -145,7 +145,7 @@ def heatmap_grid(r: Run, names=metrics.HEATMAPS, out: Path | None = None, cols: 
             heatmap(est, status, n, x, y, ax, tied, empty=empty if n == "capacity_rps" else None,
                     below=None if n == "capacity_rps" else at)
             continue
-        vb = analysis.versus_best(r.rounds, n)
+        vb = intervals.versus_best(r.rounds, n)
         if not vb.empty:
             cells = est[(est["metric"] == n) & est["point"].isin(vb.index[vb["tied_with_best"]])]
             rows = cells[y] if isinstance(y, str) else cells[ys].itertuples(index=False, name=None)

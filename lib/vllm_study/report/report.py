@@ -12,7 +12,7 @@ import math
 
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..vocab import metrics
 from ..define.params import TraceSpec
 from ..capacity import estimate
@@ -129,10 +129,10 @@ def target_comparison(r: Run) -> pd.DataFrame | None:
 
 def _change(r: Run, metric: str, a: str, b: str) -> str:
     """a relative to b, '+12.0% [+3.1%, +21.7%]', or '' where either was not measured."""
-    data = analysis.MetricData.from_rounds(r.rounds, metric)
+    data = intervals.MetricData.from_rounds(r.rounds, metric)
     if data is None or a not in data.starts or b not in data.starts:
         return ""
-    d = analysis.difference(data, a, b)
+    d = intervals.difference(data, a, b)
     if d.relative:
         return f"{d.estimate:+.1%} [{d.low:+.1%}, {d.high:+.1%}]"
     m = metrics.get(metric)
@@ -161,7 +161,7 @@ def group_table(r: Run) -> pd.DataFrame | None:
         return None
     groups = df.loc[df["group"] != "all", ["group", "group_value"]].drop_duplicates()
     labels = sorted((f"{g}={v}" for g, v in groups.itertuples(index=False)), key=group_order)
-    frames = {lab: analysis.point_intervals(df, metrics.GROUP_METRICS, tuple(lab.split("=", 1))) for lab in labels}
+    frames = {lab: intervals.point_intervals(df, metrics.GROUP_METRICS, tuple(lab.split("=", 1))) for lab in labels}
     rows = []
     for s in r.summaries:
         for lab in labels:
@@ -178,7 +178,7 @@ def group_table(r: Run) -> pd.DataFrame | None:
 def noise_table(r: Run) -> pd.DataFrame:
     """The study's noise floor: how much each headline metric moves between server starts
     and between rounds of a start."""
-    nf = analysis.noise_floor(r.rounds, [n for n in metrics.HEADLINE if n in metrics.REGISTRY])
+    nf = intervals.noise_floor(r.rounds, [n for n in metrics.HEADLINE if n in metrics.REGISTRY])
     if nf.empty:
         return pd.DataFrame({"summary": ["(nothing measured)"]})
     if is_capacity_study(r) and "capacity_rps" in nf.index:
@@ -210,7 +210,7 @@ def reported_metrics(r: Run) -> list[str]:
 def study_failed(r: Run) -> bool:
     """Nothing was measured at any point (a search: not even a trial): the study has no
     result but its failures."""
-    trials = r.trial_rounds is not None and not analysis.ok_rounds(r.trial_rounds).empty
+    trials = r.trial_rounds is not None and not intervals.ok_rounds(r.trial_rounds).empty
     return not r.measured and not trials
 
 

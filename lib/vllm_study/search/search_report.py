@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..analysis import intervals as analysis
+from ..analysis import intervals
 from ..vocab import metrics
 from .config_search import JOURNAL, TRIAL_BLOCK, feasible
 from ..define.grid import DEFAULTS_POINT
@@ -98,14 +98,14 @@ def counts(r) -> dict[str, int]:
     return df["what became of it"].value_counts().to_dict() if not df.empty else {}
 
 
-def _difference(r, a: str, b: str) -> analysis.Difference | None:
-    data = analysis.MetricData.from_rounds(r.rounds, r.search.objective)
+def _difference(r, a: str, b: str) -> intervals.Difference | None:
+    data = intervals.MetricData.from_rounds(r.rounds, r.search.objective)
     if data is None or a not in data.starts or b not in data.starts:
         return None
-    return analysis.difference(data, a, b)
+    return intervals.difference(data, a, b)
 
 
-def _change(d: analysis.Difference, m: metrics.Metric) -> str:
+def _change(d: intervals.Difference, m: metrics.Metric) -> str:
     if not (np.isfinite(d.low) and np.isfinite(d.high)):
         shown = f"{d.estimate:+.1%}" if d.relative else f"{d.estimate:+{m.fmt[1:]}}"
         return f"{shown} (no interval: too few starts and rounds to measure a spread)"
