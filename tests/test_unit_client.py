@@ -231,7 +231,9 @@ def test_good_stream_timings(stub, api):
     assert r.index == 0
     assert r.ttft_s >= FIRST_DELAY * 0.8
     assert len(r.itl_s) == N_CONTENT - 1     # gaps between content chunks only
-    assert all(g >= GAP * 0.5 for g in r.itl_s)
+    # the stub sends content GAP apart; a client the loaded machine holds back reads two
+    # chunks together (a gap near 0), so the gaps are checked over the stream, not each
+    assert all(g >= 0 for g in r.itl_s) and sum(r.itl_s) >= (N_CONTENT - 1) * GAP * 0.5
     assert r.e2e_s >= r.ttft_s + sum(r.itl_s)
     assert r.output_tokens == N_CONTENT and r.prompt_tokens == 17  # from the usage chunk
     assert r.tpot_s == pytest.approx((r.e2e_s - r.ttft_s) / (N_CONTENT - 1))
