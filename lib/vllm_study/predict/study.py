@@ -281,9 +281,10 @@ def rank(points: list[PointPrediction]) -> list[PointPrediction]:
 
 
 def choose(points: list[PointPrediction], top: int, baseline: str) -> list[str]:
-    """The `top` highest-ranked points and the baseline, in that order."""
-    best = [p.point for p in sorted((p for p in points if p.rank), key=lambda p: p.rank)[:top]]
-    return list(dict.fromkeys(best + [baseline]))
+    """The `top` highest-ranked points other than the baseline, then the baseline: each of
+    them is a comparison confirmation can resolve."""
+    best = [p.point for p in sorted((p for p in points if p.rank and p.point != baseline), key=lambda p: p.rank)]
+    return best[:top] + [baseline]
 
 
 # -- the stage ---------------------------------------------------------------------------
