@@ -33,7 +33,9 @@ class Predict(_Strict):
 
 
 def check(study) -> None:
-    """Raise ValueError (naming the key and the fix) where `study` cannot be predicted."""
+    """Raise ValueError (naming the key and the fix) where `study` cannot be predicted. (A
+    multi_turn workload, which the simulator refuses, has no capacity search: capacity's own
+    check refuses it first.)"""
     p = study.predict
     if study.search or study.targets:
         raise ValueError("predict: predicts a grid's points (a search space given as a grid: its axes); "
@@ -54,10 +56,6 @@ def check(study) -> None:
         raise ValueError("predict: the simulator steps vLLM's own scheduler (or the kit's Prefix Reuse Budget); "
                          "server.extra_cli_args sets --scheduler-cls, a class it cannot simulate: remove it, or "
                          "leave predict out")
-    if study.workload.kind == "multi_turn":
-        raise ValueError("predict: a multi_turn round resends the server's own answers, which the simulator "
-                         "does not produce (it samples placeholder tokens): use another workload.kind, or leave "
-                         "predict out")
     if isinstance(p.seed, list) and len(set(p.seed)) != len(p.seed):
         raise ValueError(f"predict.seed repeats a point: {p.seed}")
 
