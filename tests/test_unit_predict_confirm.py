@@ -136,3 +136,16 @@ def test_export_refuses_a_config_that_was_only_predicted(tmp_path):
     # the recommendation is a measured config, exported on its measurement
     e = export.export_point(run.path, None, tmp_path / "out")
     assert e.point == "mbt=256" and e.config.exists()
+
+
+def test_the_dry_run_gives_the_real_starts_and_their_minutes_against_the_whole_grid(capsys):
+    from vllm_study import sweep
+    points = sweep.dry_run([str(sweep.REPO / "params" / "cpu-predict-confirm.yaml")], "cpu")
+    out = capsys.readouterr().out
+    assert len(points) == 36
+    # 3 seeds + the top 3 (the baseline is a seed), then up to 3 x (max_starts - 1) confirmation starts
+    assert "predict: 3 seed point(s) measured" in out
+    line = next(x for x in out.splitlines() if "real starts" in x)
+    assert "6 to 12 real starts" in line and "for the whole grid measured once" in line
+    few, most, grid = (float(x) for x in __import__("re").findall(r"about (\d+) to (\d+) .* against (\d+)", line)[0])
+    assert 0 < few < most < grid

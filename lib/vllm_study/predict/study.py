@@ -146,17 +146,20 @@ def _kv_key(plan) -> tuple:
             e.dtype if e else a.dtype, a.tensor_parallel_size)
 
 
-def tasks(run: RunFolder, models: list[step_model.StepModel]) -> tuple[list[tuple], list[PointPrediction]]:
+def tasks(run: RunFolder, models: list[step_model.StepModel], plans: list | None = None
+          ) -> tuple[list[tuple], list[PointPrediction]]:
     """(point id, plan, model, cache_config) for each point the model can predict, and a
-    "not predicted" record (with its reason) for each other."""
+    "not predicted" record (with its reason) for each other. `plans`: the points to predict
+    (define.grid.PointPlan; default: every point of the run), their KV pools and scope read
+    from the run's measured starts."""
     manifest = run.manifest()
     seen = measured_starts(run)
     pools = {}
     for pid, _, rec in seen:
         pools.setdefault(_kv_key(run.point(pid).plan()), rec)
     todo, refused = [], []
-    for pid in manifest.points:
-        plan = run.point(pid).plan()
+    for plan in plans if plans is not None else [run.point(pid).plan() for pid in manifest.points]:
+        pid = plan.point.id
         like = pools.get(_kv_key(plan))
         if like is None:
             refused.append(PointPrediction(point=pid, values=plan.point.values, verdict=(
