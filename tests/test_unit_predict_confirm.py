@@ -149,3 +149,27 @@ def test_the_dry_run_gives_the_real_starts_and_their_minutes_against_the_whole_g
     assert "6 to 12 real starts" in line and "for the whole grid measured once" in line
     few, most, grid = (float(x) for x in __import__("re").findall(r"about (\d+) to (\d+) .* against (\d+)", line)[0])
     assert 0 < few < most < grid
+
+
+MEASURED = "results/predict-vs-measured/20261206-cpu/runs/20261206T213256Z-cpu-predict-vs-measured-6e57094"
+
+
+def test_a_refit_after_a_real_start_records_the_model_and_each_measured_points_error(tmp_path):
+    """On a committed CPU run whose 6 starts recorded their steps: the refit names every
+    start it saw and the error of each prediction against its measured capacity."""
+    from vllm_study import sweep
+    from vllm_study.records.results import RunFolder
+    run = RunFolder(shutil.copytree(sweep.REPO / MEASURED, tmp_path / "run"))
+    assert ps.refit(run) is None                       # no predictions: nothing to refit
+    ids = run.manifest().points
+    points = [_p(pid, 2.0) for pid in ids]
+    ps.Predictions(model=ps.ModelVersion(starts=[f"{ids[0]}#s1"], rounds=1, steps=1),
+                   error=ps.EndToEnd(), points=points, seeds=[ids[0]], chosen=ids[:2]).save(run)
+    v = ps.refit(run)
+    assert v.starts == [f"{pid}#s1" for pid in ids] and v.steps > 10000 and v.held_out_median is not None
+    measured = ps.measured_capacities(run, run.point(ids[0]).plan().study)
+    want = {pid: abs(2.0 / pc.config.value - 1) for pid, pc in measured.items() if pc and pc.config.kind == "value"}
+    assert want and v.errors == pytest.approx(want)
+    assert ps.read(run.path).refits == [v]
+    ps.refit(run)                                      # no new start: no new version
+    assert len(ps.read(run.path).refits) == 1

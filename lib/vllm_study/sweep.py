@@ -190,7 +190,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
     print(f"run: {run.path}\n{plan_label(study, points)} x {rounds_label(study)}, engine {engine}; "
           f"{len(order) - len(todo)} of {len(order)} starts already finished")
-    print(live_label(study, engine, points))
+    print(live_label(study, engine, predicted_seeds(study, points)))
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
@@ -296,7 +296,10 @@ def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | Non
     print(f"predict: fitting the step model on the seeds' steps; predicting {len(run.manifest().points)} points "
           f"on {study.predict.processes} process(es)")
     t = time.monotonic()
-    units = predicted.plan_confirmation(run, study)
+    try:
+        units = predicted.plan_confirmation(run, study)
+    except ValueError as e:   # e.g. no seed start completed: nothing to fit; the seeds' records stay
+        return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
     pred = predicted.read(run.path)
     print(f"predict: {sum(p.predicted for p in pred.points)} of {len(pred.points)} points predicted in "
           f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} rounds); "
@@ -306,7 +309,7 @@ def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | Non
             print(f"  {p.point}: {p.verdict}")
 
     def refit(unit, summary):
-        v = predicted.refit(run)
+        v = predicted.refit(run, study)
         if v:
             tqdm.write(f"  predict: model refitted on {v.steps} steps of {len(v.starts)} start(s)")
     if units:

@@ -45,6 +45,8 @@ class ModelVersion(BaseModel):
     held_out_median: float | None = None
     held_out_p90: float | None = None
     coef: dict[str, float] = {}
+    # after a real start: |predicted / measured - 1| of each measured point's capacity then
+    errors: dict[str, float] = {}
 
 
 class PointPrediction(BaseModel):
@@ -124,13 +126,21 @@ def fit(run: RunFolder) -> tuple[list[step_model.StepModel], ModelVersion]:
                                 held_out_p90=h.p90 if h else None, coef=main.coef)
 
 
-def refit(run: RunFolder) -> ModelVersion | None:
+def refit(run: RunFolder, study: Study | None = None) -> ModelVersion | None:
     """After a real start: the model fitted again from every start's steps, its version
-    appended to predictions.json (None where the run has no predictions)."""
+    appended to predictions.json with the error of each measured point's prediction then
+    (None where the run has no predictions)."""
     pred = read(run.path)
     if pred is None:
         return None
     _, version = fit(run)
+    if study is None:
+        from ..define.study_file import load_study
+        study = load_study(run.study_path)
+    for pid, pc in measured_capacities(run, study).items():
+        p = pred.of(pid)
+        if pc is not None and pc.config.kind == "value" and p is not None and p.predicted and not p.censored:
+            version.errors[pid] = abs(p.value / pc.config.value - 1)
     if not pred.refits or pred.refits[-1].starts != version.starts:
         pred.refits.append(version)
         pred.save(run)
