@@ -302,7 +302,7 @@ def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | Non
         return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
     pred = predicted.read(run.path)
     print(f"predict: {sum(p.predicted for p in pred.points)} of {len(pred.points)} points predicted in "
-          f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} rounds); "
+          f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} round(s)); "
           f"end-to-end error so far {_pct(pred.error.widen)}; real starts for {', '.join(pred.chosen)}")
     for p in pred.points:
         if not p.predicted:

@@ -91,11 +91,11 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
     n_pred = sum(p.predicted for p in pred.points)
     sec.lines = [
         f"{n_pred} of {len(pred.points)} points predicted from the step records of {len(pred.model.starts)} seed "
-        f"start(s) ({pred.model.steps} steps, {pred.model.rounds} rounds); each predicted interval carries the "
+        f"start(s) ({pred.model.steps} steps, {pred.model.rounds} round(s)); each predicted interval carries the "
         "end-to-end error measured then: "
         + (f"+-{pred.error.widen:.0%} (capacity errors at the seeds "
            + (", ".join(f"{k} {v:.0%}" for k, v in pred.error.capacity.items()) or "none")
-           + f"; replay of {pred.error.replay_rounds} measured rounds, P90 error of the SLO's figures "
+           + f"; replay of {pred.error.replay_rounds} measured round(s), P90 error of the SLO's figures "
            + (f"{pred.error.replay_p90:.0%})" if pred.error.replay_p90 is not None else "n/a)")
            if pred.error.widen is not None else "none measured (no interval)"),
         f"measured in real starts on this prediction: {', '.join(pred.chosen)}",
