@@ -17,12 +17,12 @@ from typing import Annotated
 from pydantic import Field
 
 from ..launch.flags import Flags
-from .schema import _Strict
+from .schema import Strict
 
 DEFAULTS = "defaults"   # a seed: the study's baseline (vLLM's defaults, by the kit's convention)
 
 
-class Predict(_Strict):
+class Predict(Strict):
     seed: list[Annotated[str, Field(min_length=1)]] | Annotated[int, Field(ge=1)] = [DEFAULTS]
     confirm_top: int = Field(3, ge=1)
     workers: int | None = Field(None, ge=1)   # None: os.cpu_count()
@@ -72,7 +72,7 @@ def seed_points(study, point_ids: list[str]) -> list[str]:
     ids = [base if s == DEFAULTS else s for s in seed]
     unknown = [s for s in ids if s not in point_ids]
     if unknown:
-        from .schema import _did_you_mean
+        from .schema import did_you_mean
         raise ValueError(f"predict.seed names {', '.join(map(repr, unknown))}, not a point of the grid"
-                         f"{_did_you_mean(unknown[0], point_ids)}; its points: {', '.join(point_ids)}")
+                         f"{did_you_mean(unknown[0], point_ids)}; its points: {', '.join(point_ids)}")
     return list(dict.fromkeys(ids))

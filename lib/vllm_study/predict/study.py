@@ -106,7 +106,8 @@ def measured_starts(run: RunFolder) -> list[tuple[str, Path, object]]:
     out = []
     for pid in run.point_ids():
         folder = run.point(pid)
-        for rec, d in folder._start_dirs():
+        for rec in folder.starts():
+            d = folder.start_dir(rec.start)
             if rec.status == "ok" and any((d / "steps").glob("r*.npz")):
                 out.append((pid, d, rec))
     return out
