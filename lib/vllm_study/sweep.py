@@ -549,8 +549,9 @@ def predict_plan(study: Study, engine: str, points: list[Point], gpu: str, primi
     each = estimate_minutes(study, engine, 1, gpu, None, priming)
     unit = "GPU-minutes" if engine == "gpu" else "server-minutes (the CPU engine: no GPU)"
     return [f"predict: {len(seeds)} seed point(s) measured ({', '.join(p.id for p in seeds)}), every one of the "
-            f"{len(points)} points predicted on {study.predict.processes} process(es) (about a second of CPU a "
-            f"point), then the top {study.predict.confirm_top} and {study.baseline} measured",
+            f"{len(points)} points predicted on {study.predict.processes} process(es) (seconds of CPU a point: "
+            f"results/predict-space/20261207-cpu), then the top {study.predict.confirm_top} and {study.baseline} "
+            "measured",
             f"predict: {first} to {most} real starts (confirmation until resolved may add up to "
             f"{most - first}): about {first * each * gpus:.0f} to {most * each * gpus:.0f} {unit}, against "
             f"{grid_minutes * gpus:.0f} for the whole grid measured once"]

@@ -32,7 +32,8 @@ from . import step_model
 from .replay import predict_capacity, replay_start
 
 PREDICTIONS = "predictions.json"
-# the simulator's bracket, finer than a real start can afford (a second or so a config): a point estimate
+# the simulator's bracket, finer than a real start can afford (1 to 85 s of one loaded core a config in
+# results/predict-space/20261207-cpu): a point estimate
 FINE_PRECISION, FINE_STEPS = 0.02, 14
 NOT_PREDICTED = "not predicted"
 
@@ -207,8 +208,13 @@ def predict_one(task: tuple) -> PointPrediction:
     if inputs is None:
         inputs = _INPUTS[plan.study.name] = StudyInputs(plan.study)
     t0 = time.perf_counter()
-    rec, _ = predict_capacity(plan, model, cache_config=cache, inputs=inputs, async_scheduling=plan.engine == "gpu",
-                              precision=FINE_PRECISION, max_steps=FINE_STEPS)
+    try:
+        rec, _ = predict_capacity(plan, model, cache_config=cache, inputs=inputs,
+                                  async_scheduling=plan.engine == "gpu", precision=FINE_PRECISION,
+                                  max_steps=FINE_STEPS)
+    except ValueError as e:   # vLLM's scheduler refused the point's settings: kept, with why
+        return PointPrediction(point=pid, values=plan.point.values, verdict=f"{NOT_PREDICTED}: the simulation "
+                               f"failed: {e}", sim_wall_s=time.perf_counter() - t0)
     met, missed = rec.bracket
     if rec.censored == "above" or missed is None:
         value = met
