@@ -173,3 +173,15 @@ def test_a_refit_after_a_real_start_records_the_model_and_each_measured_points_e
     assert ps.read(run.path).refits == [v]
     ps.refit(run)                                      # no new start: no new version
     assert len(ps.read(run.path).refits) == 1
+
+
+def test_a_point_the_simulation_refuses_is_kept_with_why_never_dropped():
+    from vllm_study import sweep
+    from vllm_study.predict import step_model
+    from vllm_study.records.results import RunFolder
+    run = RunFolder(sweep.REPO / MEASURED)
+    pid = run.manifest().points[0]
+    [model] = step_model.fit_run(run.path)
+    p = ps.predict_one((pid, run.point(pid).plan(), model, {"block_size": "128"}))   # no KV block count
+    assert not p.predicted and p.rank is None and p.value is None
+    assert p.verdict.startswith("not predicted: the simulation failed: ") and "no KV block count" in p.verdict
