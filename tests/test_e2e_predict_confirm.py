@@ -66,3 +66,23 @@ def test_predict_then_confirm_measures_the_seed_the_top_and_the_baseline_and_rep
     with pytest.raises(ValueError, match=f"{never} has no measured start"):
         export.export_point(path, never, tmp_path / "out")
     json.loads((path / ps.PREDICTIONS).read_text())
+
+
+@pytest.mark.e2e
+def test_predictions_as_ray_tasks_equal_those_made_in_this_process():
+    """The ray executor's cores (here a local Ray that ray.init starts): each point one task,
+    the same prediction as in this process (the simulation is deterministic)."""
+    import ray
+
+    from vllm_study.predict import step_model
+    from vllm_study.sweep import REPO
+    run = RunFolder(REPO / "results/predict-vs-measured/20261206-cpu/runs/"
+                           "20261206T213256Z-cpu-predict-vs-measured-6e57094")
+    todo, _ = ps.tasks(run, step_model.fit_run(run.path))
+    try:
+        remote = ps.predict_all(todo[:2], 2, on_ray=True)
+    finally:
+        ray.shutdown()
+    local = [ps.predict_one(t) for t in todo[:2]]
+    assert [p.point for p in remote] == [p.point for p in local]
+    assert [p.value for p in remote] == [p.value for p in local] and all(p.predicted for p in remote)

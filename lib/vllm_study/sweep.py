@@ -293,11 +293,12 @@ def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | Non
     then a first start of the top configs and the baseline; the model is refitted after
     each of those starts, and (the on_done returned) after each confirmation start."""
     from .predict import study as predicted
+    on_ray = runner.kind == "ray"   # the cluster's cores, as its starts are
     print(f"predict: fitting the step model on the seeds' steps; predicting {len(run.manifest().points)} points "
-          f"on {study.predict.processes} process(es)")
+          + ("as Ray tasks" if on_ray else f"on {study.predict.processes} process(es)"))
     t = time.monotonic()
     try:
-        units = predicted.plan_confirmation(run, study)
+        units = predicted.plan_confirmation(run, study, on_ray=on_ray)
     except ValueError as e:   # e.g. no seed start completed: nothing to fit; the seeds' records stay
         return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
     pred = predicted.read(run.path)

@@ -226,9 +226,16 @@ def predict_one(task: tuple) -> PointPrediction:
                            censored=rec.censored, bracket=rec.bracket, sim_wall_s=time.perf_counter() - t0)
 
 
-def predict_all(todo: list[tuple], workers: int) -> list[PointPrediction]:
-    """Every task's prediction, on `workers` processes (one: in this process). Spawned, not
-    forked: the sweep's threads and vLLM's imports do not survive a fork cleanly."""
+def predict_all(todo: list[tuple], workers: int, on_ray: bool = False) -> list[PointPrediction]:
+    """Every task's prediction, on `workers` processes (one: in this process), or with
+    on_ray one Ray task of one CPU each over the cluster the sweep's ray executor joined
+    (ray.init: its address). Spawned, not forked: the sweep's threads and vLLM's imports
+    do not survive a fork cleanly."""
+    if on_ray:
+        import ray
+        ray.init(ignore_reinit_error=True, log_to_driver=False)   # joined already under --executor ray
+        task = ray.remote(num_cpus=1, max_retries=0)(predict_one)
+        return ray.get([task.remote(t) for t in todo])
     if workers <= 1 or len(todo) <= 1:
         return [predict_one(t) for t in todo]
     with ProcessPoolExecutor(min(workers, len(todo)), mp_context=get_context("spawn")) as pool:
@@ -308,11 +315,11 @@ def choose(points: list[PointPrediction], top: int, baseline: str) -> list[str]:
 
 
 # -- the stage ---------------------------------------------------------------------------
-def predict(run: RunFolder, study: Study, workers: int | None = None) -> Predictions:
+def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bool = False) -> Predictions:
     """Fit, predict every point, measure the error, widen, rank, choose (not saved)."""
     models, version = fit(run)
     todo, refused = tasks(run, models)
-    done = predict_all(todo, workers or study.predict.processes)
+    done = predict_all(todo, workers or study.predict.processes, on_ray)
     by_id = {p.point: p for p in done}
     err = end_to_end(run, study, models, by_id)
     points = [by_id.get(pid) or next(r for r in refused if r.point == pid) for pid in run.manifest().points]
@@ -324,13 +331,13 @@ def predict(run: RunFolder, study: Study, workers: int | None = None) -> Predict
                        chosen=choose(points, study.predict.confirm_top, study.baseline))
 
 
-def plan_confirmation(run: RunFolder, study: Study, workers: int | None = None) -> list[Unit]:
+def plan_confirmation(run: RunFolder, study: Study, workers: int | None = None, on_ray: bool = False) -> list[Unit]:
     """Once the seeds are measured: predictions.json, and one shuffled block of a first
     start of each chosen point not measured yet, appended to the manifest's order (so
     --resume runs it). A run that has its predictions already gets nothing new."""
     if read(run.path) is not None:
         return []
-    pred = predict(run, study, workers)
+    pred = predict(run, study, workers, on_ray)
     pred.save(run)
     manifest = run.manifest()
     measured = {u.point for u in manifest.order} | {p for u in manifest.order for p in u.points}
