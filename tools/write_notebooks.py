@@ -183,6 +183,16 @@ measured already) are counted in the answer and kept in the run's `search.journa
 """, **DETAILS),
     code("ns.search_trials(r, quiet=True)", **CHECK),
     md("""
+### Predicted beside measured
+A study with `predict:`: every point's capacity was predicted from the seed starts' step
+records (vLLM's scheduler in virtual time, `predict/study.py`), then the best few and the
+baseline were measured. For each measured config: the prediction with its interval (widened
+by the model's end-to-end error at the time), the measurement with its 95% interval, and a
+flag where the prediction lies outside the measured interval; the rank agreement and the
+model's error so far. Only measured configs are recommended or exported.
+""", **DETAILS),
+    code("ns.predicted_vs_measured(r, quiet=True)", **CHECK),
+    md("""
 ### Failures
 The points that did not complete every planned round, and why.
 """, **DETAILS),

@@ -211,6 +211,23 @@ def search_trials(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
     return capacity_section.search_trials(r)
 
 
+def predicted_vs_measured(r: report.Run, quiet: bool = False) -> pd.DataFrame | None:
+    """A `predict:` study: every measured config's predicted capacity beside its measured
+    one, both intervals, the flag on a prediction outside its measured interval, the rank
+    agreement and the model's error so far (`quiet`: nothing for a run that predicted nothing)."""
+    from .report import predict_section
+    sec = predict_section.predicted_vs_measured(r.folder.path, r.capacities) if r.study.capacity else None
+    if sec is None:
+        if not quiet:
+            print("this run predicted nothing (no predict: in its study)")
+        return None
+    for line in sec.lines:
+        print(line)
+    for point, why in sec.not_predicted.items():
+        print(f"  {point}: {why}")
+    return sec.table
+
+
 def noise_floor(r: report.Run) -> pd.DataFrame:
     return report.noise_table(r)
 

@@ -104,7 +104,8 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
     git = git_state(REPO)
     if git.sha is None:   # said before the run, and kept in its manifest
         print(f"warning: {NO_COMMIT}", file=sys.stderr)
-    groups, _ = live_groups(study, engine, points)
+    measured = predicted_seeds(study, points)   # predict: only its seeds are planned; the rest are predicted
+    groups, _ = live_groups(study, engine, measured)
     run = RunFolder.create(results, study.name, git)
     write_atomic(run.study_path, yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
     choice = cpu_dtype() if engine == "cpu" and study.engine_args.dtype is None and not study.targets else None
@@ -112,13 +113,25 @@ def create_run(results: Path, study: Study, engine: str, points: list[Point]) ->
              machine=describe(), cpu_dtype=choice.model_dump() if choice else None,
              points=[p.id for p in points],
              # a search's order grows as its trials are proposed (config_search.TrialSource)
-             order=[] if study.search else run_order(points, study.replicates, study.order_seed, groups),
+             order=[] if study.search else run_order(measured, study.replicates, study.order_seed, groups),
              warnings={p.id: p.warnings for p in points if p.warnings},
              notes=[NO_COMMIT] if git.sha is None else [],
              params=study.model_dump(mode="json")).save(run.manifest_path)
     for p in points:
         run.point(p.id).save_plan(PointPlan(study=study, point=p, engine=engine))
     return run
+
+
+def predicted_seeds(study: Study, points: list[Point]) -> list[Point]:
+    """The points the planned starts measure: every one, or with `predict:` its seeds."""
+    if not study.predict:
+        return points
+    from .define.predict_spec import seed_points
+    try:
+        ids = seed_points(study, [p.id for p in points])
+    except ValueError as e:
+        raise StudyError(str(e)) from None
+    return [p for p in points if p.id in ids]
 
 
 def unit_finished(run: RunFolder, unit: Unit, retry_failed: bool = False) -> bool:
@@ -177,7 +190,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
         run.record_resume(REPO, [f"{u.point}#s{u.start}" for u in todo])
     print(f"run: {run.path}\n{plan_label(study, points)} x {rounds_label(study)}, engine {engine}; "
           f"{len(order) - len(todo)} of {len(order)} starts already finished")
-    print(live_label(study, engine, points))
+    print(live_label(study, engine, predicted_seeds(study, points)))
     for p in points:
         for w in p.warnings:
             print(f"  warning {p.id}: {w}")
@@ -196,6 +209,9 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             outcome = _search(run, study, engine, todo, t0, max_minutes, runner, seen)
         else:
             outcome = _run_units(run, todo, study, t0, max_minutes, runner, seen)
+        refit = None
+        if study.predict and not outcome.stop_note:
+            outcome, refit = _predicted(run, study, t0, max_minutes, runner, outcome)
         while study.precision and not outcome.stop_note:
             extra = more_starts(run, study)
             if not extra:
@@ -205,7 +221,7 @@ def sweep(params_files: list[str], results: Path, engine: str | None = None, res
             outcome = _run_units(run, extra, study, t0, max_minutes, runner, outcome.lengths)
         if study.confirm:
             outcome = confirm_until_resolved(run, study, outcome, lambda units, o: _run_units(
-                run, units, study, t0, max_minutes, runner, o.lengths))
+                run, units, study, t0, max_minutes, runner, o.lengths, on_done=refit))
     except KeyboardInterrupt:
         STOPPING.set()
         _stop_children()
@@ -269,6 +285,41 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
         print(f"confirmation: {', '.join(top) or 'no trial'} and {cs.DEFAULTS_POINT}, "
               f"{spec.confirm_starts} fresh server start(s) each, in shuffled blocks")
     return _run_units(run, units, study, t0, max_minutes, runner, outcome.lengths) if units else outcome
+
+
+def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | None, runner: executors.Executor,
+               outcome: SweepOutcome):
+    """`predict:` once its seeds are measured: every point predicted (predict/study.py),
+    then a first start of the top configs and the baseline; the model is refitted after
+    each of those starts, and (the on_done returned) after each confirmation start."""
+    from .predict import study as predicted
+    on_ray = runner.kind == "ray"   # the cluster's cores, as its starts are
+    print(f"predict: fitting the step model on the seeds' steps; predicting {len(run.manifest().points)} points "
+          + ("as Ray tasks" if on_ray else f"on {study.predict.processes} process(es)"))
+    t = time.monotonic()
+    try:
+        units = predicted.plan_confirmation(run, study, on_ray=on_ray)
+    except ValueError as e:   # e.g. no seed start completed: nothing to fit; the seeds' records stay
+        return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
+    pred = predicted.read(run.path)
+    print(f"predict: {sum(p.predicted for p in pred.points)} of {len(pred.points)} points predicted in "
+          f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} round(s)); "
+          f"end-to-end error so far {_pct(pred.error.widen)}; real starts for {', '.join(pred.chosen)}")
+    for p in pred.points:
+        if not p.predicted:
+            print(f"  {p.point}: {p.verdict}")
+
+    def refit(unit, summary):
+        v = predicted.refit(run, study)
+        if v:
+            tqdm.write(f"  predict: model refitted on {v.steps} steps of {len(v.starts)} start(s)")
+    if units:
+        outcome = _run_units(run, units, study, t0, max_minutes, runner, outcome.lengths, on_done=refit)
+    return outcome, refit
+
+
+def _pct(x: float | None) -> str:
+    return "not measured" if x is None else f"+-{x:.0%}"
 
 
 def _run_units(run: RunFolder, todo, study: Study, t0: float, max_minutes: float | None,
@@ -487,6 +538,26 @@ def render_report(run: RunFolder, slo: str = "") -> Path:
     return out
 
 
+def predict_plan(study: Study, engine: str, points: list[Point], gpu: str, priming: float,
+                 grid_minutes: float) -> list[str]:
+    """--dry-run's lines for `predict:`: the real starts it takes (its seeds, then a first
+    start of the top configs and the baseline, then confirmation's blocks) in GPU-minutes,
+    against the whole grid's."""
+    seeds = predicted_seeds(study, points)
+    first = len(seeds) * study.replicates + study.predict.confirm_top + (study.baseline not in {p.id for p in seeds})
+    most = first + 3 * (study.confirm.max_starts - 1)
+    gpus = study.engine_args.tensor_parallel_size or 1
+    each = estimate_minutes(study, engine, 1, gpu, None, priming)
+    unit = "GPU-minutes" if engine == "gpu" else "server-minutes (the CPU engine: no GPU)"
+    return [f"predict: {len(seeds)} seed point(s) measured ({', '.join(p.id for p in seeds)}), every one of the "
+            f"{len(points)} points predicted on {study.predict.processes} process(es) (seconds of CPU a point: "
+            f"results/predict-space/20261207-cpu), then the top {study.predict.confirm_top} and {study.baseline} "
+            "measured",
+            f"predict: {first} to {most} real starts (confirmation until resolved may add up to "
+            f"{most - first}): about {first * each * gpus:.0f} to {most * each * gpus:.0f} {unit}, against "
+            f"{grid_minutes * gpus:.0f} for the whole grid measured once"]
+
+
 # More tokens than a chat template's own frame (Qwen2.5's is 19, with its default system
 # prompt): a trace whose prompts are all this long cannot have one under the floor, and
 # the dry run skips reading the tokenizer.
@@ -527,6 +598,9 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
               f"window's history where that holds less ({kv})")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
+    if study.predict:
+        for line in predict_plan(study, engine, points, gpu, priming, minutes):
+            print(f"  {line}")
     if study.confirm:
         print(f"  {study.confirm_plan}")
     if study.search:

@@ -24,6 +24,7 @@ from .traces import SHIPPED
 from .schema import EngineArgs, Strict, did_you_mean
 from ..launch.flags import Flags, option
 from .search_space import Search
+from . import predict_spec
 from . import grid_spec
 
 
@@ -487,6 +488,7 @@ class Study(Strict):
     baseline: str | None = Field(None, description="a point id (as --dry-run lists them) every point is "
                                  "compared with, e.g. vLLM's defaults")
     confirm: Confirm | None = None   # a capacity study: more starts of the best, runner-up and baseline
+    predict: predict_spec.Predict | None = None   # predict every point from a few measured, then confirm the best
 
     @model_validator(mode="after")
     def _grid_axes(self):
@@ -512,6 +514,8 @@ class Study(Strict):
             self._check_capacity()
         if self.confirm:
             self._check_confirm()
+        if self.predict:
+            predict_spec.check(self)
         if self.server.live_knobs:
             self._check_live_knobs()
         names = [t.name for t in self.targets]

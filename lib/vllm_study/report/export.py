@@ -43,6 +43,21 @@ CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qw
 DROPPED = "less its port (pick one with --port) and the flags the config holds"
 
 
+def refuse_predicted_only(run: RunFolder, point: str) -> None:
+    """A config is exported on its measurement, never on a prediction (predict/study.py):
+    raise ValueError for a point that has no completed start."""
+    from ..predict import study as predicted
+    if any(s.status == "ok" for s in run.point(point).starts()):
+        return
+    pred = predicted.read(run.path)
+    p = pred.of(point) if pred else None
+    if p is not None:
+        said = (f"predicted only ({p.verdict}" + (f", capacity {p.value:.3g}, rank {p.rank}" if p.predicted else "")
+                + f"; {predicted.PREDICTIONS})")
+        raise ValueError(f"{point} has no measured start in {run.path}: it was {said}. A config is exported on "
+                         "its measurement only: measure it (a study whose grid or baseline names it), then export")
+
+
 def serve_config(r: report.Run, point: str) -> dict:
     """The point's engine arguments as a vllm serve config: the study's fixed args, the
     point's grid values and the extra flags it passed; the kit's measurement-only flags
@@ -211,6 +226,7 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
         why = rec.reason if rec.point is None and not capacity_section.is_capacity_study(r) else \
             answer.answer_text(r).splitlines()[0]
         raise ValueError(f"no point to export: {why}")
+    refuse_predicted_only(r.folder, point)
     cfg = serve_config(r, point)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{r.manifest.study}.{point}"
