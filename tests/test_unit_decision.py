@@ -4,6 +4,7 @@ config, the comparison of two runs, and the slices of a resumed run."""
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -110,6 +111,17 @@ def test_report_header_points_to_compare_when_starts_overlapped(tmp_path):
     header = report.describe(report.Run.load(run.path))
     assert "executor gpus: 1 pair(s) of server starts ran at the same time" in header
     assert "vllm_study compare" in header
+
+
+def test_report_header_says_when_a_run_was_not_served_by_vllm(tmp_path):
+    vllm = make_run(tmp_path / "v", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}))
+    assert "NOT vLLM" not in report.describe(report.Run.load(vllm.path))
+    fake = str(Path(__file__).parent / "fake_engine.py")
+    run = make_run(tmp_path / "f", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}),
+                   study_over={"server": {"command": ["python", fake]}})
+    header = report.describe(report.Run.load(run.path)).splitlines()
+    assert header[2] == (f"NOT vLLM: every start ran `python {fake}` (server.command) with vLLM's command line; "
+                         "no figure here is vLLM's")
 
 
 def test_sweep_of_names_the_slice_a_moment_belongs_to(tmp_path):

@@ -117,3 +117,23 @@ def test_an_endpoint_starts_nothing():
     assert t.record() == {"name": "remote", "base_url": "http://10.0.0.1:8000", "model": "llama",
                           "api_key_env": "KEY", "proxy": None}
     assert deployment.MEASUREMENT_ONLY == {"custom-histogram-buckets", "enable-mfu-metrics"}
+
+
+def test_the_default_program_is_vllms_serve_entrypoint_as_serve_command_builds_it():
+    d = VllmServe("m", "tiny", True, engine=EngineArgs(seed=1).flags())
+    assert d.program == server.vllm_program()
+    assert d.command(4321) == server.serve_command("m", 4321, ["--seed", "1"], "tiny", True)
+    assert d.command(4321)[:len(d.program)] == list(d.program)
+
+
+@pytest.mark.parametrize("program, model_words", [(("/usr/bin/python3", "fake.py"), ["--model", "m"]),
+                                                  (("vllm", "serve"), ["m"])])
+def test_another_program_gets_vllms_command_line_after_it(program, model_words):
+    d = VllmServe("m", "tiny", True, engine=EngineArgs(seed=1).flags(), extra=Flags.parse(["--x_y", "2"]),
+                  program=program)
+    cmd = d.command(4321)
+    assert cmd == [*program, *model_words, "--host", "127.0.0.1", "--port", "4321", "--served-model-name", "tiny",
+                   "--load-format", "dummy", "--seed", "1", "--x_y", "2"]
+    # only the head differs from vLLM's: the configuration served reads the same
+    vllm = VllmServe("m", "tiny", True, engine=EngineArgs(seed=1).flags(), extra=Flags.parse(["--x_y", "2"]))
+    assert Flags.parse(cmd).without({"model"}).config() == Flags.parse(vllm.command(4321)).without({"model"}).config()

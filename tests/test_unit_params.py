@@ -885,3 +885,21 @@ def test_a_listed_grid_shares_a_start_only_where_one_point_holds_every_largest_l
                                    {"max_num_batched_tokens": 256, "max_num_seqs": 8}])
     (group,) = live_groups(nested, "cpu", expand(nested, engine="cpu"))[0]
     assert [p.id for p in group] == ["mbt=512__mns=16", "mbt=256__mns=8"]
+
+
+def test_server_command_resolves_relative_paths_and_python_and_refuses_a_bad_value(tmp_path, monkeypatch):
+    import sys
+    base = {"name": "s", "grid": {"max_num_batched_tokens": [256]}}
+    assert study_from_dict(base).server.program() is None  # vLLM's own entrypoint
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "engine.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    s = study_from_dict({**base, "server": {"command": ["python", "tools/engine.py", "--x"]}})
+    assert s.server.command == ["python", str(tmp_path / "tools" / "engine.py"), "--x"]
+    assert s.server.program() == (sys.executable, str(tmp_path / "tools" / "engine.py"), "--x")
+    for bad, says in [([], "no empty word"), (["python", ""], "no empty word"), (["--model", "m"], "first word"),
+                      (["python", "tools/missing.py"], f"resolved against the working directory, {tmp_path}"),
+                      ("python engine.py", "valid list")]:
+        with pytest.raises(StudyError, match="server.command") as e:
+            study_from_dict({**base, "server": {"command": bad}})
+        assert says in str(e.value), (bad, str(e.value))

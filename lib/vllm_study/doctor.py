@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import shutil
 import socket
 import urllib.error
@@ -99,7 +100,15 @@ def study_findings(study, stop_at_target_fail: bool = False) -> list[Finding]:
     targets = target_findings(study)
     if stop_at_target_fail and any(f.status == FAIL for f in targets):
         return targets
-    return model_findings(study) + targets
+    return model_findings(study) + targets + _program_findings(study)
+
+
+def _program_findings(study) -> list[Finding]:
+    """A study served by another program than vLLM (server.command) says so."""
+    if not study.server.command or study.targets:
+        return []
+    return [Finding(WARN, "server.command", f"every start runs `{shlex.join(study.server.command)}`, not vLLM: "
+                    "no figure of this study will be vLLM's", "remove server.command to serve with vLLM")]
 
 
 def model_findings(study) -> list[Finding]:

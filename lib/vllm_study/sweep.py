@@ -596,6 +596,8 @@ def dry_run(params_files: list[str], engine: str | None = None) -> list[Point]:
         print(f"  of which priming: about {max(primed):.0f} s before each round of a point with prefix caching "
               f"({sum(1 for x in primed if x)} of {len(points)} points): its KV cache's size prefilled, or its "
               f"window's history where that holds less ({kv})")
+    if study.server.command and not study.targets:
+        print(f"  served by `{shlex.join(study.server.command)}` (server.command), not vLLM: no figure will be vLLM's")
     if study.search:
         print(f"  space: {search_space_label(study)}; objective {study.search.objective}")
     if study.predict:

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BeforeValidator, Field, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, field_validator, model_validator
 
 from ..capacity.bracket import halvings
 from ..launch.server import engine_init_visible  # the kit's one reading of vLLM's logging variables
@@ -275,6 +276,44 @@ class Server(Strict):
     step_records: bool = True
     env: dict[str, str] = {}
     extra_cli_args: list[str] = []  # any other vLLM flag, passed as is
+    # The program a start runs in place of vLLM's serve entrypoint, as its argv words;
+    # vLLM's command line follows them (--model M --host --port --served-model-name, the
+    # engine flags). For the tests' fake engine: [python, tests/fake_engine.py]. `python`
+    # is the interpreter running the kit; a word naming a relative path is resolved
+    # against the working directory the study is loaded in (as trace.file: the point
+    # notebook runs elsewhere). null (the default): vLLM. The start record
+    # (launch.program) and the report's header say when a run served with another program.
+    command: list[str] | None = None
+
+    def program(self) -> tuple[str, ...] | None:
+        """server.command as a start runs it (`python`: this interpreter); None: vLLM's own."""
+        if self.command is None:
+            return None
+        head, *rest = self.command
+        return (sys.executable if head == "python" else head, *rest)
+
+    @field_validator("command")
+    @classmethod
+    def _command_words(cls, words: list[str] | None) -> list[str] | None:
+        if words is None:
+            return None
+        example = "e.g. [python, tests/fake_engine.py]; remove the key to serve with vLLM"
+        if not words or any(not w.strip() for w in words):
+            raise ValueError(f"a program and its arguments, no empty word ({example})")
+        if words[0].startswith("-"):
+            raise ValueError(f"it starts with the flag {words[0]!r}: its first word is the program "
+                             f"to run ({example}); vLLM's flags go in extra_cli_args")
+        out = []
+        for w in words:
+            if "/" in w and not w.startswith("-") and "://" not in w and not Path(w).expanduser().is_absolute():
+                path = Path(w).expanduser().resolve()
+                if not path.exists():
+                    raise ValueError(f"{w!r} names no file here (a relative path is resolved "
+                                     f"against the working directory, {Path.cwd()}): give its absolute path, "
+                                     "or run from the folder it is relative to")
+                w = str(path)
+            out.append(w)
+        return out
 
     def live_on(self, engine: str) -> bool:
         """Whether points that differ only in live scheduler limits share a start on `engine`."""

@@ -7,8 +7,9 @@ Kinds:
   engine flags, the study's extra flags, the kit's measurement flags, environment).
 - `Endpoint`: an OpenAI-compatible server the kit measures but does not start (a
   study's `targets`).
-Where the next kinds go (one class each, here): a fake engine for tests (its own command
-line, taking vLLM's flags: a `VllmServe` with another `command`), a simulated engine
+A fake engine for tests is a `VllmServe` with another `program` (tests/fake_engine.py
+takes vLLM's command line; a study sets it with server.command). Where the next kinds go
+(one class each, here): a simulated engine
 (predict/: no process, a handle whose URL serves virtual time), a prefill/decode pair (two
 `VllmServe`s with a KV connector, and a proxy: one handle whose base URL is the proxy's
 and whose stop() stops all three).
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 from .flags import Flags
-from .server import ServerStartError, VllmServer, free_port, serve_command
+from .server import ServerStartError, VllmServer, free_port, serve_command, vllm_program
 
 # Flags the kit adds so the server counts what the report needs (counters.budget_buckets,
 # machine.py): measurement, not serving settings; an exported config leaves them out.
@@ -105,7 +106,10 @@ class Endpoint:
 class VllmServe:
     """One vLLM server the kit starts. Its configuration is `engine` (the point's engine
     arguments) and `extra` (the study's server.extra_cli_args, as written); `measuring` is
-    what the kit adds to count (measurement_flags), `env` the variables it runs with."""
+    what the kit adds to count (measurement_flags), `env` the variables it runs with.
+    `program` is what runs, vLLM's command line after it (server.serve_command): vLLM's
+    serve entrypoint by default, another program taking vLLM's flags where a study's
+    server.command names one (the tests' fake engine)."""
     model: str                       # a folder or hub id
     served_name: str
     load_dummy: bool
@@ -114,6 +118,7 @@ class VllmServe:
     measuring: Flags = field(default_factory=Flags)
     env: dict[str, str] = field(default_factory=dict)
     startup_timeout_s: float = 900
+    program: tuple[str, ...] = field(default_factory=vllm_program)
 
     @property
     def flags(self) -> Flags:
@@ -123,7 +128,7 @@ class VllmServe:
 
     def command(self, port: int) -> list[str]:
         return serve_command(self.model, port, self.engine.argv(), self.served_name, self.load_dummy,
-                             self.extra.argv() + self.measuring.argv())
+                             self.extra.argv() + self.measuring.argv(), self.program)
 
     def serve_config(self) -> dict:
         """The configuration as a `vllm serve --config` mapping: the kit's measurement-only

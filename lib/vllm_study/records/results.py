@@ -115,6 +115,7 @@ class RoundRecord(BaseModel):
 class Launch(BaseModel):
     """What was started (or which endpoint was measured) and what vLLM made of it."""
     command: list[str] | None = None
+    program: list[str] | None = None            # served by this program, not vLLM (server.command)
     startup_s: float | None = None
     server_pgid: int | None = None
     cache_config: dict[str, str] = {}           # labels of vllm:cache_config_info

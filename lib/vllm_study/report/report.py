@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 
 import pandas as pd
 
@@ -38,6 +39,10 @@ def describe(r: Run) -> str:
         + (trace_line(w.trace) if w.trace else f"load {w.load.kind}, {w.requests_per_round} requests/round"),
         "fixed engine args: " + json.dumps(s.engine_args.model_dump(exclude_none=True), sort_keys=True),
     ]
+    if s.server.command:
+        # no figure of a run served by another program (the tests' fake engine) is vLLM's
+        lines.insert(2, f"NOT vLLM: every start ran `{shlex.join(s.server.command)}` (server.command) with "
+                     "vLLM's command line; no figure here is vLLM's")
     if m.resumes:
         lines.append(f"resumed {len(m.resumes)} time(s): see manifest.json")
     if m.overlaps:
