@@ -19,6 +19,7 @@ from vllm_study.launch.server import ServerStartError, VllmServer, free_port
 from vllm_study.launch.deployment import PORT_TRIES
 
 REPO = Path(__file__).resolve().parents[1]
+FAKE_ENGINE = REPO / "tests" / "fake_engine.py"
 
 
 def kv_bytes(tokens: int) -> int:
@@ -42,6 +43,17 @@ def tiny(**over) -> dict:
                           "concurrency": 4, "requests_per_round": 8, "warmup_requests": 2},
              "rounds": 2, "server": {"extra_cli_args": UNI}}
     return {**study, **over}
+
+
+def fake_engine_study(study: dict, **env: str) -> dict:
+    """`study` served by the fake engine (tests/fake_engine.py, through server.command)
+    in place of vLLM: for tests of the kit's own control flow, marked `fake_engine`.
+    Step records off: they are written by the kit's scheduler plugin inside vLLM, which
+    the fake does not run. `env`: the fake's own knobs (FAKE_ENGINE_INIT_S=...)."""
+    server = dict(study.get("server", {}))
+    server.update(command=["python", str(FAKE_ENGINE)], step_records=False,
+                  env={**server.get("env", {}), **env})
+    return {**study, "server": server}
 
 
 def plan_of(study: dict, index: int = 0) -> PointPlan:

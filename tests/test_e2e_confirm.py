@@ -1,19 +1,20 @@
-"""Confirmation until resolved (`confirm:`) against a real vLLM (the CPU build), through
-`python -m vllm_study sweep`: after the planned start of each point, the best, the
-runner-up and the baseline get fresh starts in blocks until both gains are resolved or
-confirm.max_starts is reached; confirm.json and the report's answer say how it ended.
+"""Confirmation until resolved (`confirm:`) on the fake engine (tests/fake_engine.py: the
+loop is the kit's, whatever serves), through `python -m vllm_study sweep`: after the
+planned start of each point, the best, the runner-up and the baseline get fresh starts
+in blocks until both gains are resolved or confirm.max_starts is reached; confirm.json
+and the report's answer say how it ended.
 
 The verdicts come from real measurements, so the test asserts what holds for any of
 them. The study is chosen so that a block is likely: max_num_seqs 8 and 16 both serve
-concurrency 8 in one batch, so both usually meet the SLO at capacity.hi, a pair of
-lower bounds that no start tells apart; max_num_seqs 1 queues 8 requests (TTFT P90
-about 2.5 s on two slow cores) and meets it only at concurrency 1."""
+concurrency 8 in one batch, so both usually meet the SLO at capacity.hi, a pair of lower
+bounds that no start tells apart; max_num_seqs 1 queues 8 requests and meets it only at
+lower concurrency."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from e2e_support import UNI, sweep, tiny, write
+from e2e_support import UNI, fake_engine_study, sweep, tiny, write
 
 from vllm_study.analysis import confirmation as confirming
 from vllm_study.records import confirmation
@@ -22,18 +23,18 @@ from vllm_study.records.results import RunFolder
 REASONS = (confirmation.RESOLVED, confirmation.MAX_STARTS, confirmation.BUDGET, confirmation.FAILED,
            confirmation.NOTHING)
 
-# One planned start a point and at most one more: every start of vLLM's CPU build takes
-# 40-80 s to come up on a loaded two-core machine, and the loop is the same for any count.
-CONFIRM_STUDY = tiny(
+# One planned start a point and at most one more: the loop is the same for any count.
+CONFIRM_STUDY = fake_engine_study(tiny(
     name="e2e-confirm", grid={"max_num_seqs": [1, 8, 16]}, baseline="mns=16",
     workload={"system_prompt_tokens": 512, "question_tokens": 16, "output_tokens": 32,
               "requests_per_round": 16, "warmup_requests": 2},
     slo={"ttft_p90_ms": 1000},
     capacity={"over": "concurrency", "lo": 1, "hi": 8, "max_steps": 2},
-    replicates=1, confirm={"until": "resolved", "max_starts": 2}, server={"extra_cli_args": UNI})
+    replicates=1, confirm={"until": "resolved", "max_starts": 2}, server={"extra_cli_args": UNI}))
 
 
 @pytest.mark.e2e
+@pytest.mark.fake_engine
 def test_confirmation_adds_blocks_of_the_best_runner_up_and_baseline_and_says_why_it_stopped(tmp_path):
     results = tmp_path / "results"
     r = sweep(write(tmp_path, CONFIRM_STUDY), "--results", results)

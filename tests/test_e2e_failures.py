@@ -1,7 +1,8 @@
-"""End to end with servers of their own (real vLLM CPU builds on loopback): a start's
-record and a server killed mid-round or before its warm-up, a port another process
-holds, and the prefix cache evicting under a small KV cache against what a
-never-evicting cache would hit.
+"""End to end with servers of their own on loopback: a start's record and a server killed
+mid-round, and the prefix cache evicting under a small KV cache against what a
+never-evicting cache would hit (real vLLM CPU builds: what vLLM records and caches); a
+server killed before its warm-up and a port another process holds (the fake engine: the
+kit's own handling of a dead or unbound server).
 (A KV cache too small to start is in test_e2e_sweep, as a failed point of a sweep.)"""
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import time
 
 import pytest
 
-from e2e_support import kv_bytes, measure, plan_of, serve_on_a_free_port, tiny
+from e2e_support import fake_engine_study, kv_bytes, measure, plan_of, serve_on_a_free_port, tiny
 from procs import group_gone
 from test_e2e_server import _target_study
 from vllm_study.measure import counters
@@ -93,11 +94,12 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     assert group_gone(pgid)
 
 
+@pytest.mark.fake_engine
 def test_a_server_that_dies_before_its_warm_up_fails_the_start_with_its_own_reason(tmp_path):
     """SIGKILLed once up (as vLLM dies of CUDA out of memory on its first long prompts):
     the warm-up's requests find nothing listening; the start fails with what ended the
     server, not with a connection error, and no round runs."""
-    plan = plan_of(tiny(rounds=2))
+    plan = plan_of(fake_engine_study(tiny(rounds=2)))
     run = PointStart(plan, tmp_path / "s1", 1)
     run.launch()
     assert not run.failed, run.record.reason
@@ -112,16 +114,18 @@ def test_a_server_that_dies_before_its_warm_up_fails_the_start_with_its_own_reas
     assert group_gone(pgid)
 
 
+@pytest.mark.fake_engine
 def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
     """Another process holds the port the kit picked (a race the kit cannot rule out):
-    vLLM cannot bind it and the start records 'port in use'."""
+    the server cannot bind it and the start records 'port in use' (from uvicorn's words,
+    which the fake engine prints as vLLM's server does)."""
     from vllm_study.launch import deployment
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
     try:
         monkeypatch.setattr(deployment, "free_port", lambda: holder.getsockname()[1])
-        run = PointStart(plan_of(tiny()), tmp_path / "s1", 1)
+        run = PointStart(plan_of(fake_engine_study(tiny())), tmp_path / "s1", 1)
         run.launch()
     finally:
         holder.close()

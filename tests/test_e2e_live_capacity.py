@@ -1,5 +1,7 @@
 """A capacity grid of two max_num_seqs on the CPU engine: live knobs are on by default
-there, so one vLLM start serves both points and each runs its own capacity search on it.
+there, so one start serves both points and each runs its own capacity search on it (the
+fake engine's: the searches' sharing of a start is the kit's; the limits are reported by
+the kit's own live-limits plugin code running in it).
 The SLO (TTFT P90 within 1 ms) misses at every load, so each search takes exactly its
 two steps (hi, then lo) and ends in a bound below lo: the step count does not hang on
 how fast this machine is. Every round's limits are the engine's own report of what it
@@ -8,15 +10,16 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_support import sweep, tiny, write
+from e2e_support import fake_engine_study, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 
-STUDY = tiny(grid={"max_num_seqs": [2, 4]},
-             workload={**tiny()["workload"], "load": {"kind": "closed"}, "requests_per_round": 8},
-             capacity={"over": "concurrency", "lo": 1, "hi": 4, "max_steps": 2, "slo": {"ttft_p90_ms": 1}})
+STUDY = fake_engine_study(tiny(grid={"max_num_seqs": [2, 4]},
+                               workload={**tiny()["workload"], "load": {"kind": "closed"}, "requests_per_round": 8},
+                               capacity={"over": "concurrency", "lo": 1, "hi": 4, "max_steps": 2,
+                                         "slo": {"ttft_p90_ms": 1}}))
 LEAD, OTHER = "mns=4", "mns=2"
 
 

@@ -2,14 +2,16 @@
 on by default there, so one vLLM start serves all four points. Each point keeps its own
 folder and records; every round's limits are the engine's own report of what it ran the
 round under, and its largest step and most running requests stay within them; the
-report renders."""
+report renders (real vLLM: its scheduler keeping to the lowered limits is what is
+tested). A precision block whose start serves the whole group again: the fake engine
+(the sweep's own control flow)."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
-from e2e_support import sweep, tiny, write
+from e2e_support import fake_engine_study, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder
 
@@ -74,12 +76,13 @@ def test_one_start_serves_four_points_under_the_limits_each_round_recorded(tmp_p
     assert {s.point: s.status for s in run.summaries()} == {p: "ok" for p in unit.serves}
 
 
+@pytest.mark.fake_engine
 def test_precision_adds_a_start_that_serves_the_whole_group_again(tmp_path):
     """One planned start gives no start-to-start spread, so every interval is too wide:
     precision adds a block, and its start serves both points again, as the first did."""
-    study = tiny(grid={"max_num_batched_tokens": CHUNKS}, rounds=1,
-                 precision={"metric": "ttft_p90_ms", "relative_width": 0.2, "max_starts": 2},
-                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    study = fake_engine_study(tiny(grid={"max_num_batched_tokens": CHUNKS}, rounds=1,
+                                   precision={"metric": "ttft_p90_ms", "relative_width": 0.2, "max_starts": 2},
+                                   workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1}))
     done = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report", timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert "precision: block 2, 1 more server start(s) for 2 point(s), start 2+" in done.stdout

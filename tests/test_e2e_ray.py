@@ -1,7 +1,8 @@
 """The ray executor on this machine's own Ray (ray.init() starts a local cluster): a
 two-point CPU study runs as two Ray tasks, side by side; each task's start folder
 comes back into the run folder, and the manifest records that the starts overlapped.
-A live-knobs group is one task whose start serves both points."""
+A live-knobs group is one task whose start serves both points. The servers are the fake
+engine's (tests/fake_engine.py): what is tested is the executor, not vLLM."""
 from __future__ import annotations
 
 import os
@@ -17,18 +18,18 @@ import psutil
 import pytest
 import yaml
 
-from e2e_support import UNI, sweep, tiny, write
+from e2e_support import UNI, fake_engine_study, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder, StartRecord
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 ONE_EACH = {"extra_cli_args": UNI, "live_knobs": False}  # a start (and a Ray task) a point
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_two_point_study_runs_as_ray_tasks(tmp_path):
-    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=1,
-                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    study = fake_engine_study(tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=1,
+                                   workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1}))
     params = tmp_path / "study.yaml"
     params.write_text(yaml.safe_dump(study, sort_keys=False))
     r = subprocess.run([sys.executable, "-m", "vllm_study", "sweep", str(params),
@@ -54,8 +55,8 @@ def test_a_live_knobs_group_runs_as_one_ray_task(tmp_path):
     server start, which one Ray task runs. Each point's start folder comes back into its
     own place (the lead's with the server's launch and log, the other naming it), and
     each round ran under its own point's limits."""
-    study = tiny(grid={"max_num_batched_tokens": [256, 512]}, rounds=1,
-                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    study = fake_engine_study(tiny(grid={"max_num_batched_tokens": [256, 512]}, rounds=1,
+                                   workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1}))
     r = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--executor", "ray", "--no-report",
               timeout=1200)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
@@ -122,8 +123,11 @@ def test_a_killed_ray_worker_is_a_failed_start_that_leaves_nothing_running(tmp_p
     the sweep died once its retries were spent). The start is failed with the reason; its
     papermill, kernel and server are stopped; the other point runs; the report and the
     hint come; no scratch folder is left."""
-    study = tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=2,
-                 workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1})
+    # steps of 0.1 s: the start measures for seconds once its server is up, as a vLLM start does,
+    # so the worker is killed while it runs
+    study = fake_engine_study(tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=2,
+                                   workload={**tiny()["workload"], "requests_per_round": 4, "warmup_requests": 1}),
+                              FAKE_ENGINE_STEP_S="0.1")
     # the workers' scratch folders in a folder of their own (TMPDIR reaches the Ray workers
     # through the raylet); Ray keeps its own folder where it always is. Short: vLLM puts its
     # IPC sockets in TMPDIR too.
@@ -197,7 +201,8 @@ def test_a_ray_start_that_never_comes_back_is_a_failed_start_not_a_crash(tmp_pat
     from vllm_study.define.study_file import study_from_dict
     from vllm_study.sweep import create_run, unit_finished
 
-    study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH, rounds=1))
+    study = study_from_dict(fake_engine_study(tiny(grid={"max_num_batched_tokens": [128, 256]}, server=ONE_EACH,
+                                                   rounds=1)))
     points = expand(study, "cpu")
     run = create_run(tmp_path / "results", study, "cpu", points)
     dies, raises = (u for u in run.manifest().order)
@@ -241,7 +246,7 @@ def test_a_lost_ray_start_that_served_several_points_fails_each(tmp_path, monkey
     from vllm_study.define.study_file import study_from_dict
     from vllm_study.sweep import create_run, unit_finished
 
-    study = study_from_dict(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1))
+    study = study_from_dict(fake_engine_study(tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1)))
     points = expand(study, "cpu")
     run = create_run(tmp_path / "results", study, "cpu", points)
     (unit,) = run.manifest().order

@@ -1,8 +1,10 @@
-"""A live search on the CPU engine, end to end: real papermill, real vLLM servers. Its
-first trial is a configuration whose KV cache cannot hold one request (it must crash):
-the crash is a failed trial with vLLM's reason, nothing like it starts again, the
-budget counts server starts, and the best trial and vLLM's defaults get their fresh
-confirmation starts; the report and export decide on those."""
+"""A live search on the CPU engine, end to end: real papermill, servers of the fake engine
+(the search loop and its crash rule are the kit's; the fake refuses a KV cache too small
+for one request in vLLM's words). Its first trial is a configuration whose KV cache
+cannot hold one request (it must crash): the crash is a failed trial with vLLM's reason,
+nothing like it starts again, the budget counts server starts, and the best trial and
+vLLM's defaults get their fresh confirmation starts; the report and export decide on
+those."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +13,7 @@ import sys
 import optuna
 import pytest
 
-from e2e_support import REPO, kv_bytes, sweep, tiny, write
+from e2e_support import REPO, fake_engine_study, kv_bytes, sweep, tiny, write
 from vllm_study.search import config_search as cs
 from vllm_study.define.grid import DEFAULTS_POINT
 from vllm_study.report.report import Run
@@ -19,15 +21,16 @@ from vllm_study.report.answer import answer_text
 from vllm_study.records.results import RunFolder
 
 SMALL, ROOMY = kv_bytes(512), kv_bytes(16384)  # 512 tokens cannot hold a 2,048-token request
-STUDY = tiny(grid=None, rounds=1, search={
+STUDY = fake_engine_study(tiny(grid=None, rounds=1, search={
     "space": {"kv_cache_memory_bytes": [SMALL, ROOMY], "max_num_batched_tokens": [256, 1024]},
     "first": [{"kv_cache_memory_bytes": SMALL, "max_num_batched_tokens": 256}],
     "objective": "output_throughput", "trials": 3, "top_k": 1, "confirm_starts": 1, "seed": 3,
-    "live_batch": 1})  # a start a trial here (test_e2e_search_live_batch.py shares them)
+    "live_batch": 1}))  # a start a trial here (test_e2e_search_live_batch.py shares them)
 STUDY["engine_args"] = {k: v for k, v in STUDY["engine_args"].items() if k != "kv_cache_memory_bytes"}
 
 
 @pytest.mark.e2e
+@pytest.mark.fake_engine
 def test_a_live_search_records_its_crash_and_confirms_its_best(tmp_path):
     results = tmp_path / "results"
     r = sweep(write(tmp_path, STUDY), "--results", results)

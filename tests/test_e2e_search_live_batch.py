@@ -1,24 +1,27 @@
 """A live search on the CPU engine whose trials differ only in live scheduler limits:
-one real vLLM start serves all three trials, launched at their largest limits, each
-trial's rounds run under its own limits as the engine reports them, each trial told its
-own outcome; the confirmation starts are fresh starts of one configuration each."""
+one start serves all three trials, launched at their largest limits, each trial's rounds
+run under its own limits as the engine reports them, each trial told its own outcome; the
+confirmation starts are fresh starts of one configuration each. The server is the fake
+engine's: how a search shares a start is the kit's; the limits are reported by the kit's
+own live-limits plugin code running in it (real vLLM keeping to them:
+test_e2e_live_sweep.py, test_e2e_live_knobs.py)."""
 from __future__ import annotations
 
 import optuna
 import pytest
 
-from e2e_support import sweep, tiny, write
+from e2e_support import fake_engine_study, sweep, tiny, write
 from vllm_study.measure import live_knobs
 from vllm_study.records.results import ROUNDS, RunFolder, read_rounds
 from vllm_study.report.answer import answer_text
 from vllm_study.report.report import Run
 from vllm_study.search import config_search as cs
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 
-STUDY = tiny(grid=None, rounds=1, search={
+STUDY = fake_engine_study(tiny(grid=None, rounds=1, search={
     "space": {"max_num_batched_tokens": [256, 512], "max_num_seqs": [2, 4]},
-    "objective": "output_throughput", "trials": 3, "top_k": 1, "confirm_starts": 1, "seed": 0})
+    "objective": "output_throughput", "trials": 3, "top_k": 1, "confirm_starts": 1, "seed": 0}))
 
 
 def test_one_start_serves_three_trials_each_under_its_own_limits(tmp_path):

@@ -1,6 +1,8 @@
-"""The sweep command end to end: real papermill, real vLLM CPU servers, a time budget
-that stops between server starts, --resume that finishes the run, failures recorded as
-data (one point, or every point), and SIGTERM that leaves nothing running."""
+"""The sweep command end to end: real papermill; a time budget that stops between server
+starts, --resume that finishes the run and a failed point recorded as data, on real vLLM
+CPU servers (the one whole real sweep: its records, step records and report); every point
+failing, and SIGTERM that leaves nothing running, on the fake engine (the kit's control
+flow: no figure of vLLM's is asserted there)."""
 from __future__ import annotations
 
 import signal
@@ -12,7 +14,7 @@ import pandas as pd
 import pytest
 
 from drawn import assert_drawn
-from e2e_support import REPO, UNI, kv_bytes, sweep, tiny, write
+from e2e_support import FAKE_ENGINE, REPO, UNI, fake_engine_study, kv_bytes, sweep, tiny, write
 from procs import group_gone
 from vllm_study.launch.slots import SLOT_LOCKS
 from vllm_study.prefix_budget import steps
@@ -120,12 +122,15 @@ def _check_step_records(run: RunFolder, point: str) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.fake_engine
 def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
-    """No point's server becomes healthy in time (a 2-second start-up limit): the sweep
-    still renders a report that shows the failures and says why nothing could be drawn,
-    and exits 1 without a traceback."""
-    study = write(tmp_path, {**tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1),
-                             "server": {"startup_timeout_s": 2, "live_knobs": False}})  # a start each
+    """No point's server becomes healthy in time (a 2-second start-up limit; the fake
+    engine takes 3 s from its engine's init to healthy): the sweep still renders a report
+    that shows the failures and says why nothing could be drawn, and exits 1 without a
+    traceback."""
+    study = write(tmp_path, fake_engine_study({**tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1),
+                                               "server": {"startup_timeout_s": 2, "live_knobs": False}},
+                                              FAKE_ENGINE_INIT_S="3"))  # a start each
     r = sweep(study, "--results", tmp_path / "results")
     assert r.returncode == 1, r.stdout[-2000:] + r.stderr[-2000:]
     assert "Traceback" not in r.stderr and "the study failed: no point measured a round" in r.stdout
@@ -139,16 +144,19 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
 
 
 @pytest.mark.e2e
+@pytest.mark.fake_engine
 def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     """SIGTERM while the first server starts and the second start's notebook, already
     prepared, waits for the slot: the sweep exits 130, every process it started (both
-    kernels, vLLM and its engine) is gone, the unfinished starts are left as such, and
-    --resume runs them, the second server spawned only once the first had stopped.
-    (Finished starts surviving a stop: the budget test.)"""
+    kernels and the server) is gone, the unfinished starts are left as such, and --resume
+    runs them, the second server spawned only once the first had stopped. The fake engine
+    takes 30 s from its engine's init to healthy: the stop lands while it starts, as a
+    vLLM start's would. (Finished starts surviving a stop: the budget test.)"""
     import psutil
 
-    study = tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]},
-                 server={"extra_cli_args": UNI, "live_knobs": False})  # two starts, one slot
+    study = fake_engine_study(tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]},
+                                   server={"extra_cli_args": UNI, "live_knobs": False}),  # two starts, one slot
+                              FAKE_ENGINE_INIT_S="30")
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)),
                              "--results", str(results)], cwd=REPO, stdout=subprocess.PIPE,
@@ -168,7 +176,7 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
             time.sleep(0.5)  # the next start's notebook is prepared during this server's start-up
         time.sleep(3)
         started = psutil.Process(proc.pid).children(recursive=True)
-        assert any("vllm" in " ".join(p.cmdline()) for p in started)
+        assert any(str(FAKE_ENGINE) in p.cmdline() for p in started)  # the server is among them
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=120)
     finally:
