@@ -127,7 +127,7 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
     """No point's server becomes healthy in time (a 2-second start-up limit; the fake
     engine takes 3 s from its engine's init to healthy): the sweep still renders a report
     that shows the failures and says why nothing could be drawn, and exits 1 without a
-    traceback."""
+    traceback; its header says no figure is vLLM's."""
     study = write(tmp_path, fake_engine_study({**tiny(grid={"max_num_batched_tokens": [128, 256]}, rounds=1),
                                                "server": {"startup_timeout_s": 2, "live_knobs": False}},
                                               FAKE_ENGINE_INIT_S="3"))  # a start each
@@ -141,6 +141,10 @@ def test_a_study_where_every_point_fails_is_reported_not_crashed(tmp_path):
     assert all("not healthy within 2 s" in s.reasons[0] for s in run.summaries())
     html = (path / "report.html").read_text()
     assert "not healthy within 2 s" in html and "nothing to draw" in html
+    # served by the fake engine: each start's record and the report's header say so
+    for p in run.point_ids():
+        assert run.point(p).start(1).launch.program == [sys.executable, str(FAKE_ENGINE)]
+    assert "NOT vLLM: every start ran" in html
 
 
 @pytest.mark.e2e

@@ -140,6 +140,7 @@ def knob_forms(knob: str, study_file: Path, engine: str = "cpu") -> list[tuple[s
     from vllm_study.define.study_file import load_study
     from vllm_study.launch.deployment import VllmServe
     from vllm_study.launch.flags import Flags, flag_name
+    from vllm_study.launch.server import vllm_program
     from vllm_study.measure.launcher import counting_flags
     from vllm_study.vocab import axes
     study = load_study(study_file)
@@ -152,7 +153,8 @@ def knob_forms(knob: str, study_file: Path, engine: str = "cpu") -> list[tuple[s
     served = VllmServe(study.model.path or study.model.card, study.model.served_name, study.model.dummy,
                        engine=point.engine_args.flags(),
                        extra=Flags.parse(study.server.extra_cli_args),
-                       measuring=Flags.parse(counting_flags(engine, (value,), study.server.extra_cli_args)))
+                       measuring=Flags.parse(counting_flags(engine, (value,), study.server.extra_cli_args)),
+                       program=study.server.program() or vllm_program())
     argv = Flags.parse(served.command(0))
     name = flag_name(knob)
     axis = axes.get(knob)

@@ -22,7 +22,7 @@ from ..prefix_budget.steps import STEPS_ENV
 from ..launch.slots import compile_cache_env
 from ..launch.deployment import Endpoint, VllmServe
 from ..launch.flags import Flags
-from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, pgid_path,
+from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, pgid_path, vllm_program,
                              stop_group_from_file)
 from ..workload import windows
 from ..workload.build_workload import make_workload
@@ -199,8 +199,7 @@ class Launcher(StartWriter):
         deployment = VllmServe(model, s.model.served_name, dummy, engine=args.flags(),
                                extra=Flags.parse(s.server.extra_cli_args),
                                measuring=Flags.parse(self._measurement_flags()), env=env,
-                               startup_timeout_s=s.server.startup_timeout_s,
-                               **({"program": program} if program else {}))
+                               startup_timeout_s=s.server.startup_timeout_s, program=program or vllm_program())
         self.record.launch.program = list(program) if program else None
         try:
             deployment.start(self.dir / LOG, hold=self._hold_for_slot if ahead else None,

@@ -111,10 +111,9 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
     else:
         plan = r.folder.point(point).plan()
         model, dummy = models.resolve(plan.study.model)
-        program = plan.study.server.program()  # what the run served with (vLLM's unless server.command)
         cmd = VllmServe(model, plan.study.model.served_name, dummy, engine=plan.point.engine_args.flags(),
-                        extra=Flags.parse(plan.study.server.extra_cli_args),
-                        **({"program": program} if program else {})).command(0)
+                        extra=Flags.parse(plan.study.server.extra_cli_args),  # served as the run was
+                        program=plan.study.server.program() or server.vllm_program()).command(0)
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
     argv = _drop_flags(cmd, PER_START | MEASUREMENT_ONLY | set(cfg)
