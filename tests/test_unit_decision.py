@@ -113,7 +113,7 @@ def test_report_header_points_to_compare_when_starts_overlapped(tmp_path):
     assert "vllm_study compare" in header
 
 
-def test_report_header_says_when_a_run_was_not_served_by_vllm(tmp_path):
+def test_a_run_not_served_by_vllm_says_so_and_exports_nothing(tmp_path):
     vllm = make_run(tmp_path / "v", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}))
     assert "NOT vLLM" not in report.describe(report.Run.load(vllm.path))
     fake = str(Path(__file__).parent / "fake_engine.py")
@@ -122,6 +122,10 @@ def test_report_header_says_when_a_run_was_not_served_by_vllm(tmp_path):
     header = report.describe(report.Run.load(run.path)).splitlines()
     assert header[2] == (f"NOT vLLM: every start ran `python {fake}` (server.command) with vLLM's command line; "
                          "no figure here is vLLM's")
+    with pytest.raises(ValueError, match="not vLLM: a config is exported from a run vLLM served"):
+        export.export(run.path, point=B, out=tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert export.export(vllm.path, point=B, out=tmp_path / "out")[0].exists()  # the same run vLLM served
 
 
 def test_sweep_of_names_the_slice_a_moment_belongs_to(tmp_path):

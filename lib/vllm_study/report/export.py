@@ -228,6 +228,10 @@ def export_point(run: str | Path, point: str | None = None, out: Path = Path("."
             answer.answer_text(r).splitlines()[0]
         raise ValueError(f"no point to export: {why}")
     refuse_predicted_only(r.folder, point)
+    if r.study.server.command:  # the tests' fake engine, or another program: no figure here is vLLM's
+        raise ValueError(f"{r.folder.path} was served by `{' '.join(r.study.server.command)}` (server.command), "
+                         "not vLLM: a config is exported from a run vLLM served; run the study without "
+                         "server.command, then export")
     cfg = serve_config(r, point)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"{r.manifest.study}.{point}"
