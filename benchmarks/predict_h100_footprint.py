@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -40,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.records.results import git_state
 
 # The engine idles between a round's last output and the next round's first request for
 # the prefix-cache reset, the counters' scrapes and the client's start (0.6 s on the H100
@@ -255,12 +255,10 @@ def _median_rounds(start: dict, figure: str) -> float:
     return float(np.median([r["metrics"][figure] for r in start["rounds"]]))
 
 
-def _git_head() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or None
-    except OSError:
-        return None
+def _commit() -> str | None:
+    """The kit's commit, as a run records it (records.results.git_state: git, or in a copy
+    without .git, VLLM_STUDY_GIT_SHA or the stamp file)."""
+    return git_state(Path(__file__).resolve().parents[1]).sha
 
 
 def main() -> int:
@@ -296,7 +294,7 @@ def main() -> int:
     print(f"run {a.run} ({plan['params']}): {len(starts)} starts with step records, vLLM {gpu_version} on the GPU, "
           f"KV pools (blocks, block size) {sorted(blocks)}; prompts {prompt_tokens} tokens, {w.output_tokens} out, "
           f"{w.requests_per_round} a round, {w.concurrency} in flight, {w.warmup_requests} warm-up")
-    out: dict = {"run": str(a.run), "commit": _git_head(), "gpu_vllm": gpu_version, "sim_vllm": vllm.__version__,
+    out: dict = {"run": str(a.run), "commit": _commit(), "gpu_vllm": gpu_version, "sim_vllm": vllm.__version__,
                  "device": a.device, "fit_pairs": fit_pairs, "starts": {}}
 
     # 1. cut into rounds

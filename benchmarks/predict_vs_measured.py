@@ -42,6 +42,7 @@ from vllm_study.predict.replay import predict_capacity, replay_start  # noqa: E4
 from vllm_study.predict.start import SimulatedStart, StudyInputs  # noqa: E402
 from vllm_study.prefix_budget import steps  # noqa: E402
 from vllm_study.records.results import RunFolder, StartRecord  # noqa: E402
+from vllm_study.records.results import git_state
 
 MEASURED, FIT, REPLAY, CAPACITY, CACHE, SUMMARY = ("measured.json", "fit.json", "replay.json", "capacity.json",
                                                    "cache.json", "summary.json")
@@ -58,12 +59,10 @@ def _save(path: Path, data) -> None:
     tmp.replace(path)
 
 
-def _git_head() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[1]).stdout.strip() or None
-    except OSError:
-        return None
+def _commit() -> str | None:
+    """The kit's commit, as a run records it (records.results.git_state: git, or in a copy
+    without .git, VLLM_STUDY_GIT_SHA or the stamp file)."""
+    return git_state(Path(__file__).resolve().parents[1]).sha
 
 
 # -- 1. measure ------------------------------------------------------------------------
@@ -161,7 +160,7 @@ def fit(run: RunFolder, out: Path, fit_points: list[str] | None):
                                      "p90_abs_rel_error": float(np.percentile(rel, 90)),
                                      "total_time_rel_error": float(pred.sum() / real.sum() - 1)}
     record = {"fit_points": chosen, "fit_steps": int(model.steps), "held_out": held,
-              "commit": _git_head(), "model": describe(model),
+              "commit": _commit(), "model": describe(model),
               "k_fold": model.held_out.model_dump() if model.held_out else model.held_out_why_not}
     _save(out / FIT, record)
     return model, record
