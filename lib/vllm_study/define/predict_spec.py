@@ -17,7 +17,7 @@ from typing import Annotated
 from pydantic import Field
 
 from ..launch.flags import Flags
-from .schema import Strict
+from .schema import Strict, did_you_mean
 
 DEFAULTS = "defaults"   # a seed: the study's baseline (vLLM's defaults, by the kit's convention)
 
@@ -72,7 +72,6 @@ def seed_points(study, point_ids: list[str]) -> list[str]:
     ids = [base if s == DEFAULTS else s for s in seed]
     unknown = [s for s in ids if s not in point_ids]
     if unknown:
-        from .schema import did_you_mean
         raise ValueError(f"predict.seed names {', '.join(map(repr, unknown))}, not a point of the grid"
                          f"{did_you_mean(unknown[0], point_ids)}; its points: {', '.join(point_ids)}")
     return list(dict.fromkeys(ids))

@@ -139,10 +139,7 @@ def refit(run: RunFolder, study: Study | None = None) -> ModelVersion | None:
     if study is None:
         from ..define.study_file import load_study
         study = load_study(run.study_path)
-    for pid, pc in measured_capacities(run, study).items():
-        p = pred.of(pid)
-        if pc is not None and pc.config.kind == "value" and p is not None and p.predicted and not p.censored:
-            version.errors[pid] = abs(p.value / pc.config.value - 1)
+    version.errors = capacity_errors(measured_capacities(run, study), {p.point: p for p in pred.points})
     if not pred.refits or pred.refits[-1].starts != version.starts:
         pred.refits.append(version)
         pred.save(run)
@@ -247,12 +244,7 @@ def end_to_end(run: RunFolder, study: Study, models: list[step_model.StepModel],
                predicted: dict[str, PointPrediction]) -> EndToEnd:
     """The end-to-end error on what was measured so far (EndToEnd)."""
     from .start import StudyInputs
-    caps = measured_capacities(run, study)
-    err = EndToEnd()
-    for pid, pc in caps.items():
-        p = predicted.get(pid)
-        if pc is not None and pc.config.kind == "value" and p is not None and p.predicted and not p.censored:
-            err.capacity[pid] = abs(p.value / pc.config.value - 1)
+    err = EndToEnd(capacity=capacity_errors(measured_capacities(run, study), predicted))
     slo = list(study.capacity.slo)
     inputs, errs = StudyInputs(study), []
     for pid, d, rec in measured_starts(run):
@@ -275,6 +267,14 @@ def _fits(model, run, pid, rec) -> bool:
         return True
     except step_model.Extrapolation:
         return False
+
+
+def capacity_errors(measured: dict, predicted: dict[str, PointPrediction]) -> dict[str, float]:
+    """|predicted / measured - 1| of each point whose capacity was measured as a value and
+    predicted as one (a bound on either side has no ratio)."""
+    return {pid: abs(p.value / pc.config.value - 1) for pid, pc in measured.items()
+            if pc is not None and pc.config.kind == "value" and (p := predicted.get(pid)) is not None
+            and p.predicted and not p.censored}
 
 
 def measured_capacities(run: RunFolder, study: Study) -> dict:
