@@ -47,6 +47,16 @@ def layer_of(package: str) -> int:
     raise KeyError(f"package {package!r} is in no layer of vllm_study.LAYERS; add it there")
 
 
+def from_module(package: str, node: ast.ImportFrom) -> str:
+    """The module a `from ... import` statement in `package` names, relative levels resolved."""
+    if not node.level:
+        return node.module or ""
+    base = package
+    for _ in range(node.level - 1):
+        base = base.rsplit(".", 1)[0]
+    return f"{base}.{node.module}" if node.module else base
+
+
 def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
     """The package modules `name` imports, anywhere in its source (function-local too)."""
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
@@ -55,10 +65,7 @@ def imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rsplit(".", 1)[0]
-            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            base = from_module(package, node)
             # `from . import x` names a module; `from .m import f` names m
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
         else:
@@ -82,10 +89,7 @@ def private_imports() -> list[str]:
                 aliases |= {a.asname: a.name for a in node.names if a.asname and a.name in known}
             if not isinstance(node, ast.ImportFrom):
                 continue
-            base = package
-            for _ in range(node.level - 1):
-                base = base.rsplit(".", 1)[0]
-            base = (f"{base}.{node.module}" if node.module else base) if node.level else node.module or ""
+            base = from_module(package, node)
             for a in node.names:
                 if f"{base}.{a.name}" in known and f"{base}.{a.name}" != name:  # `from . import m as x`
                     aliases[a.asname or a.name] = f"{base}.{a.name}"
