@@ -127,7 +127,7 @@ def test_the_next_steps_admission_is_charged_to_the_step_in_flight():
 
 def test_a_model_saved_before_the_next_step_terms_loads_row_wise(tmp_path):
     m = fit([synthetic_round(k) for k in range(3)], SCOPE, lead=False)
-    old = m.model_dump(mode="json")
+    old = m.model_dump(mode="json", exclude={"front_end", "front_end_why_not"})
     old["coef"] = {k: v for k, v in old["coef"].items() if "next" not in k}
     (tmp_path / "old.json").write_text(__import__("json").dumps(old))
     back = StepModel.load(tmp_path / "old.json")

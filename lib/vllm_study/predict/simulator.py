@@ -76,8 +76,10 @@ class VirtualEngine:
             clock(lambda: self.now)
 
     # -- the client's side ----------------------------------------------------------------
-    def submit(self, key: int, token_ids: list[int], max_tokens: int, at: float | None = None) -> str:
-        """Send a request at `at` (default: now); its id in the engine."""
+    def submit(self, key: int, token_ids: list[int], max_tokens: int, at: float | None = None,
+               sent: float | None = None) -> str:
+        """A request reaching the engine at `at` (default: now), sent by the client at `sent`
+        (default: `at`; earlier where a front end stands between); its id in the engine."""
         at = self.now if at is None else at
         if at < self.now:
             raise ValueError(f"request {key}: sent at {at:.6f} s, before the engine's time {self.now:.6f} s")
@@ -85,7 +87,7 @@ class VirtualEngine:
             raise ValueError(f"request {key}: {len(token_ids)} prompt + {max_tokens} output tokens exceed "
                              f"max_model_len {self.spec.max_model_len} (the server would refuse it)")
         rid = f"{key}-{self._seq}"
-        self.tracked[rid] = Tracked(key, len(token_ids), max_tokens, at)
+        self.tracked[rid] = Tracked(key, len(token_ids), max_tokens, at if sent is None else sent)
         heapq.heappush(self._arrivals, (at, self._seq, rid, self._make(rid, token_ids, max_tokens, at)))
         self._seq += 1
         return rid

@@ -49,6 +49,9 @@ fitted on (8 of 16 held-out rounds on the H100 did, 12-13 prefill requests where
 fitted), and a term linear in a count keeps its slope well past the fitted top where
 the launch settings (kernels, CUDA graph sizes) are the fitted ones, which the scope
 check holds.
+
+Its front end (predict/front_end.py: the time a request spends outside the engine,
+fitted from the same runs' rounds) travels with it, its own scope checked apart.
 """
 from __future__ import annotations
 
@@ -60,6 +63,8 @@ from pydantic import BaseModel
 from scipy.optimize import lsq_linear
 
 from ..prefix_budget import steps
+from . import front_end as fe
+from .front_end import Extrapolation, FrontEnd
 
 FEATURES = ("prefill_tokens", "prefill_reqs", "decode_reqs", "context_tokens")
 LEAD = ("prefill_tokens", "prefill_reqs")   # the next step's, charged to the step in flight (async)
@@ -72,10 +77,6 @@ RANGE_MARGIN = 2.0
 KERNEL_SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "enforce_eager", "tensor_parallel_size")
 RANGED = ("max_num_batched_tokens", "max_num_seqs")
 FOLDS = 5
-
-
-class Extrapolation(ValueError):
-    """The model was not fitted where it is asked to predict."""
 
 
 class Scope(BaseModel):
@@ -106,6 +107,8 @@ class StepModel(BaseModel):
     steps: int
     held_out: HeldOut | None = None
     held_out_why_not: str | None = None
+    front_end: FrontEnd | None = None
+    front_end_why_not: str | None = None
 
     def _c(self, terms) -> np.ndarray:
         return np.array([self.coef.get(t, 0.0) for t in terms])  # a term a saved model lacks: 0
@@ -140,6 +143,9 @@ class StepModel(BaseModel):
                     why.append(f"{key}={asked} (fitted on {min(seen)}..{max(seen)})")
             elif asked not in seen:
                 why.append(f"{key}={asked} (fitted on {', '.join(map(str, seen))})")
+        if self.front_end is not None and self.front_end.scope.vllm_version != scope.vllm_version:
+            why.append(f"its front end's vLLM {self.front_end.scope.vllm_version!r} (the configuration's "
+                       f"{scope.vllm_version!r})")
         if rows is not None and len(rows):
             for f in FEATURES:
                 lo, hi = self.ranges[f]
@@ -286,14 +292,27 @@ def scope_of(plan, start, launch, manifest) -> Scope:
 
 
 def fit_run(run_dir: str | Path, folds: int = FOLDS) -> list[StepModel]:
-    """One model a scope (launch settings in RANGED aside) of a run folder's records."""
+    """One model a scope (launch settings in RANGED aside) of a run folder's records, each
+    with the front end fitted from the run's rounds (front_end.fit; None, with why, where
+    no round could give one)."""
     by_scope: dict[str, list[tuple[np.ndarray, Scope]]] = {}
     for rows, scope in collect(run_dir):
         d = scope.model_dump()
         key = json.dumps({**d, "launch": {k: v for k, v in d["launch"].items() if k not in RANGED}}, sort_keys=True)
         by_scope.setdefault(key, []).append((rows, scope))
+    front, why_not = None, None
+    try:  # one front end a run: one API server program, API and tokenizer in every start
+        samples, scope = fe.samples_of_run(run_dir)
+        if not samples:
+            why_not = "no ok round with step records and its requests' records"
+        else:
+            front = fe.fit(samples, scope)
+    except ValueError as e:
+        why_not = str(e)
     models = []
     for group in by_scope.values():
         launches = [json.loads(s) for s in sorted({json.dumps(sc.launch, sort_keys=True) for _, sc in group})]
-        models.append(fit([r for r, _ in group], group[0][1], launches, folds))
+        m = fit([r for r, _ in group], group[0][1], launches, folds)
+        m.front_end, m.front_end_why_not = front, why_not
+        models.append(m)
     return models
