@@ -117,8 +117,7 @@ def engine_times(rows: np.ndarray, prompt_tokens: list[int]) -> tuple[np.ndarray
 
 def handoff_arrivals(sent: np.ndarray, spacing_s: float) -> np.ndarray:
     """Handoff.arrival over requests sent at `sent` (in send order)."""
-    h = Handoff(FrontEnd(scope=FrontEndScope(api="", model="", vllm_version="", prompt_tokens=(0, 0)),
-                         spacing_s=spacing_s, latency_s=0.0, rounds=0))
+    h = Handoff(spacing_s=spacing_s)
     return np.array([h.arrival(float(t)) for t in sent])
 
 
@@ -202,8 +201,8 @@ class Handoff:
     """One API server in virtual time: requests handed to the engine in the order sent,
     one every spacing_s at most (none: at once)."""
 
-    def __init__(self, front_end: FrontEnd | None):
-        self.spacing_s = front_end.spacing_s if front_end else 0.0
+    def __init__(self, front_end: FrontEnd | None = None, *, spacing_s: float = 0.0):
+        self.spacing_s = front_end.spacing_s if front_end else spacing_s
         self.latency_s = front_end.latency_s if front_end else 0.0
         self._free = -np.inf
 
