@@ -14,14 +14,21 @@ array). This script
    closed-loop round) and checks each piece's token counts against the requests it
    should hold (a piece whose counts fall short lost step rows: it is left out);
 2. fits the step-time model (predict/step_model.fit) from the rounds of the --fit starts,
-   its K-fold held-out error by round, and its per-step error on the other starts' rounds;
+   beside its row-wise form (no next-step terms: the kit's model before them), their
+   K-fold held-out error by round and their per-step error on the other starts' rounds
+   (decode-only steps, steps with a prefill, and the decode-only steps just before one);
+   and the front end (predict/front_end.fit: the API server's hand-over spacing and the
+   latency outside the engine) from the same rounds, and again from the other starts'
+   rounds as a check of its spread;
 3. replays the study's rounds in simulation (predict/start.SimulatedStart: the study's own
    prompts, the starts' KV pool and block size, AsyncScheduler as a GPU engine runs) with
-   whichever vLLM is first on the path, and sets the predicted figures beside the
-   per-start medians of the held-out starts (their min / median / max over starts);
-4. compares the simulated rounds' steps with the recorded ones (steps, prefill, cached
-   and decode tokens, busy time) and reports the engine's idle time inside measured
-   rounds, which the simulator has none of.
+   whichever vLLM is first on the path, three ways (row-wise without front end, next-step
+   terms without, next-step terms with the front end: the kit's), and sets the predicted
+   figures beside the per-start medians of the held-out starts (their min / median / max
+   over starts);
+4. compares the kit's simulated rounds' steps with the recorded ones (steps, prefill,
+   cached and decode tokens, busy time) and the engine's own TTFT and ITL P99 from the
+   steps alone, recorded and simulated.
 
     PYTHONPATH=lib python benchmarks/predict_h100_footprint.py \\
         results/live-knobs-equivalence/20261207-h100-kit-footprint --fit 0,1 [--json OUT.json]
@@ -137,79 +144,6 @@ def engine_side(r: np.ndarray, prompt_tokens: int) -> dict | None:
             "max_waiting": int(r["waiting"].max()), "preempted": int(r["preempted"].sum())}
 
 
-def _lead_design(r: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(design with the next step's prefill requests and tokens added, cycles, kinds:
-    0 decode-only, 1 a prefill, 2 decode-only before a prefill) of a round's busy steps."""
-    br, c = step_model.busy(r)
-    nxt_req = np.r_[br["prefill_reqs"][1:], 0].astype(float)
-    nxt_tok = np.r_[br["prefill_tokens"][1:], 0].astype(float)
-    base = np.column_stack([np.ones(len(br))] + [br[f].astype(float) for f in step_model.FEATURES])
-    kind = np.where(br["prefill_reqs"] > 0, 1, np.where(nxt_req > 0, 2, 0))
-    return np.column_stack([base, nxt_req, nxt_tok]), c, kind
-
-
-def _lead_check(model, train: list[np.ndarray], test: list[np.ndarray]) -> dict:
-    """The step model's error where a step precedes a prefill, and a fit with the next
-    step's prefill requests and tokens as terms (nonnegative least squares, as
-    step_model fits; scipy's lsq_linear)."""
-    from scipy.optimize import lsq_linear
-    Xtr, ytr, _ = (np.concatenate(x) for x in zip(*map(_lead_design, train)))
-    Xte, yte, kind = (np.concatenate(x) for x in zip(*map(_lead_design, test)))
-    scale = np.maximum(np.abs(Xtr).max(axis=0), 1e-12)
-    coef = lsq_linear(Xtr / scale, ytr, bounds=(0, np.inf), method="bvls").x / scale
-    lead = np.abs(Xte @ coef - yte) / yte
-    base = np.abs(Xte[:, :-2] @ np.array([model.coef[t] for t in step_model.TERMS]) - yte) / yte
-    ms = lambda k: [float(1e3 * np.quantile(yte[kind == k], q)) for q in (0.1, 0.5, 0.9)]  # noqa: E731
-    return {"before_ms": ms(2), "other_ms": ms(0), "before_err": float(np.median(base[kind == 2])),
-            "base_prefill": float(np.median(base[kind == 1])), "lead_median": float(np.median(lead)),
-            "lead_p90": float(np.quantile(lead, 0.9)), "lead_prefill": float(np.median(lead[kind == 1])),
-            "lead_before": float(np.median(lead[kind == 2])),
-            "lead_coef_ms": [float(1e3 * x) for x in coef]}
-
-
-def admit_ms(r: np.ndarray, concurrency: int, prompt_tokens: int) -> float | None:
-    """Milliseconds a request took to reach the engine while a round's first
-    `concurrency` requests (sent at once by a closed loop) went through the API server:
-    the time from the round's first step to the step that admitted the last of them,
-    over the others."""
-    n = admitted(r, prompt_tokens)
-    if n is None or concurrency < 2:
-        return None
-    k = np.flatnonzero(np.cumsum(n) >= concurrency)
-    return float(1e3 * (r["t_scheduled"][k[0]] - r["t_scheduled"][0]) / (concurrency - 1)) if len(k) else None
-
-
-def closed_loop_front(engine, prompts, requests, concurrency: int, admit_s: float) -> list[dict]:
-    """traffic.closed_loop with a serial front end before the engine: each request
-    reaches the engine `admit_s` after the previous one did (or after its own send),
-    as one API server process tokenizing and forwarding requests one at a time would;
-    TTFT and end-to-end latency run from the client's send. A sensitivity check, not
-    the kit's simulator: the front end's cost here is one number read from the records."""
-    from vllm_study.measure.client import RequestResult
-    todo = list(requests)[::-1]
-    sent: dict[str, tuple] = {}
-    free = [engine.now]
-
-    def send(_key=None, t=None):
-        if todo:
-            r = todo.pop()
-            t = engine.now if t is None else t
-            free[0] = max(t, free[0]) + admit_s
-            sent[engine.submit(r.index, prompts.ids(r), r.max_tokens, at=free[0])] = (r, t)
-    for _ in range(min(concurrency, len(todo))):
-        send()
-    engine.run(send)
-    out = []
-    for rid, (r, t_send) in sent.items():
-        tr = engine.tracked[rid]
-        res = RequestResult(index=r.index, send_time=t_send, end_time=tr.end_time, prompt_tokens=tr.prompt_tokens,
-                            output_tokens=len(tr.token_times), tags=dict(r.tags))
-        res.ttft_s, res.e2e_s = tr.token_times[0] - t_send, tr.end_time - t_send
-        res.itl_s = [b - a for a, b in zip(tr.token_times, tr.token_times[1:])]
-        out.append(res.to_dict())
-    return out
-
-
 # -- the run ---------------------------------------------------------------------------
 def load_run(run: Path) -> tuple[dict, list[dict]]:
     plan = json.loads((run / "plan.json").read_text())
@@ -317,113 +251,86 @@ def main() -> int:
         print(f"  pair {s['pair']}: {len(rows)} rows: " + "; ".join(body) + (f" ({why})" if why else ""))
         out["starts"][s["pair"]] = {"rows": int(len(rows)), "pieces": tallies, "why_not": why}
 
-    # 2. fit
+    # 2. fit: the kit's model (next-step terms: where an async engine pays for admitting) beside the
+    # row-wise form it had before, and the front end from the same starts' rounds
     scope = scope_for(study, point, starts[0]["cache_config"], a.device, gpu_version)
     train = [r for p in fit_pairs for r in rounds[p] if r is not None]
     model = step_model.fit(train, scope)
-    c = model.coef
+    rowwise = step_model.fit(train, scope, lead=False)
     print(f"\n2. step model from pairs {fit_pairs} ({model.rounds} rounds, {model.steps} busy steps):")
-    print(f"  cycle = {1e3 * c['overhead_s']:.3f} ms" + "".join(
-        f" + {1e6 * c[t]:.4g} us x {f}" for t, f in zip(step_model.TERMS[1:], step_model.FEATURES)))
-    print("  observed ranges: " + ", ".join(f"{f} {lo:g}..{hi:g}" for f, (lo, hi) in model.ranges.items()))
-    h = model.held_out
-    print(f"  K-fold held out by round ({h.folds} folds, {h.steps} steps): per-step |error| median "
-          f"{100 * h.median:.1f}%, P90 {100 * h.p90:.1f}%")
+    for name, m in (("row-wise", rowwise), ("next-step terms", model)):
+        c = m.coef
+        print(f"  {name}: cycle = {1e3 * c['overhead_s']:.3f} ms" + "".join(
+            f" + {1e6 * c[t]:.4g} us x {t.removeprefix('per_').removesuffix('_s')}" for t in step_model.TERMS[1:]
+            if c.get(t)))
+        h = m.held_out
+        print(f"    K-fold held out by round ({h.folds} folds, {h.steps} steps): per-step |error| median "
+              f"{100 * h.median:.1f}%, P90 {100 * h.p90:.1f}%")
+    print("  observed ranges: " + ", ".join(f"{f} {lo:g}..{hi:g}" for f, (lo, hi) in model.ranges.items())
+          + f"; check refuses past {step_model.RANGE_MARGIN:g} x the maximum")
     out["model"] = model.model_dump()
-    held, refused = {}, {}
-    for s in starts:
-        if s["pair"] in fit_pairs:
-            continue
-        for k, r in enumerate(rounds[s["pair"]]):
-            if r is None:
-                continue
-            br, cyc = step_model.busy(r)
-            try:
-                model.check(scope, br)
-            except step_model.Extrapolation as e:  # recorded, not hidden: such a round's steps are left out
-                refused[(s["pair"], k)] = str(e)
-                continue
-            pred = model.predict(br)
-            rel = (pred - cyc) / cyc
-            held[(s["pair"], k)] = {"steps": len(br), "abs_rel": np.abs(rel), "total": pred.sum() / cyc.sum() - 1,
-                                    "decode_only": (br["prefill_reqs"] == 0), "rel": rel}
-    for (p, k), why in refused.items():
-        print(f"  pair {p} r{k}: REFUSED, {why}")
-    allrel = np.concatenate([v["abs_rel"] for v in held.values()])
-    dec = np.concatenate([v["decode_only"] for v in held.values()])
-    signed = np.concatenate([v["rel"] for v in held.values()])
-    totals = np.array([v["total"] for v in held.values()])
-    print(f"  the other starts' {len(held)} complete rounds ({len(allrel)} steps): per-step |error| median "
-          f"{100 * np.median(allrel):.1f}%, P90 {100 * np.quantile(allrel, 0.9):.1f}% (decode-only steps "
-          f"{100 * np.median(allrel[dec]):.1f}% / {100 * np.quantile(allrel[dec], 0.9):.1f}%, steps with a prefill "
-          f"{100 * np.median(allrel[~dec]):.1f}% / {100 * np.quantile(allrel[~dec], 0.9):.1f}%); signed median "
-          f"{100 * np.median(signed):+.1f}%; a round's summed step time {100 * totals.min():+.1f}% .. "
-          f"{100 * totals.max():+.1f}% (median {100 * np.median(totals):+.1f}%)")
-    out["held_out_starts"] = {"rounds": len(held),
-                              "refused": {f"pair{p} r{k}": why for (p, k), why in refused.items()},
-                              "steps": int(len(allrel)), "median": float(np.median(allrel)),
-                              "p90": float(np.quantile(allrel, 0.9)),
-                              "decode_only_median": float(np.median(allrel[dec])),
-                              "prefill_median": float(np.median(allrel[~dec])),
-                              "signed_median": float(np.median(signed)),
-                              "round_total": [float(totals.min()), float(np.median(totals)), float(totals.max())]}
+    out["model_rowwise"] = rowwise.model_dump()
+    heldout = [s for s in starts if s["pair"] not in fit_pairs]
+    out["held_out_starts"] = held_out_errors(model, scope, heldout, rounds)
+    out["held_out_starts_rowwise"] = held_out_errors(rowwise, scope, heldout, rounds, quiet=True)
 
-    # where a step's cost lands: under async scheduling the next step is scheduled (and its
-    # inputs prepared) before this one's output is back, so admitting requests may show in
-    # the cycle of the step before the one that computes them
-    lead = _lead_check(model, [r for p in fit_pairs for r in rounds[p] if r is not None],
-                       [r for s in starts if s["pair"] not in fit_pairs for r in rounds[s["pair"]] if r is not None])
-    out["lead_check"] = lead
-    print(f"  decode-only steps just before a step with a prefill: measured cycle median {lead['before_ms'][1]:.1f} ms "
-          f"(P10 {lead['before_ms'][0]:.1f}, P90 {lead['before_ms'][2]:.1f}) against {lead['other_ms'][1]:.1f} ms for "
-          f"other decode-only steps; the model's per-step |error| on them {100 * lead['before_err']:.0f}% (median)")
-    print(f"  with the next step's prefill requests and tokens as two more terms (same data, a diagnostic, not "
-          f"the kit's model): per-step |error| on the other starts median {100 * lead['lead_median']:.1f}%, P90 "
-          f"{100 * lead['lead_p90']:.1f}%; steps with a prefill {100 * lead['lead_prefill']:.0f}%, the steps just "
-          f"before them {100 * lead['lead_before']:.0f}% (without: {100 * lead['base_prefill']:.0f}%, "
-          f"{100 * lead['before_err']:.0f}%)")
+    from vllm_study.predict import front_end
+    def samples_of(pairs):
+        return [front_end.RoundSample(r, [prompt_tokens] * w.requests_per_round,
+                                      s["rounds"][k]["metrics"]["ttft_p50_ms"] / 1e3, w.concurrency,
+                                      [w.output_tokens] * w.requests_per_round)
+                for s in starts if s["pair"] in pairs for k, r in enumerate(rounds[s["pair"]]) if r is not None]
+    fscope = front_end.FrontEndScope(api=w.api, model=scope.model, vllm_version=gpu_version,
+                                     prompt_tokens=(prompt_tokens, prompt_tokens))
+    fe = front_end.fit(samples_of(fit_pairs), fscope)
+    model.front_end = fe
+    fe_other = front_end.fit(samples_of({s["pair"] for s in heldout}), fscope)
+    q = lambda v: f"{1e3 * min(v):.2f}..{1e3 * max(v):.2f}"  # noqa: E731
+    for name, f in (("front end from the same starts'", fe), ("the same fit on the held-out starts'", fe_other)):
+        print(f"  {name} {f.rounds} rounds: hand-over {1e3 * f.spacing_s:.2f} ms a request (rounds "
+              f"{q(f.spacing_rounds)}), latency {1e3 * f.latency_s:.1f} ms (rounds {q(f.latency_rounds)}); client "
+              f"TTFT P50 less the engine's {1e3 * np.median(f.gap_rounds):.1f} ms (rounds {q(f.gap_rounds)})")
+    out["front_end_model"] = fe.model_dump()
+    out["front_end_held_out_fit"] = fe_other.model_dump()
 
-    # 3. replay
+    # 3. replay, each form of the model
     from vllm_study.predict.start import SimulatedStart, StudyInputs
     [(num_blocks, block_size)] = blocks if len(blocks) == 1 else [max(blocks)]
     cfg = {"num_gpu_blocks": num_blocks, "block_size": block_size, "enable_prefix_caching": "True"}
-    sim = SimulatedStart(pplan, model, cache_config=cfg, async_scheduling=True, inputs=StudyInputs(study, tok))
-    print(f"\n3. replay: vLLM {vllm.__version__} {type(sim.engine.scheduler).__name__}, {num_blocks} blocks of "
-          f"{block_size}, the study's {w.requests_per_round} prompts closed loop at {w.concurrency}, "
-          f"{len(starts[0]['rounds'])} rounds (prefix cache reset before each)")
-    sims = [sim.run_round(i) for i in range(len(starts[0]["rounds"]))]
-    try:  # the simulator steps with the model wherever vLLM's scheduler takes it
-        model.check(scope, np.concatenate([r.steps for r in sims]))
-        out["sim_extrapolates"] = None
-    except step_model.Extrapolation as e:
-        out["sim_extrapolates"] = str(e)
-        r0 = sims[0].steps
-        n_out = int(np.any([r0[f] > model.ranges[f][1] for f in step_model.FEATURES], axis=0).sum())
-        print(f"  NOTE: {n_out} of a simulated round's {len(r0)} steps lie outside the fitted range: {e}")
-    wall = sum(r.wall_s for r in sims)
-    virt = sum(r.virtual_s for r in sims)
-    heldout = [s for s in starts if s["pair"] not in fit_pairs]
-    print(f"  {'figure':18s} {'predicted':>10s} {'held-out starts (median of 3 rounds each)':>44s}  inside  error vs "
-          "median")
-    fig = {}
-    for f in FIGURES:
-        pred = [r.values[f] for r in sims]
-        meds = np.array([_median_rounds(s, f) for s in heldout])
-        lo, md, hi = meds.min(), float(np.median(meds)), meds.max()
-        p = float(np.median(pred))
-        inside = lo <= p <= hi
-        print(f"  {f:18s} {p:10.2f} {'min ' + f'{lo:.2f}':>14s} {'median ' + f'{md:.2f}':>16s} "
-              f"{'max ' + f'{hi:.2f}':>12s}  {'yes' if inside else 'NO':>6s}  {100 * (p / md - 1):+.1f}%"
-              + ("" if max(pred) - min(pred) < 1e-9 * max(1, abs(p))
-                 else f"  (sim rounds {min(pred):.2f}..{max(pred):.2f})"))
-        fig[f] = {"predicted": p, "predicted_rounds": pred, "starts": meds.tolist(), "min": float(lo), "median": md,
-                  "max": float(hi), "inside": bool(inside)}
-    out["figures"] = fig
-    print(f"  simulation: {virt:.2f} s of virtual time in {wall:.2f} s of one core: {virt / wall:.1f} x real time")
-    out["sim"] = {"wall_s": wall, "virtual_s": virt, "x_real_time": virt / wall}
+    inputs = StudyInputs(study, tok)
+    n_rounds = len(starts[0]["rounds"])
+    variants = {"row-wise, no front end (before)": rowwise,
+                "next-step terms, no front end": model.model_copy(update={"front_end": None}),
+                "next-step terms and front end (the kit)": model}
+    print(f"\n3. replay: vLLM {vllm.__version__}, {num_blocks} blocks of {block_size}, the study's "
+          f"{w.requests_per_round} prompts closed loop at {w.concurrency}, {n_rounds} rounds (prefix cache reset "
+          "before each), beside the held-out starts (median of 3 rounds each)")
+    out["variants"] = {}
+    for name, m in variants.items():
+        sim = SimulatedStart(pplan, m, cache_config=cfg, async_scheduling=True, inputs=inputs)
+        sims = [sim.run_round(i) for i in range(n_rounds)]
+        fig = figures(sims, heldout)
+        try:  # the simulator steps with the model wherever vLLM's scheduler takes it
+            m.check(scope, np.concatenate([r.steps for r in sims]))
+            ext = None
+        except step_model.Extrapolation as e:
+            ext = str(e)
+        wall, virt = sum(r.wall_s for r in sims), sum(r.virtual_s for r in sims)
+        print(f"  {name} ({type(sim.engine.scheduler).__name__}; {virt:.2f} s virtual in {wall:.2f} s, "
+              f"{virt / wall:.1f} x real time)" + (f"; EXTRAPOLATES: {ext}" if ext else ""))
+        print(f"    {'figure':18s} {'predicted':>10s} {'min':>9s} {'median':>9s} {'max':>9s}  inside  vs median")
+        for f, v in fig.items():
+            print(f"    {f:18s} {v['predicted']:10.2f} {v['min']:9.2f} {v['median']:9.2f} {v['max']:9.2f}  "
+                  f"{'yes' if v['inside'] else 'NO':>6s}  {100 * v['error']:+.1f}%"
+                  + ("" if max(v["predicted_rounds"]) - min(v["predicted_rounds"]) < 1e-9 * max(1, abs(v["predicted"]))
+                     else f"  (sim rounds {min(v['predicted_rounds']):.2f}..{max(v['predicted_rounds']):.2f})"))
+        out["variants"][name] = {"figures": fig, "extrapolates": ext, "steps": [len(r.steps) for r in sims],
+                                 "sim": {"wall_s": wall, "virtual_s": virt}}
+    out["figures"] = out["variants"]["next-step terms and front end (the kit)"]["figures"]
 
-    # 4. the steps themselves
-    print("\n4. simulated rounds' steps beside the recorded complete rounds (held-out starts: min / median / max):")
+    # 4. the steps themselves (the kit's replay)
+    print("\n4. the kit's simulated rounds' steps beside the recorded complete rounds (held-out starts: min / "
+          "median / max):")
     rec = [tally(r) | {"complete": True} for s in heldout for r in rounds[s["pair"]] if r is not None]
     simt = [tally(r.steps) for r in sims]
     for key in ("steps", "prefill_tokens", "cached_tokens", "decode_tokens", "busy_s", "cycle_ms"):
@@ -435,95 +342,93 @@ def main() -> int:
     print(f"  prefill + cached = {w.requests_per_round} x {prompt_tokens} prompt tokens and decode = "
           f"{w.requests_per_round} x {w.output_tokens - 1}: simulated {[t['complete'] for t in simt]}, recorded "
           f"{sum(t['complete'] for t in rec)} of {len(rec)}")
-    first = [r.steps[:3] for r in sims[:1]][0]
+    first = sims[0].steps[:3]
     print("  a round's first 3 steps, simulated (prefill tokens/requests, cached): "
           + "; ".join(f"{int(x['prefill_tokens'])}/{int(x['prefill_reqs'])}, {int(x['cached_tokens'])}" for x in first))
     r0 = next(r for s in heldout for r in rounds[s["pair"]] if r is not None)
     print("  ... recorded (one held-out round):             "
           + "; ".join(f"{int(x['prefill_tokens'])}/{int(x['prefill_reqs'])}, {int(x['cached_tokens'])}"
                       for x in r0[:3]))
-    idle, gaps, dur = [], [], []
-    for s in heldout:
-        for k, r in enumerate(rounds[s["pair"]]):
-            if r is None:
-                continue
-            g = r["t_scheduled"][1:] - r["t_done"][:-1]
-            idle.append(float(g[g > 0].sum()))
-            gaps.append(int((g > 0.005).sum()))
-            dur.append(s["rounds"][k]["metrics"]["duration_s"] - (r["t_done"][-1] - r["t_scheduled"][0]))
-    print(f"  engine idle inside a measured round (its next step scheduled after the previous output): "
-          f"{np.median(idle):.3f} s a round (median; {min(idle):.3f}..{max(idle):.3f}), in {int(np.median(gaps))} "
-          f"gaps over 5 ms; the simulator's rounds: 0")
-    print(f"  the client's round (first send to last answer) less the engine's (first step scheduled to last "
-          f"output): {1e3 * np.median(dur):.0f} ms (median; {1e3 * min(dur):.0f}..{1e3 * max(dur):.0f})")
     sim_dur = [r.values["duration_s"] for r in sims]
     print(f"  round duration: simulated {np.median(sim_dur):.3f} s; measured (held-out starts' rounds) "
           f"{np.median([x['metrics']['duration_s'] for s in heldout for x in s['rounds']]):.3f} s")
     # the engine's side of the latencies, recorded and simulated alike
     print("\n  inside the engine (the steps alone; TTFT bounded by the admitting step's schedule times, ITL the "
           "step cycles), beside the client's figures:")
-    print(f"  {'round':10s} {'client TTFT P50':>15s} {'engine TTFT P50 in':>22s} {'engine P90 <=':>13s} "
-          f"{'client ITL P99':>14s} {'engine ITL P99':>14s}")
     eng_rows = []
     for s in heldout:
         for k, r in enumerate(rounds[s["pair"]]):
             e = engine_side(r, prompt_tokens) if r is not None else None
-            if e is None:
-                continue
-            m = s["rounds"][k]["metrics"]
-            eng_rows.append((m["ttft_p50_ms"], e["ttft_hi_p50_ms"], m["itl_p99_ms"], e["itl_p99_ms"]))
-            print(f"  pair {s['pair']} r{k}  {m['ttft_p50_ms']:15.1f} {e['ttft_lo_p50_ms']:10.1f} .. "
-                  f"{e['ttft_hi_p50_ms']:7.1f} {e['ttft_hi_p90_ms']:13.1f} {m['itl_p99_ms']:14.2f} "
-                  f"{e['itl_p99_ms']:14.2f}" + (f"  (waiting up to {e['max_waiting']})" if e["max_waiting"] else ""))
-    sim_e = engine_side(sims[0].steps, prompt_tokens)
-    if sim_e:
-        print(f"  {'simulated':10s} {sims[0].values['ttft_p50_ms']:15.1f} {sim_e['ttft_lo_p50_ms']:10.1f} .. "
-              f"{sim_e['ttft_hi_p50_ms']:7.1f} {sim_e['ttft_hi_p90_ms']:13.1f} {sims[0].values['itl_p99_ms']:14.2f} "
-              f"{sim_e['itl_p99_ms']:14.2f}")
+            if e is not None:
+                m = s["rounds"][k]["metrics"]
+                eng_rows.append((m["ttft_p50_ms"], e["ttft_hi_p50_ms"], m["itl_p99_ms"], e["itl_p99_ms"]))
     er = np.array(eng_rows)
-    from scipy import stats as sps
-    rho_t = sps.spearmanr(er[:, 0], er[:, 1])
-    rho_i = sps.spearmanr(er[:, 2], er[:, 3])
-    outside = er[:, 0] - er[:, 1]
-    print(f"  over {len(er)} rounds: client TTFT P50 less the engine's upper bound {np.median(outside):.0f} ms "
-          f"(median; {outside.min():.0f}..{outside.max():.0f}); Spearman rho client vs engine: TTFT P50 "
-          f"{rho_t.statistic:.2f} (p {rho_t.pvalue:.2g}), ITL P99 {rho_i.statistic:.2f} (p {rho_i.pvalue:.2g})")
-    out["engine_side"] = {"rounds": eng_rows, "simulated": sim_e, "ttft_p50_outside_ms": outside.tolist(),
-                          "spearman_ttft": float(rho_t.statistic), "spearman_itl": float(rho_i.statistic)}
-
-    # 5. a serial front end before the engine, its cost read from the records
-    adm = [x for s in heldout for r in rounds[s["pair"]] if r is not None
-           and (x := admit_ms(r, w.concurrency, prompt_tokens)) is not None]
-    a_ms = float(np.median(adm))
-    from vllm_study.measure import stats
-    from vllm_study.predict.simulator import VirtualEngine
-    fe = VirtualEngine(sim.spec, model)
-    wl_sim, prompts = sim.workloads[0], sim.prompts[0]
-    fronted = []
-    for _ in range(len(sims)):
-        fe.scheduler.reset_prefix_cache()
-        n0 = len(fe.steps())
-        res = closed_loop_front(fe, prompts, wl_sim.requests(w.requests_per_round), w.concurrency, a_ms / 1e3)
-        dur = max(r["end_time"] for r in res) - min(r["send_time"] for r in res)
-        fronted.append((stats.round_metrics(res, dur), fe.steps()[n0:]))
-    print(f"\n5. the same rounds with a serial front end: each request reaches the engine {a_ms:.2f} ms after the "
-          f"previous one (the held-out rounds' median time to admit a round's first {w.concurrency}, "
-          f"{min(adm):.2f}..{max(adm):.2f} ms a request); not the kit's simulator, a check of where the error is")
-    for f in FIGURES:
-        p = float(np.median([v[f] for v, _ in fronted]))
-        print(f"  {f:18s} {p:10.2f}  inside {'yes' if fig[f]['min'] <= p <= fig[f]['max'] else 'NO':>3s}  "
-              f"{100 * (p / fig[f]['median'] - 1):+.1f}% vs the held-out median")
-    ft = tally(fronted[0][1])
-    print(f"  steps {ft['steps']}, busy {ft['busy_s']:.3f} s; first 3 steps: " + "; ".join(
-        f"{int(x['prefill_tokens'])}/{int(x['prefill_reqs'])}, {int(x['cached_tokens'])}" for x in fronted[0][1][:3]))
-    out["front_end"] = {"admit_ms": a_ms, "admit_ms_range": [min(adm), max(adm)],
-                        "figures": {f: float(np.median([v[f] for v, _ in fronted])) for f in FIGURES},
-                        "steps": ft["steps"], "busy_s": ft["busy_s"]}
-    out["steps_check"] = {"simulated": simt, "recorded_complete": len(rec), "idle_in_round_s": idle,
-                          "client_less_engine_s": dur, "sim_duration_s": sim_dur}
+    sim_e = engine_side(sims[0].steps, prompt_tokens)
+    print(f"  recorded rounds (median over {len(er)}): engine TTFT P50 <= {np.median(er[:, 1]):.1f} ms, ITL P99 "
+          f"{np.median(er[:, 3]):.2f} ms (client: {np.median(er[:, 2]):.2f}; client less engine "
+          f"{np.median(er[:, 2] - er[:, 3]):+.2f} ms)")
+    if sim_e:
+        print(f"  simulated: engine TTFT P50 <= {sim_e['ttft_hi_p50_ms']:.1f} ms, ITL P99 {sim_e['itl_p99_ms']:.2f} ms")
+    out["engine_side"] = {"rounds": eng_rows, "simulated": sim_e,
+                          "itl_p99_client_less_engine_ms": (er[:, 2] - er[:, 3]).tolist()}
+    out["steps_check"] = {"simulated": simt, "recorded_complete": len(rec), "sim_duration_s": sim_dur}
     if a.json:
         a.json.write_text(json.dumps(out, indent=1, default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x)))
     return 0
+
+
+def held_out_errors(model, scope, heldout: list[dict], rounds: dict, quiet: bool = False) -> dict:
+    """The model's per-step error on the held-out starts' complete rounds (those its range
+    check refuses are listed and left out), by kind of step: decode-only, with a prefill,
+    and decode-only just before a step with a prefill (where async admission lands)."""
+    held, refused = {}, {}
+    for s in heldout:
+        for k, r in enumerate(rounds[s["pair"]]):
+            if r is None:
+                continue
+            br, cyc = step_model.busy(r)
+            try:
+                model.check(scope, br)
+            except step_model.Extrapolation as e:  # recorded, not hidden: such a round's steps are left out
+                refused[f"pair{s['pair']} r{k}"] = str(e)
+                continue
+            pred = model.predict(br)
+            nxt = np.r_[br["prefill_reqs"][1:], 0]
+            kind = np.where(br["prefill_reqs"] > 0, 1, np.where(nxt > 0, 2, 0))
+            held[(s["pair"], k)] = {"rel": (pred - cyc) / cyc, "kind": kind, "total": pred.sum() / cyc.sum() - 1}
+    rel = np.concatenate([v["rel"] for v in held.values()])
+    kind = np.concatenate([v["kind"] for v in held.values()])
+    ab = np.abs(rel)
+    totals = np.array([v["total"] for v in held.values()])
+    med = lambda x: float(np.median(x)) if len(x) else float("nan")  # noqa: E731
+    res = {"rounds": len(held), "refused": refused, "steps": int(len(ab)), "median": med(ab),
+           "p90": float(np.quantile(ab, 0.9)), "decode_only_median": med(ab[kind == 0]),
+           "prefill_median": med(ab[kind == 1]), "before_prefill_median": med(ab[kind == 2]),
+           "signed_median": med(rel), "round_total": [float(totals.min()), med(totals), float(totals.max())]}
+    if not quiet:
+        for name, why in refused.items():
+            print(f"  {name}: REFUSED, {why}")
+    print(f"  {'next-step terms' if not quiet else 'row-wise'} on the other starts' {len(held)} complete rounds "
+          f"({len(ab)} steps; {len(refused)} refused): per-step |error| median {100 * res['median']:.1f}%, P90 "
+          f"{100 * res['p90']:.1f}% (decode-only {100 * res['decode_only_median']:.1f}%, with a prefill "
+          f"{100 * res['prefill_median']:.1f}%, just before one {100 * res['before_prefill_median']:.1f}%); "
+          f"a round's summed step time {100 * totals.min():+.1f}% .. {100 * totals.max():+.1f}% (median "
+          f"{100 * res['round_total'][1]:+.1f}%)")
+    return res
+
+
+def figures(sims: list, heldout: list[dict]) -> dict:
+    """Each FIGURE predicted (median over the simulated rounds) beside the held-out starts'
+    per-start medians (min, median, max), whether it lies inside and its error vs the median."""
+    fig = {}
+    for f in FIGURES:
+        pred = [r.values[f] for r in sims]
+        meds = np.array([_median_rounds(s, f) for s in heldout])
+        p, md = float(np.median(pred)), float(np.median(meds))
+        fig[f] = {"predicted": p, "predicted_rounds": pred, "starts": meds.tolist(), "min": float(meds.min()),
+                  "median": md, "max": float(meds.max()), "inside": bool(meds.min() <= p <= meds.max()),
+                  "error": p / md - 1}
+    return fig
 
 
 if __name__ == "__main__":

@@ -118,8 +118,8 @@ def _scope(run: RunFolder, p: str, rec: StartRecord):
 
 def describe(model) -> str:
     c = model.coef
-    return (f"{1e3 * c['overhead_s']:.2f} ms" + "".join(f" + {1e6 * c[t]:.3g} us x {f}" for t, f in
-                                                      zip(step_model.TERMS[1:], step_model.FEATURES))
+    return (f"{1e3 * c['overhead_s']:.2f} ms" + "".join(
+        f" + {1e6 * c.get(t, 0.0):.3g} us x {t.removeprefix('per_').removesuffix('_s')}" for t in step_model.TERMS[1:])
             + f" ({model.steps} steps, {model.rounds} rounds)")
 
 

@@ -15,6 +15,7 @@ from vllm_study.measure import stats  # noqa: E402
 from vllm_study.predict.engine import EngineSpec  # noqa: E402
 from vllm_study.predict.simulator import VirtualEngine  # noqa: E402
 from vllm_study.predict.traffic import closed_loop, open_loop  # noqa: E402
+from vllm_study.prefix_budget import steps  # noqa: E402
 from vllm_study.workload.workload import Request  # noqa: E402
 
 DT = 0.01  # every step: 10 ms
@@ -138,6 +139,34 @@ def test_async_scheduling_overlaps_steps_back_to_back(model_dir):
     assert (rows["t_scheduled"][1:] < rows["t_done"][:-1]).any()
     assert np.allclose(np.diff(rows["t_done"]), DT)  # and starts when it ends
     assert r["ttft_s"] == pytest.approx(2 * DT) and r["e2e_s"] == pytest.approx(5 * DT)
+
+
+class _Admitting:
+    """A step model whose steps take DT, and the step in flight ADMIT longer for each
+    request the next step admits (step_model's next-step terms)."""
+    ADMIT = 0.004
+
+    def own_s(self, rows):
+        return np.full(len(rows), DT)
+
+    def admission_s(self, rows):
+        return self.ADMIT * rows["prefill_reqs"]
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_admission_work_lands_on_the_step_in_flight(model_dir, async_scheduling):
+    eng = engine(model_dir, step_time=_Admitting(), async_scheduling=async_scheduling)
+    reqs = [req(0, list(range(8000, 8010)), 8), req(1, list(range(8100, 8110)), 2)]
+    open_loop(eng, _Ids(), reqs, [0.0, 0.035])
+    rows = eng.steps()
+    cyc = steps.cycles(rows)
+    [k] = np.flatnonzero(rows["prefill_reqs"][1:] > 0) + 1   # the step that admits the second request
+    if async_scheduling:   # scheduled while step k-1 ran: k-1 pays for admitting it, k takes its own DT
+        assert rows["t_scheduled"][k] < rows["t_done"][k - 1]
+        assert cyc[k - 1] == pytest.approx(DT + _Admitting.ADMIT) and cyc[k] == pytest.approx(DT)
+        assert np.allclose(np.delete(cyc, k - 1), DT)
+    else:                  # nothing in flight when a step is scheduled: no step pays for the next
+        assert np.allclose(cyc, DT)
 
 
 def test_a_request_over_max_model_len_is_refused(model_dir):

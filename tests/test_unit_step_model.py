@@ -14,10 +14,13 @@ SCOPE = Scope(model="qwen2.5-7b", device="NVIDIA H100 80GB HBM3", dtype="bfloat1
                                     "enforce_eager": False, "tensor_parallel_size": 1})
 
 
-def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool = False) -> np.ndarray:
+def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool = False,
+                    lead_req_s: float = 0.0) -> np.ndarray:
     """Steps whose time is TRUE's linear form times (1 + noise); back to back with a small
     gap (sync), or overlapped as async scheduling does (each scheduled before the previous
-    output is back): either way steps.cycles gives each step's own time back."""
+    output is back): either way steps.cycles gives each step's own time back. lead_req_s:
+    overlapped steps also take this long for each prefill request of the next step (the
+    admission work an async engine does while the step runs)."""
     rng = np.random.default_rng(seed)
     rows = np.zeros(n, dtype=steps.DTYPE)
     prefill = rng.random(n) < 0.4
@@ -29,6 +32,8 @@ def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool 
     rows = rows[rows["prefill_tokens"] + rows["decode_tokens"] > 0]
     t = TRUE["overhead_s"] + sum(TRUE[f"per_{f.removesuffix('s')}_s"] * rows[f] for f in step_model.FEATURES)
     t = t * (1 + noise * rng.standard_normal(len(rows)))
+    if overlap:
+        t = t + lead_req_s * np.r_[rows["prefill_reqs"][1:], 0]
     done = 100.0 + np.cumsum(t + (0 if overlap else 0.002))
     rows["t_done"] = done
     rows["t_scheduled"] = done - t - (np.r_[0, t[1:]] * 0.5 if overlap else 0)  # async: a step's schedule before
@@ -81,8 +86,54 @@ def test_extrapolation_is_refused_with_what_differs():
         m.check(big)
     rows = synthetic_round(5)
     rows["context_tokens"][0] = 10 * m.ranges["context_tokens"][1]
-    with pytest.raises(Extrapolation, match="context_tokens up to"):
+    with pytest.raises(Extrapolation, match=r"context_tokens up to .*up to 2 x"):
         m.check(SCOPE, rows)
+
+
+def test_rows_a_little_past_the_fitted_maximum_are_predicted_and_far_past_refused():
+    # a held-out round of the fitted configuration reaches a request or a few tokens past the
+    # fitted rounds (12-13 prefill requests where 11 were fitted on the H100): that is no
+    # extrapolation; twice and more the fitted maximum is
+    m = fit([synthetic_round(k) for k in range(2)], SCOPE)
+    hi = m.ranges["prefill_reqs"][1]
+    rows = synthetic_round(5)
+    rows["prefill_reqs"][0] = hi + 2
+    rows["context_tokens"][0] = m.ranges["context_tokens"][1] + 25
+    m.check(SCOPE, rows)
+    rows["prefill_reqs"][0] = step_model.RANGE_MARGIN * hi + 1
+    with pytest.raises(Extrapolation, match=rf"prefill_reqs up to {int(step_model.RANGE_MARGIN * hi + 1)} "
+                                            rf"\(fitted on 0..{hi:g}; up to 2 x {hi:g} is predicted\)"):
+        m.check(SCOPE, rows)
+
+
+def test_the_next_steps_admission_is_charged_to_the_step_in_flight():
+    # async rounds whose steps each take 3 ms longer for every request the next step admits:
+    # the next-step term takes it (the row-wise form cannot: it has no column for it)
+    rounds = [synthetic_round(k, overlap=True, lead_req_s=3e-3) for k in range(6)]
+    m = fit(rounds, SCOPE)
+    assert m.coef["per_next_prefill_req_s"] == pytest.approx(3e-3, rel=0.1)
+    for term, value in TRUE.items():
+        assert m.coef[term] == pytest.approx(value, rel=0.15), term
+    rowwise = fit(rounds, SCOPE, lead=False)
+    assert rowwise.coef["per_next_prefill_req_s"] == 0 and rowwise.coef["per_next_prefill_token_s"] == 0
+    assert m.held_out.median < 0.03 < rowwise.held_out.median
+    # the simulator's split: a row's own time plus what the next row's admission adds
+    rows = rounds[0]   # every step overlaps the next
+    assert np.allclose(m.predict(rows)[:-1], m.own_s(rows)[:-1] + m.admission_s(rows[1:]))
+    # a sync engine never has the next step in flight: the terms stay 0
+    sync = fit([synthetic_round(k, lead_req_s=3e-3) for k in range(3)], SCOPE)
+    assert sync.coef["per_next_prefill_req_s"] == 0 and sync.coef["per_next_prefill_token_s"] == 0
+
+
+def test_a_model_saved_before_the_next_step_terms_loads_row_wise(tmp_path):
+    m = fit([synthetic_round(k) for k in range(3)], SCOPE, lead=False)
+    old = m.model_dump(mode="json", exclude={"front_end", "front_end_why_not"})
+    old["coef"] = {k: v for k, v in old["coef"].items() if "next" not in k}
+    (tmp_path / "old.json").write_text(__import__("json").dumps(old))
+    back = StepModel.load(tmp_path / "old.json")
+    rows = synthetic_round(7, overlap=True)
+    assert np.array_equal(back.predict(rows), m.predict(rows))
+    assert not back.admission_s(rows).any()
 
 
 def test_saved_as_json_and_loaded_back(tmp_path):

@@ -7,7 +7,9 @@ seconds of virtual time, and update_from_output() takes a ModelRunnerOutput that
 one sampled token for each request past its prompt and none for one still inside it.
 With async scheduling (AsyncScheduler, a GPU engine's default) the loop is
 step_with_batch_queue's: the next step is scheduled before the previous one's output
-is back (at most two in flight), and a step starts when the previous one ends.
+is back (at most two in flight), and a step starts when the previous one ends. A step
+model with next-step terms (step_model: admission_s) charges the step it schedules'
+admission work to the step in flight, as the real engine pays it there.
 
 Each step leaves a row of prefix_budget.steps.DTYPE, the columns a real start's step
 records have, so a simulated round and a measured one compare column for column.
@@ -52,8 +54,11 @@ class VirtualEngine:
     each request as it finishes (a closed-loop client submits its next one there)."""
 
     def __init__(self, spec: EngineSpec, step_time: StepTime):
-        # a step-time model (step_model.StepModel: its predict) or any callable rows -> seconds
-        self.spec, self.step_time = spec, getattr(step_time, "predict", step_time)
+        # a step-time model (step_model.StepModel: its own_s, and admission_s for the step in
+        # flight) or any callable rows -> seconds
+        self.spec = spec
+        self.step_time = getattr(step_time, "own_s", None) or getattr(step_time, "predict", step_time)
+        self._admission = getattr(step_time, "admission_s", None)
         self.scheduler = build_scheduler(spec)
         self._make = request_factory(spec.block_size)
         self.now = 0.0
@@ -71,8 +76,10 @@ class VirtualEngine:
             clock(lambda: self.now)
 
     # -- the client's side ----------------------------------------------------------------
-    def submit(self, key: int, token_ids: list[int], max_tokens: int, at: float | None = None) -> str:
-        """Send a request at `at` (default: now); its id in the engine."""
+    def submit(self, key: int, token_ids: list[int], max_tokens: int, at: float | None = None,
+               sent: float | None = None) -> str:
+        """A request reaching the engine at `at` (default: now), sent by the client at `sent`
+        (default: `at`; earlier where a front end stands between); its id in the engine."""
         at = self.now if at is None else at
         if at < self.now:
             raise ValueError(f"request {key}: sent at {at:.6f} s, before the engine's time {self.now:.6f} s")
@@ -80,7 +87,7 @@ class VirtualEngine:
             raise ValueError(f"request {key}: {len(token_ids)} prompt + {max_tokens} output tokens exceed "
                              f"max_model_len {self.spec.max_model_len} (the server would refuse it)")
         rid = f"{key}-{self._seq}"
-        self.tracked[rid] = Tracked(key, len(token_ids), max_tokens, at)
+        self.tracked[rid] = Tracked(key, len(token_ids), max_tokens, at if sent is None else sent)
         heapq.heappush(self._arrivals, (at, self._seq, rid, self._make(rid, token_ids, max_tokens, at)))
         self._seq += 1
         return rid
@@ -146,6 +153,11 @@ class VirtualEngine:
         if not dt > 0:
             raise ValueError(f"the step-time model gave {dt!r} s for a step of {prefill_tokens} prefill "
                              f"and {decode_tokens} decode tokens: a step takes a positive time")
+        if self._queue and self._admission is not None:  # prepared while the step in flight runs
+            extra = float(self._admission(np.array([row], dtype=DTYPE))[0])
+            if extra:
+                self._queue[-1].done += extra
+                self._rows[-1] = self._rows[-1][:1] + (self._rows[-1][1] + extra,) + self._rows[-1][2:]
         start = max(self.now, self._queue[-1].done) if self._queue else self.now
         self._rows.append(row[:1] + (start + dt,) + row[2:])
         self._queue.append(_Batch(out, sampled, start + dt))

@@ -120,6 +120,9 @@ class SimulatedStart:
         self.prompts = [self.inputs.prompts(wl) for wl in self.workloads]
         self.primer = self.inputs.primer(self.spec.max_model_len, self.record)
         self.engine = VirtualEngine(self.spec, step_time)
+        # the step model's front end (front_end.FrontEnd): the API server between client and engine
+        self.front_end = getattr(step_time, "front_end", None)
+        self._front_checked: set[int] = set()
         self.rounds: list[SimulatedRound] = []
 
     # -- one round ------------------------------------------------------------------------
@@ -136,12 +139,13 @@ class SimulatedStart:
         primed = {}
         if self.primer is not None and self.primer.slots[k].history is not None:
             reqs = self.primer.slots[k].requests
-            res = closed_loop(eng, prompts, reqs, w.concurrency) if reqs else []  # (ids keyed by their text)
+            self._check_front(k, reqs)
+            res = closed_loop(eng, prompts, reqs, w.concurrency, self.front_end) if reqs else []  # (ids by text)
             primed = {"prime_s": eng.now - t_prime, "prime_requests": len(res),
                       "prime_prompt_tokens": self.primer.slots[k].history.prompt_tokens,
                       "prime_errors": sum(1 for r in res if r["error"])}
         q0, h0, n0 = eng.cache_queries, eng.cache_hits, len(eng.steps())
-        results = self._send(wl, prompts, load)
+        results = self._send(wl, prompts, load, k)
         duration = _send_to_finish(results)
         values = stats.round_metrics(results, duration, self.study.slo) | primed
         q, h = eng.cache_queries - q0, eng.cache_hits - h0
@@ -153,23 +157,39 @@ class SimulatedStart:
         self.rounds.append(rnd)
         return rnd
 
-    def _send(self, wl, prompts: Prompts, load: float | None) -> list[dict]:
+    def _check_front(self, k: int, requests) -> None:
+        """The front end's scope against the study's API, model and a workload's prompts
+        (front_end.Extrapolation where it was not fitted there), once a workload."""
+        if self.front_end is None or k in self._front_checked or not requests:
+            return
+        from .front_end import FrontEndScope
+        m = self.study.model
+        lengths = [r.prompt_tokens for r in requests]
+        self.front_end.check(FrontEndScope(api=self.study.workload.api, model=m.path or m.card or m.served_name,
+                                           vllm_version=self.front_end.scope.vllm_version,  # the step model's check
+                                           prompt_tokens=(min(lengths), max(lengths))))
+        self._front_checked.add(k)
+
+    def _send(self, wl, prompts: Prompts, load: float | None, k: int = 0) -> list[dict]:
         """What rounds.RoundProtocol._prepare_round sends, into the virtual engine."""
-        w, eng = self.study.workload, self.engine
+        w, eng, fe = self.study.workload, self.engine, self.front_end
         over = self.study.capacity.over if load is not None else None
         if w.kind == "trace":
             speed = trace_speed(over, load, wl.trace.rate, w.trace.speed)
-            return open_loop(eng, prompts, wl.requests(), wl.schedule(speed))
+            requests = wl.requests()
+            self._check_front(k, requests)
+            return open_loop(eng, prompts, requests, wl.schedule(speed), front_end=fe)
         n, lm = w.requests_per_round, w.load
         requests = wl.requests(n)
+        self._check_front(k, requests)
         if lm.kind == "closed":
-            return closed_loop(eng, prompts, requests, int(load) if over == "concurrency" else w.concurrency)
+            return closed_loop(eng, prompts, requests, int(load) if over == "concurrency" else w.concurrency, fe)
         if lm.kind == "poisson":
             times = loads.arrivals(n, load if over == "rate" else lm.rate, lm.burstiness, w.seed)
         else:
             times, step = loads.ladder(n, lm.rates, lm.burstiness, w.seed)
             requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
-        return open_loop(eng, prompts, requests, times, max_concurrency=lm.max_concurrency)
+        return open_loop(eng, prompts, requests, times, max_concurrency=lm.max_concurrency, front_end=fe)
 
     # -- a capacity search ----------------------------------------------------------------
     def capacity(self, precision: float | None = None, max_steps: int | None = None) -> CapacityRecord:

@@ -5,11 +5,13 @@ virtual clock by.
     rounds = collect(run_dir)                       # [(rows, scope), ...], one a round
     model = fit([rows for rows, _ in rounds], rounds[0][1])
     model.check(scope_of_the_config)                # raises Extrapolation where it would guess
-    seconds = model.predict(rows)                   # the simulator's call: one time a row
+    seconds = model.predict(rows)                   # a round's rows, in order: one time a row
+    seconds = model.own_s(row) + model.admission_s(next_row)   # the simulator's split of it
 
 The form: a step's cycle (steps.cycles: output to output while busy) is
 
     c0 + c1 * prefill_tokens + c2 * prefill_reqs + c3 * decode_reqs + c4 * context_tokens
+       + c5 * next_prefill_tokens + c6 * next_prefill_reqs
 
 with every c >= 0. A forward pass costs a fixed overhead (kernel launches, the
 scheduler, sampling setup, the output's way back) plus work linear in the tokens it
@@ -22,12 +24,34 @@ speculative decoding, so they are not a separate term. Fitted by least squares o
 seconds themselves (scipy.optimize.lsq_linear, bounds at 0): the simulator sums step
 times, so an error that keeps the sum right beats one that keeps each ratio right.
 
+The next-step terms (c5, c6) are where an async engine pays for admitting requests.
+With async scheduling EngineCore schedules step k+1, and the model runner prepares its
+inputs, while step k runs; the CPU work of a new request (its input tensors, block
+table, sampling state) then lengthens step k's cycle, not k+1's. On one H100
+(results/predict-vs-measured/20261207-h100-footprint) decode-only steps just before an
+admitting step took 12.0 ms against 6.6 ms, and a row-wise model missed them by 44%.
+A row's next_* features are the following row's prefill tokens and requests where that
+step was scheduled while this one was in flight (t_scheduled[k+1] < t_done[k]), else
+0: a sync engine never overlaps, so its next-step terms stay 0 and the form is the
+row-wise one. The simulator charges them the same way (admission_s of the step it
+schedules, added to the step in flight). A model saved before these terms loads with
+them at 0.
+
 Its scope: the model, device, dtype, vLLM version and engine the records came from, the
 launch settings that change the kernels a step runs (max_num_batched_tokens and
 max_num_seqs: torch.compile ranges and CUDA graph capture sizes; block_size,
 enforce_eager, tensor_parallel_size), and each feature's observed range. ``check``
 refuses a configuration outside it (Extrapolation says what differs and which start to
-measure); the two limits may lie anywhere between the values fitted from.
+measure); the two limits may lie anywhere between the values fitted from. Rows' features
+are refused only past RANGE_MARGIN times their fitted maximum: a round of the fitted
+configuration itself reaches a request or a few context tokens past the rounds it was
+fitted on (8 of 16 held-out rounds on the H100 did, 12-13 prefill requests where 11 were
+fitted), and a term linear in a count keeps its slope well past the fitted top where
+the launch settings (kernels, CUDA graph sizes) are the fitted ones, which the scope
+check holds.
+
+Its front end (predict/front_end.py: the time a request spends outside the engine,
+fitted from the same runs' rounds) travels with it, its own scope checked apart.
 """
 from __future__ import annotations
 
@@ -39,17 +63,20 @@ from pydantic import BaseModel
 from scipy.optimize import lsq_linear
 
 from ..prefix_budget import steps
+from . import front_end as fe
+from .front_end import Extrapolation, FrontEnd
 
 FEATURES = ("prefill_tokens", "prefill_reqs", "decode_reqs", "context_tokens")
-TERMS = ("overhead_s",) + tuple(f"per_{f.removesuffix('s')}_s" for f in FEATURES)
+LEAD = ("prefill_tokens", "prefill_reqs")   # the next step's, charged to the step in flight (async)
+TERMS = (("overhead_s",) + tuple(f"per_{f.removesuffix('s')}_s" for f in FEATURES)
+         + tuple(f"per_next_{f.removesuffix('s')}_s" for f in LEAD))
+OWN_TERMS, LEAD_TERMS = TERMS[:1 + len(FEATURES)], TERMS[1 + len(FEATURES):]
+# a row's feature may reach this many times its fitted maximum before check refuses it
+RANGE_MARGIN = 2.0
 # launch settings that pick kernels: the same value, or (RANGED) within the fitted values
 KERNEL_SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "enforce_eager", "tensor_parallel_size")
 RANGED = ("max_num_batched_tokens", "max_num_seqs")
 FOLDS = 5
-
-
-class Extrapolation(ValueError):
-    """The model was not fitted where it is asked to predict."""
 
 
 class Scope(BaseModel):
@@ -80,10 +107,26 @@ class StepModel(BaseModel):
     steps: int
     held_out: HeldOut | None = None
     held_out_why_not: str | None = None
+    front_end: FrontEnd | None = None
+    front_end_why_not: str | None = None
+
+    def _c(self, terms) -> np.ndarray:
+        return np.array([self.coef.get(t, 0.0) for t in terms])  # a term a saved model lacks: 0
 
     def predict(self, rows: np.ndarray) -> np.ndarray:
-        """Seconds each row's step takes (rows of steps.DTYPE; only FEATURES are read)."""
-        return _design(rows) @ np.array([self.coef[t] for t in TERMS])
+        """Seconds each row's step takes (rows of steps.DTYPE in schedule order, as a round's
+        records hold them: FEATURES, and the next row's LEAD where it was scheduled while
+        this step was in flight)."""
+        return _design(rows) @ self._c(TERMS)
+
+    def own_s(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds each row's step takes for its own work (no next step counted)."""
+        return _design(rows, lead=False) @ self._c(OWN_TERMS)
+
+    def admission_s(self, rows: np.ndarray) -> np.ndarray:
+        """Seconds the step in flight takes longer for preparing each of these rows' step
+        while it runs (async scheduling: the next-step terms)."""
+        return np.column_stack([rows[f].astype(float) for f in LEAD]) @ self._c(LEAD_TERMS)
 
     def check(self, scope: Scope, rows: np.ndarray | None = None) -> None:
         """Raise Extrapolation unless `scope` (and `rows`' features, if given) lie where the
@@ -100,12 +143,16 @@ class StepModel(BaseModel):
                     why.append(f"{key}={asked} (fitted on {min(seen)}..{max(seen)})")
             elif asked not in seen:
                 why.append(f"{key}={asked} (fitted on {', '.join(map(str, seen))})")
+        if self.front_end is not None and self.front_end.scope.vllm_version != scope.vllm_version:
+            why.append(f"its front end's vLLM {self.front_end.scope.vllm_version!r} (the configuration's "
+                       f"{scope.vllm_version!r})")
         if rows is not None and len(rows):
             for f in FEATURES:
                 lo, hi = self.ranges[f]
                 top = float(rows[f].max())
-                if top > hi:
-                    why.append(f"{f} up to {top:g} (fitted on {lo:g}..{hi:g})")
+                if top > RANGE_MARGIN * hi:
+                    why.append(f"{f} up to {top:g} (fitted on {lo:g}..{hi:g}; up to {RANGE_MARGIN:g} x "
+                               f"{hi:g} is predicted)")
         if why:
             raise Extrapolation(
                 "the step-time model would extrapolate: " + "; ".join(why) + ". Measure a start there "
@@ -124,27 +171,54 @@ class StepModel(BaseModel):
 # -- fitting ---------------------------------------------------------------------------
 def busy(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(rows of steps that ran tokens, their cycles in seconds), a round's rows in file order."""
-    c = steps.cycles(rows)
+    rows, c = with_lead(rows), steps.cycles(rows)
     keep = (rows["prefill_tokens"] + rows["decode_tokens"] > 0) & (c > 0)
     return rows[keep], c[keep]
 
 
-def _design(rows: np.ndarray) -> np.ndarray:
-    return np.column_stack([np.ones(len(rows))] + [rows[f].astype(float) for f in FEATURES])
+LEAD_DTYPE = np.dtype(steps.DTYPE.descr + [(f"next_{f}", "f8") for f in LEAD])
+
+
+def with_lead(rows: np.ndarray) -> np.ndarray:
+    """A round's rows (in schedule order) with next_<LEAD> columns: the next row's
+    features where that step was scheduled before this one's output was back, else 0.
+    Rows that have them already are returned as they are."""
+    if rows.dtype.names and "next_prefill_tokens" in rows.dtype.names:
+        return rows
+    out = np.zeros(len(rows), dtype=LEAD_DTYPE)
+    for name in steps.DTYPE.names:
+        out[name] = rows[name]
+    if len(rows) > 1:
+        overlap = rows["t_scheduled"][1:] < rows["t_done"][:-1]
+        for f in LEAD:
+            out[f"next_{f}"][:-1] = np.where(overlap, rows[f][1:], 0)
+    return out
+
+
+def _design(rows: np.ndarray, lead: bool = True) -> np.ndarray:
+    cols = [np.ones(len(rows))] + [rows[f].astype(float) for f in FEATURES]
+    if lead:
+        rows = with_lead(rows)
+        cols += [rows[f"next_{f}"].astype(float) for f in LEAD]
+    return np.column_stack(cols)
 
 
 def _solve(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Nonnegative least squares, columns scaled to 1 first (tokens of context run to 1e5
     where requests run to 1e2: unscaled, the solver's tolerance would be one column's)."""
-    scale = np.maximum(np.abs(X).max(axis=0), 1e-12)
-    return lsq_linear(X / scale, y, bounds=(0, np.inf), method="bvls").x / scale
+    scale = np.abs(X).max(axis=0)
+    used = scale > 0   # a term never seen (a sync engine's next-step terms): 0, not the solver's guess
+    coef = np.zeros(X.shape[1])
+    coef[used] = lsq_linear(X[:, used] / scale[used], y, bounds=(0, np.inf), method="bvls").x / scale[used]
+    return coef
 
 
 def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = None,
-        folds: int = FOLDS) -> StepModel:
+        folds: int = FOLDS, lead: bool = True) -> StepModel:
     """The model from rounds of step records (each a steps.DTYPE array, as
     steps.load_round gives) that share `scope` (`launches`: their launches' settings, the
-    scope's alone by default). Its held-out error is K-fold with folds of whole rounds."""
+    scope's alone by default). Its held-out error is K-fold with folds of whole rounds.
+    lead=False: the row-wise form, the next-step terms held at 0 (to compare)."""
     parts = [busy(r) for r in rounds]
     parts = [(r, c) for r, c in parts if len(r)]
     if not parts:
@@ -153,6 +227,8 @@ def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = No
     y = np.concatenate([c for _, c in parts])
     group = np.concatenate([np.full(len(r), i) for i, (r, _) in enumerate(parts)])
     X = _design(rows)
+    if not lead:
+        X[:, 1 + len(FEATURES):] = 0
     coef = _solve(X, y)
     k = min(folds, len(parts))
     held, why_not = None, None
@@ -216,14 +292,27 @@ def scope_of(plan, start, launch, manifest) -> Scope:
 
 
 def fit_run(run_dir: str | Path, folds: int = FOLDS) -> list[StepModel]:
-    """One model a scope (launch settings in RANGED aside) of a run folder's records."""
+    """One model a scope (launch settings in RANGED aside) of a run folder's records, each
+    with the front end fitted from the run's rounds (front_end.fit; None, with why, where
+    no round could give one)."""
     by_scope: dict[str, list[tuple[np.ndarray, Scope]]] = {}
     for rows, scope in collect(run_dir):
         d = scope.model_dump()
         key = json.dumps({**d, "launch": {k: v for k, v in d["launch"].items() if k not in RANGED}}, sort_keys=True)
         by_scope.setdefault(key, []).append((rows, scope))
+    front, why_not = None, None
+    try:  # one front end a run: one API server program, API and tokenizer in every start
+        samples, scope = fe.samples_of_run(run_dir)
+        if not samples:
+            why_not = "no ok round with step records and its requests' records"
+        else:
+            front = fe.fit(samples, scope)
+    except ValueError as e:
+        why_not = str(e)
     models = []
     for group in by_scope.values():
         launches = [json.loads(s) for s in sorted({json.dumps(sc.launch, sort_keys=True) for _, sc in group})]
-        models.append(fit([r for r, _ in group], group[0][1], launches, folds))
+        m = fit([r for r, _ in group], group[0][1], launches, folds)
+        m.front_end, m.front_end_why_not = front, why_not
+        models.append(m)
     return models
