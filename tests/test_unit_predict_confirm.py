@@ -91,6 +91,13 @@ def test_a_prediction_outside_its_measured_interval_is_flagged():
     assert not predict_section.outside(0.5, ConfigCapacity(kind="below", value=1.0))
     assert predict_section.outside(4.0, ConfigCapacity(kind="at_least", value=8.0))
     assert predict_section.outside(4.0, ConfigCapacity(kind="unresolved")) is None
+    # a predicted bound contradicts only where nothing it allows is measured
+    below = ConfigCapacity(kind="below", value=0.6)
+    assert not predict_section.outside(0.6, below, censored="below")       # both: under 0.6
+    assert predict_section.outside(0.5, m, censored="below")                # under 0.5, measured 3.0..5.0
+    assert not predict_section.outside(4.0, m, censored="below")            # under 4.0: 3.0..4.0 allowed
+    assert predict_section.outside(6.0, m, censored="above")                # 6.0 or more, measured up to 5.0
+    assert not predict_section.outside(2.0, ConfigCapacity(kind="at_least", value=8.0), censored="above")
 
 
 def _predicted_run(tmp_path):

@@ -220,3 +220,29 @@ def test_a_study_round_in_simulation():
     assert rnd.steps["running"].max() <= w.concurrency
     with pytest.raises(ValueError, match="no capacity section"):
         sim.capacity()
+
+
+class _Spread:
+    """A step model whose every step is DT, drawn x2 or x1 by its jitter (prefill steps
+    only), to see where the simulator applies the draw."""
+    def predict(self, rows):
+        return np.full(len(rows), DT)
+
+    def jitter(self, rows, rng):
+        return np.where(rows["prefill_tokens"] > 0, rng.choice([1.0, 2.0], len(rows)), 1.0)
+
+
+def test_a_models_spread_is_drawn_only_with_a_generator(model_dir):
+    prompt = list(range(640))  # 10 prefill steps of 64, then 3 decode steps
+    args = dict(model_dir=model_dir, num_blocks=1000, block_size=16, max_num_batched_tokens=64,
+                max_num_seqs=8, max_model_len=4096)
+    [plain] = open_loop(VirtualEngine(EngineSpec(**args), _Spread()), _Ids(), [req(0, prompt, 4)], [0.0])
+    assert plain["ttft_s"] == pytest.approx(10 * DT)       # no generator: the model's own times
+    drawn = [open_loop(VirtualEngine(EngineSpec(**args), _Spread(), np.random.default_rng(s)), _Ids(),
+                       [req(0, prompt, 4)], [0.0])[0] for s in range(3)]
+    for r in drawn:
+        assert 10 * DT < r["ttft_s"] <= 20 * DT                # some prefill steps drawn x2
+        assert r["itl_s"] == pytest.approx([DT] * 3)          # decode steps: factor 1
+    again = open_loop(VirtualEngine(EngineSpec(**args), _Spread(), np.random.default_rng(0)), _Ids(),
+                      [req(0, prompt, 4)], [0.0])[0]
+    assert again["ttft_s"] == drawn[0]["ttft_s"]              # a seed gives the same draws

@@ -161,3 +161,31 @@ def test_a_run_folders_records_come_with_their_starts_scope(tmp_path):
     (m,) = step_model.fit_run(run.path)  # one scope: the chunk sizes are a range within it
     assert sorted(la["max_num_batched_tokens"] for la in m.launches) == [256, 512]
     assert m.held_out.folds == 5
+
+
+def test_the_spread_of_each_kind_of_step_is_kept_and_drawn_from():
+    """Prefill steps noisier than decode ones: the spread keeps each kind's own tail, and
+    jitter draws factors whose quantiles are the measured ones."""
+    rounds = []
+    for k in range(4):
+        r = synthetic_round(k, noise=0.0)
+        t = steps.cycles(r)
+        rng = np.random.default_rng(k)
+        wide = r["prefill_tokens"] > 0
+        z = rng.standard_normal(len(r))
+        t = t * np.where(wide, 1 + 0.3 * z.clip(-2, 2), 1 + 0.01 * z)
+        r["t_done"] = 100.0 + np.cumsum(t + 0.002)
+        r["t_scheduled"] = r["t_done"] - t
+        rounds.append(r)
+    m = fit(rounds, SCOPE)
+    assert set(m.spread) == {"prefill", "decode"}
+    pre, dec = np.array(m.spread["prefill"]), np.array(m.spread["decode"])
+    assert np.all(np.diff(pre) >= 0) and np.all(np.diff(dec) >= 0)
+    assert pre[90] - pre[10] > 10 * (dec[90] - dec[10])          # the prefill tail is the wide one
+    rows = np.concatenate(rounds)
+    f = m.jitter(rows, np.random.default_rng(0))
+    pf = f[rows["prefill_tokens"] > 0]
+    assert np.quantile(pf, 0.9) == pytest.approx(pre[90], rel=0.05)
+    assert np.quantile(f[rows["prefill_tokens"] == 0], 0.5) == pytest.approx(1.0, abs=0.02)
+    # no spread (a model saved before it): every factor is 1
+    assert np.all(m.model_copy(update={"spread": None}).jitter(rows, np.random.default_rng(0)) == 1)

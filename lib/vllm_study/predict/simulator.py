@@ -53,12 +53,15 @@ class VirtualEngine:
     steps until the engine and the arrivals are spent, calling on_finish(key, time) for
     each request as it finishes (a closed-loop client submits its next one there)."""
 
-    def __init__(self, spec: EngineSpec, step_time: StepTime):
-        # a step-time model (step_model.StepModel: its own_s, and admission_s for the step in
-        # flight) or any callable rows -> seconds
+    def __init__(self, spec: EngineSpec, step_time: StepTime, rng: np.random.Generator | None = None):
+        # a step-time model (step_model.StepModel: its own_s, admission_s for the step in
+        # flight, and with `rng` its jitter: each step's time drawn about the fit as the
+        # measured steps spread) or any callable rows -> seconds
         self.spec = spec
         self.step_time = getattr(step_time, "own_s", None) or getattr(step_time, "predict", step_time)
         self._admission = getattr(step_time, "admission_s", None)
+        self._jitter = getattr(step_time, "jitter", None) if rng is not None else None
+        self._rng = rng
         self.scheduler = build_scheduler(spec)
         self._make = request_factory(spec.block_size)
         self.now = 0.0
@@ -149,7 +152,10 @@ class VirtualEngine:
         running, waiting = counts() if counts else (len(sched.running), len(sched.waiting))
         row = (self.now, 0.0, prefill_tokens, prefill_reqs, decode_reqs, decode_tokens, context, new_cached,
                running, waiting, preempted, float(sched.kv_cache_manager.usage))
-        dt = float(self.step_time(np.array([row], dtype=DTYPE))[0])
+        one = np.array([row], dtype=DTYPE)
+        dt = float(self.step_time(one)[0])
+        if self._jitter is not None:
+            dt *= float(self._jitter(one, self._rng)[0])
         if not dt > 0:
             raise ValueError(f"the step-time model gave {dt!r} s for a step of {prefill_tokens} prefill "
                              f"and {decode_tokens} decode tokens: a step takes a positive time")

@@ -77,6 +77,9 @@ RANGE_MARGIN = 2.0
 KERNEL_SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "block_size", "enforce_eager", "tensor_parallel_size")
 RANGED = ("max_num_batched_tokens", "max_num_seqs")
 FOLDS = 5
+# the spread: quantiles of measured / predicted step time, kept per kind of step
+SPREAD_LEVELS = np.linspace(0, 1, 101)
+SPREAD_TOP = 0.999   # the top level's quantile: one stray step (a GC pause) is not the tail
 
 
 class Scope(BaseModel):
@@ -109,6 +112,9 @@ class StepModel(BaseModel):
     held_out_why_not: str | None = None
     front_end: FrontEnd | None = None
     front_end_why_not: str | None = None
+    # "prefill" (steps computing prompt tokens) and "decode": SPREAD_LEVELS quantiles of
+    # measured / predicted, held out where folds allow (None: a model saved before it)
+    spread: dict[str, list[float]] | None = None
 
     def _c(self, terms) -> np.ndarray:
         return np.array([self.coef.get(t, 0.0) for t in terms])  # a term a saved model lacks: 0
@@ -127,6 +133,23 @@ class StepModel(BaseModel):
         """Seconds the step in flight takes longer for preparing each of these rows' step
         while it runs (async scheduling: the next-step terms)."""
         return np.column_stack([rows[f].astype(float) for f in LEAD]) @ self._c(LEAD_TERMS)
+
+    def jitter(self, rows: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """A factor for each row's predicted time, drawn from the measured / predicted ratios
+        of the fitted steps of its kind (1 where the model has no spread). The linear terms
+        give a step's expected time; what a P99 (ITL, TTFT) sees is the tail around it: on
+        one H100, steps with a full prefill chunk spread +-30% about the fit at equal
+        features. Draws are independent between steps."""
+        f = np.ones(len(rows))
+        if not self.spread:
+            return f
+        u = rng.random(len(rows))
+        prefill = rows["prefill_tokens"] > 0
+        for kind, mask in (("prefill", prefill), ("decode", ~prefill)):
+            q = self.spread.get(kind)
+            if q and mask.any():
+                f[mask] = np.interp(u[mask], SPREAD_LEVELS, q)
+        return f
 
     def check(self, scope: Scope, rows: np.ndarray | None = None) -> None:
         """Raise Extrapolation unless `scope` (and `rows`' features, if given) lie where the
@@ -232,17 +255,32 @@ def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = No
     coef = _solve(X, y)
     k = min(folds, len(parts))
     held, why_not = None, None
+    guess = X @ coef
     if k >= 2:
-        err = np.empty(len(y))
         for fold in range(k):
             test = group % k == fold  # rounds dealt to the folds in turn
-            err[test] = np.abs(X[test] @ _solve(X[~test], y[~test]) - y[test]) / y[test]
+            guess[test] = X[test] @ _solve(X[~test], y[~test])
+        err = np.abs(guess - y) / y
         held = HeldOut(folds=k, steps=len(y), median=float(np.median(err)), p90=float(np.quantile(err, 0.9)))
     else:
         why_not = "one round: no round to hold out"
+    spread = _spread(rows, y, guess)
     return StepModel(scope=scope, launches=launches or [scope.launch], coef=dict(zip(TERMS, map(float, coef))),
                      ranges={f: (float(rows[f].min()), float(rows[f].max())) for f in FEATURES},
-                     rounds=len(parts), steps=len(y), held_out=held, held_out_why_not=why_not)
+                     rounds=len(parts), steps=len(y), held_out=held, held_out_why_not=why_not, spread=spread)
+
+
+def _spread(rows: np.ndarray, y: np.ndarray, guess: np.ndarray) -> dict[str, list[float]]:
+    """Quantiles of measured / predicted per kind of step (a kind with under 20 steps has
+    none: too few to give a tail)."""
+    ok = guess > 0
+    levels = np.minimum(SPREAD_LEVELS, SPREAD_TOP)
+    out = {}
+    for kind, mask in (("prefill", rows["prefill_tokens"] > 0), ("decode", rows["prefill_tokens"] == 0)):
+        r = y[mask & ok] / guess[mask & ok]
+        if len(r) >= 20:
+            out[kind] = [float(v) for v in np.quantile(r, levels)]
+    return out
 
 
 # -- a run folder's records ------------------------------------------------------------

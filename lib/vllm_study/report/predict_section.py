@@ -18,17 +18,25 @@ from ..capacity.fit import ConfigCapacity
 from ..predict import study as predicted
 
 
-def outside(value: float, measured: ConfigCapacity) -> bool | None:
-    """Whether a predicted capacity lies outside the measured one's interval (a bound's
-    side: above a "below" bound, under an "at least" one); None where the measured starts
-    disagree (no interval to lie in)."""
+def outside(value: float, measured: ConfigCapacity, censored: str | None = None) -> bool | None:
+    """Whether a predicted capacity contradicts the measured one: a value outside the
+    measured interval (or on the wrong side of a measured bound); a predicted bound
+    (`censored` "below": the capacity is under `value`; "above": at least `value`) only
+    where no capacity it allows lies in the measured interval. None where the measured
+    starts disagree (no interval to lie in)."""
+    if measured.kind == "unresolved":
+        return None
+    lo, hi = {"below": (None, measured.value), "at_least": (measured.value, None)}.get(
+        measured.kind, (measured.low, measured.high))
+    if censored == "below":     # predicted: somewhere under value
+        return lo is not None and value <= lo
+    if censored == "above":     # predicted: value or more
+        return hi is not None and value >= hi
     if measured.kind == "below":
         return value >= measured.value
     if measured.kind == "at_least":
         return value < measured.value
-    if measured.kind == "unresolved":
-        return None
-    return (measured.low is not None and value < measured.low) or (measured.high is not None and value > measured.high)
+    return (lo is not None and value < lo) or (hi is not None and value > hi)
 
 
 def _interval(low, high) -> str:
@@ -68,7 +76,7 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
         if pc is None or not p.predicted:
             continue
         m = pc.config
-        out = outside(p.value, m)
+        out = outside(p.value, m, p.censored)
         if out:
             flagged.append(p.point)
         if m.kind == "value" and not p.censored:
