@@ -278,3 +278,19 @@ def test_a_plan_needs_two_rounds_a_start_and_two_pairs():
     one_round = [{**s, "rounds": s["rounds"][:1]} for s in _planned_starts(c=0.1)]
     with pytest.raises(ValueError, match="no start has 2 rounds"):
         eq.variance_parts(one_round, 2048, "ttft_p90_ms")
+
+
+def test_pairs_assured_meet_the_width_in_that_share_of_simulated_runs():
+    """At the pairs pairs_assured gives, the t interval of normal log differences is within
+    the bound in about 80% of runs (simulated); at pairs_needed's, in little over half."""
+    sd, half = 0.14, math.log1p(0.05)
+    rng = np.random.default_rng(7)
+
+    def share(n: int) -> float:
+        d = rng.normal(0.0, sd, size=(8000, n))
+        return float((sps.t.ppf(0.975, n - 1) * d.std(axis=1, ddof=1) / math.sqrt(n) <= half).mean())
+    n80 = eq.pairs_assured(sd, half, 0.8)
+    assert n80 > eq.pairs_needed(sd, half, most=eq.MOST_PAIRS)
+    assert share(n80) == pytest.approx(0.8, abs=0.02) and share(n80 - 1) < 0.8
+    # a little over half: pairs_needed rounds up to where the width at the true sd is at or under the bound
+    assert 0.5 <= share(eq.pairs_needed(sd, half, most=eq.MOST_PAIRS)) < 0.7
