@@ -86,9 +86,10 @@ def test_the_one_server_benchmarks_say_both_sides_are_its_one_start(tmp_path, ca
     assert ONE_START_A_SIDE in _benchmark("start_ahead_neighbour").heading(6)
     agreement = _benchmark("client_agreement")
     rng = np.random.default_rng(0)
-    runs = {who: [{"ttft_ms": 30 + rng.normal(), "ttft_mean_ms": 32.0, "server_ttft_mean_ms": 27 + rng.normal(),
-                   "tpot_ms": 5.0 + rng.normal(0, 0.01), "itl_ms": 5.0, "order": i, "completed": 10,
-                   "prompt_tokens": 1000, "prefix_hit": 0.5} for i in range(4)] for who in ("kit", "vllm_bench")}
+    runs = {who: [{"ttft_ms": 30 + rng.normal(), "ttft_mean_ms": 32 + rng.normal(),
+                   "server_ttft_mean_ms": 27 + rng.normal(), "tpot_ms": 5.0 + rng.normal(0, 0.01),
+                   "itl_ms": 5.0 + rng.normal(0, 0.01), "order": i, "completed": 10, "prompt_tokens": 1000,
+                   "prefix_hit": 0.5} for i in range(4)] for who in ("kit", "vllm_bench")}
     agreement.summarize(runs, A, tmp_path)
     assert ONE_START_A_SIDE in capsys.readouterr().out
 
@@ -103,3 +104,13 @@ def test_primed_vs_cold_says_its_two_rounds_are_two_starts(capsys):
                    f"ttft_{q}_lo": 0.7, f"ttft_{q}_hi": 0.9}
     primed_vs_cold.show({"cold": "c", "primed": "p", "windows": [window]})
     assert ONE_START_A_SIDE in capsys.readouterr().out
+
+
+def test_explore_against_another_run_says_so_where_either_had_one_start(tmp_path, capsys):
+    from vllm_study import notebook_support
+    one, two, two_b = (report.Run.load(_run(tmp_path / n, k, s).path)
+                       for n, k, s in (("one", 1, 0), ("two", 2, 1), ("two_b", 2, 2)))
+    notebook_support.explore(two, "ttft_p90_ms", other=one)
+    assert ONE_START_A_SIDE in capsys.readouterr().out
+    notebook_support.explore(two, "ttft_p90_ms", other=two_b)
+    assert ONE_START_A_SIDE not in capsys.readouterr().out
