@@ -36,6 +36,7 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+from vllm_study.analysis.intervals import one_start_note  # noqa: E402
 from vllm_study.measure import client, counters, stats  # noqa: E402
 from vllm_study.workload import loads  # noqa: E402
 from vllm_study.define import models  # noqa: E402
@@ -251,9 +252,10 @@ def summarize(runs: dict, point_id: str, out: Path, bound: float = 0.02) -> dict
     summary = agreement(runs, bound)
     n = f"{len(runs['kit'])} and {len(runs['vllm_bench'])} runs"
     print(f"\ngeometric means over runs [95%] ({n}); kit over vllm bench, Welch 95% interval:")
-    print("  (both clients measured one server start, alternately: its start-to-start spread is common to both "
-          "and not in these intervals; they say whether the clients agree on this start, not how far another "
-          "start of the server would read)")
+    # this benchmark starts one server and both clients measure it, alternately
+    print("  (" + one_start_note(1, 1, why="both clients measured the same start, so the intervals say whether the "
+                                          "clients agree on it, not how far another start of the server would "
+                                          "read") + ")")
     for metric, label in LABELS.items():
         if metric in summary:
             x = summary[metric]

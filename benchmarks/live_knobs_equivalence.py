@@ -41,6 +41,12 @@ knobs pass on this engine only where every metric is equal or not resolved.
         --knob max_num_batched_tokens --launch 8192 --values 2048,512 --pairs 4 --rounds 1 \\
         --out results/live-knobs-equivalence/<run> --minutes 9     # again until the pairs are done
     python benchmarks/live_knobs_equivalence.py --summarize results/live-knobs-equivalence/<run>
+    python benchmarks/live_knobs_equivalence.py --plan results/live-knobs-equivalence/<run> \\
+        [--metric ttft_p90_ms] [--within 0.05] [--requests 400]
+
+--plan: from a run's own starts, the pairs x rounds (x requests a round) whose 95%
+interval on --metric would lie within +-(--within), and the device minutes they take at
+the run's start and round times (verdict_plan says how).
 
 --minutes: no start begins that would not end (at the longest start-up and round so
 far) before that many minutes; a rerun with the same --out continues where it stopped
@@ -171,6 +177,150 @@ def summary(starts: list[dict], values: list[int]) -> dict:
     passes = bool(rows) and all(x["verdict"] in ("equal", "not resolved") for _, _, x in rows)
     return {"by_value": by_value, "passes": passes, "widest": need,
             "method": "mean log ratio over pairs, 95% t interval (scipy.stats.ttest_1samp)"}
+
+
+# ------------------------------------------------------------------ planning
+# How many pairs x rounds a verdict needs, from a run's own variance components (log
+# scale), by the method of moments of a one-way random-effects design:
+#   round  var_round: the pooled variance of a start's rounds about its mean (every start);
+#   pair   var_pair:  the variance over pairs of d = mean log(kit or lowered start's rounds)
+#                     - mean log(fresh start's rounds), at the run's R0 rounds a start;
+#   start  var_start = max(0, var_pair - 2 var_round / R0): what pairing leaves of the two
+#          starts' own difference (start-to-start spread, less any drift a pair shares).
+# At R rounds a start of N requests each, d has variance var_start + 2 var_round (N0 / N) / R
+# (N0: the run's requests a round). The N0 / N scaling takes a round's quantile to vary as
+# 1 / requests, as independent requests would; the run did not test that. Means of logs,
+# not the summary's medians of rounds, so that the variance adds up over rounds.
+PLAN_ROUNDS = (1, 2, 3, 5, 10, 20, 40)
+MOST_PAIRS = 100_000   # pairs_needed's answer where no count up to it is enough
+
+
+def variance_parts(starts: list[dict], value: int, metric: str) -> dict:
+    """The log `metric`'s variance components at `value` (above): var_round (df_round),
+    var_pair (df_pair: pairs - 1), var_start, the run's rounds a start and requests a round."""
+    logs: dict = {}  # (pair, way) -> log metric of each completed round at value
+    requests = []
+    for st in starts:
+        rows = [r["metrics"] for r in st["rounds"] if r["value"] == value and r["metrics"].get("completed")
+                and (r["metrics"].get(metric) or 0) > 0]
+        if rows:
+            logs[(st["pair"], st["way"])] = np.log([r[metric] for r in rows])
+            requests += [r["completed"] + r.get("failed", 0) for r in rows]
+    within = [x for x in logs.values() if len(x) > 1]
+    df_round = sum(len(x) - 1 for x in within)
+    if not df_round:
+        raise ValueError(f"{metric} at {value}: no start has 2 rounds: the round-to-round spread is not measured")
+    var_round = sum(float(((x - x.mean()) ** 2).sum()) for x in within) / df_round
+    pairs = sorted(p for p, w in logs if w == "fresh" and (p, "lowered") in logs)
+    if len(pairs) < 2:
+        raise ValueError(f"{metric} at {value}: {len(pairs)} complete pair(s): the spread over pairs needs 2 or more")
+    d = np.array([logs[(p, "lowered")].mean() - logs[(p, "fresh")].mean() for p in pairs])
+    r0 = len(pairs) * 2 / sum(1 / len(logs[(p, w)]) for p in pairs for w in ("fresh", "lowered"))  # harmonic
+    var_pair = float(d.var(ddof=1))
+    return {"var_round": var_round, "df_round": df_round, "var_pair": var_pair, "df_pair": len(pairs) - 1,
+            "var_start": max(0.0, var_pair - 2 * var_round / r0), "rounds": r0,
+            "requests": float(np.median(requests)), "mean_diff": float(d.mean())}
+
+
+def pairs_assured(sd: float, half: float, assurance: float = 0.8, most: int = MOST_PAIRS) -> int:
+    """The fewest pairs whose 95% t half-width is at most `half` with probability
+    `assurance`: a run's interval is built from its own sample sd, which falls above the
+    true `sd` about half the time, so pairs_needed at the true sd meets `half` only about
+    half the time. The sample variance is sd^2 chi2(n-1) / (n-1)."""
+    n = 2
+    while n < most and sps.chi2.cdf((n - 1) * n * half ** 2 / (sps.t.ppf(0.975, n - 1) * sd) ** 2,
+                                    n - 1) < assurance:
+        n += 1
+    return n
+
+
+def start_minutes(starts: list[dict]) -> dict:
+    """A start's time as the run measured it: its fixed part (start-up, warm-up, stop: its
+    wall less its rounds) and a round's (as the run sized it), medians over starts and
+    rounds; the minutes a pair's starts took, median over the pairs with both ways."""
+    fixed = [st["wall_s"] - sum(r["wall_s"] for r in st["rounds"]) for st in starts]
+    rounds = [r["wall_s"] for st in starts for r in st["rounds"]]
+    walls: dict = {}   # pair -> {way: [each start's wall_s]}
+    for st in starts:
+        walls.setdefault(st["pair"], {}).setdefault(st["way"], []).append(st["wall_s"])
+    pair_min = [sum(map(sum, w.values())) / 60 for w in walls.values() if len(w) == 2]
+    return {"fixed_s": float(np.median(fixed)), "round_s": float(np.median(rounds)),
+            "pair_min": float(np.median(pair_min)) if pair_min else None}
+
+
+def verdict_plan(starts: list[dict], value: int, metric: str, within: float = LOOSE,
+                 requests: int | None = None, rounds=PLAN_ROUNDS, values: int = 1) -> dict:
+    """Per rounds a start R (of `requests` each, default the run's): the pairs whose 95%
+    interval on `metric`'s lowered (or kit) over fresh ratio at `value` is within
+    +-`within` (half-width log(1 + within)), and the device minutes they take at the run's
+    own start and round times. A pair of a run comparing `values` values is that many
+    fresh starts and one lowered start, R rounds a value in each."""
+    v = variance_parts(starts, value, metric)
+    t = start_minutes(starts)
+    n_req = requests or v["requests"]
+    scale = v["requests"] / n_req              # a round's variance against the run's round's
+    half = math.log1p(within)
+
+    def table(var_start: float) -> list[dict]:
+        rows = []
+        for r in rounds:
+            var_diff = var_start + 2 * v["var_round"] * scale / r
+            n = pairs_needed(math.sqrt(var_diff), half, most=MOST_PAIRS)
+            pair_s = (values + 1) * t["fixed_s"] + 2 * values * r * t["round_s"] / scale
+            n80 = pairs_assured(math.sqrt(var_diff), half)
+            rows.append({"rounds": r, "sd_diff": math.sqrt(var_diff), "pairs": n, "minutes": n * pair_s / 60,
+                         "pairs_80": n80, "minutes_80": n80 * pair_s / 60})
+        return rows
+
+    def cheapest(rows: list[dict]) -> dict:
+        return min(rows, key=lambda x: x["minutes"])
+
+    rows = table(v["var_start"])
+    # the pair variance's one-sided 90% upper confidence bound (chi-square on its df): a plan
+    # that still holds if this run's few pairs read the start part low
+    var_pair_up = v["var_pair"] * v["df_pair"] / float(sps.chi2.ppf(0.10, v["df_pair"]))
+    var_start_up = max(0.0, var_pair_up - 2 * v["var_round"] / v["rounds"])
+    floor = pairs_needed(math.sqrt(v["var_start"]), half, most=MOST_PAIRS)
+    return {"metric": metric, "value": value, "within": within, "requests": n_req, "parts": v, "times": t,
+            "rows": rows, "pairs_at_infinite_rounds": floor, "cheapest": cheapest(rows),
+            "upper": {"var_pair": var_pair_up, "var_start": var_start_up, "cheapest": cheapest(table(var_start_up))},
+            "method": "method-of-moments variance components of log values (round-to-round pooled within "
+                      "starts; start part = variance of pair differences less 2 var_round / rounds), "
+                      "95% t interval over pairs (scipy.stats.t)"}
+
+
+def plan_report(p: dict) -> str:
+    v, t = p["parts"], p["times"]
+    sd = lambda x: f"{math.sqrt(x):.3f}"  # noqa: E731
+    lines = [f"{p['metric']} at {p['value']}: pairs x rounds for a 95% interval within +-{p['within']:.0%} "
+             f"(half-width log(1 + {p['within']:g}) = {math.log1p(p['within']):.4f})",
+             f"  method: {p['method']}",
+             f"  round-to-round sd of log {p['metric']} {sd(v['var_round'])} (df {v['df_round']}, "
+             f"{v['requests']:.0f} requests a round); pair difference sd {sd(v['var_pair'])} "
+             f"(df {v['df_pair']}, {v['rounds']:g} rounds a start); its start part sd {sd(v['var_start'])}",
+             f"  a start: {t['fixed_s']:.1f} s fixed (start-up, warm-up, stop) + {t['round_s']:.2f} s a round "
+             f"of {v['requests']:.0f} requests; a pair took {t['pair_min']:.2f} min in this run at "
+             f"{v['rounds']:g} rounds",
+             f"  planned rounds of {p['requests']:.0f} requests"
+             + ("" if p["requests"] == v["requests"] else
+                f" (round variance scaled by {v['requests']:.0f}/{p['requests']:.0f}, an assumption)"),
+             "  pairs: at the estimated sd; 80%: pairs whose interval meets the bound in 80% of runs",
+             f"  {'rounds':>6}  {'sd of d':>8}  {'pairs':>6}  {'device min':>10}  {'pairs 80%':>9}  {'min 80%':>8}"]
+    for x in p["rows"]:
+        lines.append(f"  {x['rounds']:>6}  {x['sd_diff']:>8.4f}  {x['pairs']:>6}  {x['minutes']:>10.0f}  "
+                     f"{x['pairs_80']:>9}  {x['minutes_80']:>8.0f}")
+    lines.append(f"  with rounds without end, the start part alone needs {p['pairs_at_infinite_rounds']} pairs")
+    c = p["cheapest"]
+    c80 = min(p["rows"], key=lambda x: x["minutes_80"])
+    lines.append(f"  cheapest: {c['pairs']} pairs x {c['rounds']} rounds, about {c['minutes']:.0f} device "
+                 f"minutes ({c['minutes'] / 60:.1f} h); for 80% of runs to meet it {c80['pairs_80']} pairs x "
+                 f"{c80['rounds']} rounds, about {c80['minutes_80']:.0f} minutes ({c80['minutes_80'] / 60:.1f} h)")
+    u = p["upper"]
+    c = u["cheapest"]
+    lines.append(f"  at the pair variance's one-sided 90% upper bound (chi-square, df {v['df_pair']}: pair sd "
+                 f"{sd(u['var_pair'])}, start part sd {sd(u['var_start'])}): {c['pairs']} pairs x {c['rounds']} "
+                 f"rounds, about {c['minutes']:.0f} device minutes ({c['minutes'] / 60:.1f} h)")
+    return "\n".join(lines)
 
 
 def report(plan: dict, s: dict) -> str:
@@ -457,9 +607,23 @@ def main() -> int:
     ap.add_argument("--minutes", type=float, default=0, help="begin no start that would end after this (0: no limit)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--summarize", type=Path, metavar="DIR", help="print the summary of DIR's files, run nothing")
+    ap.add_argument("--plan", type=Path, metavar="DIR",
+                    help="from DIR's starts, print the pairs x rounds a verdict within --within needs, run nothing")
+    ap.add_argument("--metric", choices=METRICS, default="ttft_p90_ms", help="--plan's metric")
+    ap.add_argument("--within", type=float, default=LOOSE, help="--plan's bound on kit / plain - 1 (0.05: +-5%%)")
+    ap.add_argument("--requests", type=int, help="--plan's requests a round (default: the run's)")
     a = ap.parse_args()
     if a.summarize:
         return summarize(a.summarize)
+    if a.plan:
+        plan = json.loads((a.plan / "plan.json").read_text())
+        try:
+            for v in plan["values"]:
+                print(plan_report(verdict_plan(read_starts(a.plan), v, a.metric, a.within, a.requests,
+                                               values=len(plan["values"]))))
+        except ValueError as e:   # too little measured to plan from
+            raise SystemExit(f"{a.plan}: {e}") from None
+        return 0
     missing = [n for n, v in (("params", a.params), ("--launch", a.launch), ("--values", a.values),
                               ("--out", a.out)) if not v]
     if missing or a.pairs < 1 or a.rounds < 1:

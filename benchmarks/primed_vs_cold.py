@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from vllm_study.analysis.intervals import one_start_note
 from vllm_study.records.results import REQUESTS, RunFolder, read_rounds
 from vllm_study.define.study_file import load_study
 from vllm_study.workload import prefix_cache_model as pcm, windows
@@ -119,8 +120,9 @@ def show(result: dict) -> None:
     if gaps:
         print(f"model within {MODEL_TOLERANCE} of vLLM's measured rate on every primed window: "
               f"{'yes' if max(gaps) <= MODEL_TOLERANCE else 'no'} (largest gap {max(gaps):.4f})")
-    print("\nTTFT, primed over cold (95% BCa bootstrap over the window's requests, paired; two starts, so the "
-          "start-to-start spread is not in it)")
+    # a window's two rounds: one of a cold run's starts, one of a primed run's
+    note = one_start_note(1, 1, why="it says whether the two rounds differ, not by how much every start would")
+    print(f"\nTTFT, primed over cold (95% BCa bootstrap over the window's requests, paired; {note})")
     for r in result["windows"]:
         for q in ("p50", "p90"):
             print(f"  window {r['window']} TTFT {q.upper()}: cold {r[f'ttft_{q}_cold_ms']:7.0f} ms, "

@@ -45,16 +45,28 @@ def check(study: report.Run, rerun: report.Run, names=METRICS) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def one_start_line(study: report.Run) -> str | None:
+    """Where the study measured each point from one start, its intervals (the prediction
+    interval for one more start too) hold no start-to-start spread: a re-run's start may
+    fall outside them by that spread alone."""
+    return analysis.one_start_note(analysis.starts_per_point(study.rounds),
+                                   why="the study measured each point from one server start, so its prediction "
+                                       "interval for one more start holds round-to-round spread only")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("study")
     ap.add_argument("rerun")
     a = ap.parse_args()
-    df = check(report.Run.load(a.study), report.Run.load(a.rerun))
+    study = report.Run.load(a.study)
+    df = check(study, report.Run.load(a.rerun))
     if df.empty:
         raise SystemExit(f"{a.rerun} measured no point that {a.study} published")
     with pd.option_context("display.width", 200, "display.max_columns", None):
         print(df.round(4).to_string(index=False))
+    if note := one_start_line(study):
+        print(note)
     n = len(df)
     print(f"{int(df['in CI'].sum())} of {n} re-run values inside the published 95% confidence interval; "
           f"{int(df['in prediction'].sum())} of {n} inside the 95% prediction interval for one more start; "

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from vllm_study.analysis.intervals import one_start_note
 from vllm_study.measure import client, counters, stats
 from vllm_study.define import models
 from vllm_study.define.grid import expand
@@ -95,6 +96,14 @@ def paired(rows: list[dict]) -> dict:
     return out
 
 
+def heading(pairs: int) -> str:
+    """The summary's first line. Every pair is measured on the one server this benchmark
+    starts: one start a side (intervals.one_start_note)."""
+    note = one_start_note(1, 1, why="another start may show a different effect")
+    return (f"\nwith a neighbour importing over without, {pairs} pairs planned (mean log ratio, 95% t interval; "
+            f"{note}):")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("params")
@@ -156,9 +165,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: the summary covers the rounds that finished", flush=True)
     summary = paired(rows)
-    print(f"\nwith a neighbour importing over without, {a.pairs} pairs planned (mean log ratio, 95% t interval; "
-          "every pair on one measuring server start, so the interval holds round-to-round spread, not "
-          "start-to-start spread: another start may show a different effect):")
+    print(heading(a.pairs))
     for m, x in summary.items():
         resolved = x["low"] > 0 or x["high"] < 0
         within = -a.bound <= x["low"] and x["high"] <= a.bound

@@ -59,17 +59,17 @@ from vllm_study.workload.build_workload import make_workload
 from vllm_study.define.grid import expand
 from vllm_study.launch.machine import NvmlProbe, cpu_info, resolve_engine, vllm_distribution
 from vllm_study.define.study_file import load_study
+from vllm_study.analysis.intervals import one_start_note
 from vllm_study.records.results import RunFolder, read_log
 from vllm_study.launch.server import cpu_uni_env, free_port, serve_command
 
+# Where either tool measures a point from one server start its runs' [min, max] holds
+# run-to-run spread only (intervals.one_start_note): vllm bench always does (one server a
+# point), the kit unless its study replicates starts
+SINGLE_START = ("ranges that do not overlap tell two starts apart, not the two tools, and ranges that overlap "
+                "do not make them equal")
+
 # (label, the kit's round metric, vllm bench's result key)
-# Each tool measures a point from one server start: its runs' [min, max] holds run-to-run
-# spread only, and plain vLLM's starts alone spread 114-148 ms in TTFT P50 at one point
-# where their runs agree within a few ms (one H100, results/sweep-speed/20261205-h200/FINDINGS.md)
-SINGLE_START = ("one server start per tool at each point: the ranges hold run-to-run spread only, not "
-                "start-to-start spread, so ranges that do not overlap tell two starts apart, not the two tools")
-
-
 METRICS = (("TTFT P50 ms", "ttft_p50_ms", "median_ttft_ms"), ("TPOT P50 ms", "tpot_p50_ms", "median_tpot_ms"),
            ("output tok/s", "output_throughput", "output_throughput"))
 COLD_CACHES = ("VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -222,6 +222,11 @@ def kit_starts(run: RunFolder) -> list[dict]:
     return out
 
 
+def kit_starts_per_point(starts: list[dict], points) -> int:
+    """The fewest server starts of the kit's (kit_starts) that measured any of `points`."""
+    return min((sum(pid in s["serves"] for s in starts) for pid in points), default=0)
+
+
 def bench_points(exp: Path, points: dict[str, dict]) -> dict[str, dict]:
     """Per point (id: grid values): vllm bench's runs (matched by the serve values each run
     records), its server's GPU-side start-up (the log's segment after that point's
@@ -305,7 +310,9 @@ def summarize(out: Path, ratio_target: float, limit_target: float) -> dict:
                                                               b.get("runs", [])]}}
     print("\nper point: median [min, max] over runs; vLLM's model loading + engine init; warm-up and runs "
           "(a point served by another's start: both are that start's)")
-    print(SINGLE_START)
+    # vllm bench sweep serve starts one server a point and makes all that point's runs on it
+    if note := one_start_note(kit_starts_per_point(starts, points), 1, why=SINGLE_START):
+        print(note)
     print(pd.DataFrame(table).to_string(index=False, float_format="%.1f"))
     summary = {"wall_s": meta["wall_s"], "ratio": ratio, "ratio_floor": floor, "limit_s": limit,
                "limit_parts_s": limit_parts,

@@ -9,6 +9,7 @@ import sys
 import yaml
 
 from synthetic_run import make_run
+from vllm_study.analysis import intervals
 from vllm_study.report import compare, export, report
 from vllm_study.records.results import RunFolder
 from vllm_study.define import models
@@ -147,24 +148,29 @@ def test_compare_of_one_start_runs_of_the_same_study_calls_no_difference_resolve
     assert (df["verdict"] == compare.ONE_START).any()   # apart by more than the rounds' noise
     head, table, line = compare.compare_runs(ra.path, rb.path)
     first = head.splitlines()[0]
-    assert first.startswith("A and B measured each point from one server start") and "not in these" in first
+    assert first.startswith(intervals.ONE_START_A_SIDE) and "A and B measured each point from one server start" in first
     assert "the studies are the same" in head and "none is resolved" in line
     assert "better" not in line and "worse" not in line
     # with starts replicated on one side only, still no resolved difference
     rc = make_run(tmp_path / "c", _values([A, B, C, D]), start_sd=0.15, round_sd=0.02, seed=3)
     head, _, line = compare.compare_runs(ra.path, rc.path)
-    assert head.splitlines()[0].startswith("A measured each point") and "worse" not in line
+    first = head.splitlines()[0]
+    assert first.startswith(intervals.ONE_START_A_SIDE) and "; A measured each point" in first and "worse" not in line
+    # both replicated: start-to-start spread is in the intervals, and no note says otherwise
+    rd = make_run(tmp_path / "d", _values([A, B, C, D]), start_sd=0.15, round_sd=0.02, seed=4)
+    head, _, _ = compare.compare_runs(rc.path, rd.path)
+    assert intervals.ONE_START_A_SIDE not in head and "one server start" not in head
 
 
 def test_the_reports_comparisons_of_a_one_start_run_say_start_spread_is_not_in_them(tmp_path, capsys):
-    from vllm_study.analysis import intervals
     from vllm_study.report import effects, report
     one = make_run(tmp_path / "one", _values([A, B, C, D]), {"replicates": 1}, seed=1)
     r = report.Run.load(one.path)
     effects.comparison_table(r)
+    assert intervals.ONE_START_A_SIDE in intervals.SINGLE_START_NOTE
     assert intervals.SINGLE_START_NOTE in capsys.readouterr().out
     assert intervals.SINGLE_START_NOTE in effects.axis_effect_notes(r, "max_num_batched_tokens")
     two = report.Run.load(make_run(tmp_path / "two", _values([A, B, C, D]), seed=1).path)
     effects.comparison_table(two)
-    assert "one server start per point" not in capsys.readouterr().out
+    assert intervals.ONE_START_A_SIDE not in capsys.readouterr().out
     assert intervals.SINGLE_START_NOTE not in effects.axis_effect_notes(two, "max_num_batched_tokens")

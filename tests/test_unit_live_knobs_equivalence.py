@@ -209,3 +209,88 @@ def test_footprint_run_is_judged_by_its_own_target_not_the_live_knobs_rule():
     assert "not met: ttft_p90_ms (too wide)" in text and "tpot_p50_ms" not in text.split("not met:")[1]
     same = [_start(p, w, 2048, {2048: [_metrics(100)] * 3}) for p in range(3) for w in ("fresh", "lowered")]
     assert eq.footprint_verdict(eq.summary(same, [2048])).endswith(": met")
+
+
+def _planned_starts(c: float, a: float = 0.1, shift: float = 0.05) -> list[dict]:
+    """4 pairs, 3 rounds a start of 200 requests, 10 s a round and 60 s besides: each start's
+    log TTFT P90 is its level -a, +0, +a over its rounds (round variance a^2), and the
+    lowered start's level is the fresh one's + shift +-c, alternately (pair variance 4c^2/3)."""
+    out = []
+    for p in range(4):
+        base = math.log(200.0) + 0.3 * p        # a drift the pairs share: cancelled
+        for way, level in (("fresh", base), ("lowered", base + shift + (c if p % 2 else -c))):
+            rounds = [{"value": 2048, "round": i, "limits": {}, "wall_s": 10.0,
+                       "metrics": {"completed": 200, "failed": 0, "ttft_p90_ms": math.exp(level + off)}}
+                      for i, off in enumerate((-a, 0.0, a))]
+            out.append({"pair": p, "way": way, "rounds": rounds, "wall_s": 90.0})
+    return out
+
+
+def test_variance_parts_recover_the_round_and_start_components():
+    v = eq.variance_parts(_planned_starts(c=math.sqrt(0.02)), 2048, "ttft_p90_ms")
+    assert v["var_round"] == pytest.approx(0.01) and v["df_round"] == 16       # 8 starts x 2
+    assert v["var_pair"] == pytest.approx(4 * 0.02 / 3) and v["df_pair"] == 3
+    assert v["var_start"] == pytest.approx(4 * 0.02 / 3 - 2 * 0.01 / 3)        # = 0.02
+    assert v["rounds"] == 3 and v["requests"] == 200 and v["mean_diff"] == pytest.approx(0.05)
+
+
+def test_verdict_plan_on_a_case_worked_by_hand():
+    """No start part (pair variance = 2 var_round / 3 exactly): a pair's log difference has
+    variance 0.02 / R, so at R = 2 its sd is 0.1, and a 95% t half-width within log(1.05)
+    = 0.04879 takes 19 pairs (t(18) 2.101 x 0.1 / sqrt(19) = 0.0482; 18: 0.0497). A pair
+    is 2 starts x (60 s + 2 rounds x 10 s) = 160 s: 19 pairs are 50.67 minutes."""
+    half = math.log1p(0.05)
+    assert sps.t.ppf(0.975, 17) * 0.1 / math.sqrt(18) > half >= sps.t.ppf(0.975, 18) * 0.1 / math.sqrt(19)
+    plan = eq.verdict_plan(_planned_starts(c=math.sqrt(0.005)), 2048, "ttft_p90_ms", within=0.05)
+    at = {x["rounds"]: x for x in plan["rows"]}
+    assert plan["parts"]["var_start"] == pytest.approx(0.0, abs=1e-12)
+    assert at[2]["sd_diff"] == pytest.approx(0.1) and at[2]["pairs"] == 19
+    assert at[2]["minutes"] == pytest.approx(19 * 160 / 60)
+    assert plan["pairs_at_infinite_rounds"] == 2     # nothing but rounds' noise to average away
+    assert plan["times"] == {"fixed_s": 60.0, "round_s": 10.0, "pair_min": 3.0}
+    # rounds of 400 requests: half the round variance at twice the round's time, so 1 round
+    # of 400 is 2 rounds of 200: the same pairs and minutes
+    doubled = {x["rounds"]: x for x in eq.verdict_plan(_planned_starts(c=math.sqrt(0.005)), 2048, "ttft_p90_ms",
+                                                       within=0.05, requests=400)["rows"]}
+    assert doubled[1]["pairs"] == 19 and doubled[1]["minutes"] == pytest.approx(19 * 160 / 60)
+    # a live-knobs run of 2 values: a pair is 3 starts and 2 x 2 x R rounds
+    two = {x["rounds"]: x for x in eq.verdict_plan(_planned_starts(c=math.sqrt(0.005)), 2048, "ttft_p90_ms",
+                                                   values=2)["rows"]}
+    assert two[2]["minutes"] == pytest.approx(19 * (3 * 60 + 2 * 2 * 2 * 10) / 60)
+    text = eq.plan_report(plan)
+    assert "cheapest:" in text and "upper bound (chi-square, df 3" in text
+
+
+def test_a_start_part_sets_the_fewest_pairs_however_many_rounds():
+    plan = eq.verdict_plan(_planned_starts(c=math.sqrt(0.02)), 2048, "ttft_p90_ms", within=0.05)
+    floor = eq.pairs_needed(math.sqrt(0.02), math.log1p(0.05), most=eq.MOST_PAIRS)
+    assert plan["pairs_at_infinite_rounds"] == floor
+    assert all(x["pairs"] >= floor for x in plan["rows"])
+    assert plan["rows"][-1]["sd_diff"] == pytest.approx(math.sqrt(0.02 + 0.02 / 40))
+    assert plan["upper"]["var_pair"] > plan["parts"]["var_pair"]   # its 90% upper bound, chi-square on 3 df
+    assert plan["upper"]["cheapest"]["pairs"] > plan["cheapest"]["pairs"]
+
+
+def test_a_plan_needs_two_rounds_a_start_and_two_pairs():
+    one_pair = [s for s in _planned_starts(c=0.1) if s["pair"] == 0]
+    with pytest.raises(ValueError, match="1 complete pair"):
+        eq.variance_parts(one_pair, 2048, "ttft_p90_ms")
+    one_round = [{**s, "rounds": s["rounds"][:1]} for s in _planned_starts(c=0.1)]
+    with pytest.raises(ValueError, match="no start has 2 rounds"):
+        eq.variance_parts(one_round, 2048, "ttft_p90_ms")
+
+
+def test_pairs_assured_meet_the_width_in_that_share_of_simulated_runs():
+    """At the pairs pairs_assured gives, the t interval of normal log differences is within
+    the bound in about 80% of runs (simulated); at pairs_needed's, in little over half."""
+    sd, half = 0.14, math.log1p(0.05)
+    rng = np.random.default_rng(7)
+
+    def share(n: int) -> float:
+        d = rng.normal(0.0, sd, size=(8000, n))
+        return float((sps.t.ppf(0.975, n - 1) * d.std(axis=1, ddof=1) / math.sqrt(n) <= half).mean())
+    n80 = eq.pairs_assured(sd, half, 0.8)
+    assert n80 > eq.pairs_needed(sd, half, most=eq.MOST_PAIRS)
+    assert share(n80) == pytest.approx(0.8, abs=0.02) and share(n80 - 1) < 0.8
+    # a little over half: pairs_needed rounds up to where the width at the true sd is at or under the bound
+    assert 0.5 <= share(eq.pairs_needed(sd, half, most=eq.MOST_PAIRS)) < 0.7

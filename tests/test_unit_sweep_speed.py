@@ -156,6 +156,8 @@ def test_the_summary_sets_the_kit_against_its_own_plan_and_vllm_bench_one_start_
     assert got["ratio_floor"] == pytest.approx(83.140827 / 400.0)  # the kit at its limit
     out = capsys.readouterr().out
     assert "1 server start(s)" in out and "2 server start(s)" in out and "floor of the ratio          0.21" in out
+    # one kit start and one vllm bench start a point: the per-point ranges leave out start-to-start spread
+    assert "one start a side: the interval is over rounds of one start and leaves out start-to-start spread" in out
 
 
 def test_a_study_with_live_knobs_is_one_both_tools_can_run():

@@ -380,6 +380,8 @@ def explore(r: report.Run, metric: str, x: str = "", hue: str = "", other: repor
     t = iv.set_index("point")[["value", "ci_low", "ci_high", "starts", "rounds"]]
     if other is not None:
         d = compare.compare(r.folder.path, other.folder.path, [metric])
+        if note := compare.one_start_line(r, other):
+            print(note)
         if not d.empty:
             t = t.join(d.set_index("point")[["B", "change", "low", "high", "verdict"]].add_prefix("other "))
     return t.round(3)

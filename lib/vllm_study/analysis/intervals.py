@@ -85,16 +85,39 @@ def ok_rounds(rounds: pd.DataFrame, group: tuple[str, str] | None = None,
     return rounds[sel]
 
 
+def starts_per_point(rounds: pd.DataFrame) -> int:
+    """The most server starts any point of the run was measured from (0: none measured)."""
+    ok = ok_rounds(rounds)
+    return 0 if ok.empty else int(ok.groupby("point")["start"].nunique().max())
+
+
 def single_start(rounds: pd.DataFrame) -> bool:
     """No point of the run was measured from two or more server starts: nothing in it
     measured start-to-start spread, so its intervals hold round-to-round spread only."""
-    ok = ok_rounds(rounds)
-    return ok.empty or int(ok.groupby("point")["start"].nunique().max()) < 2
+    return starts_per_point(rounds) < 2
 
 
-SINGLE_START_NOTE = ("one server start per point: these intervals hold round-to-round spread only, not "
-                     "start-to-start spread, and a restart alone can move a latency by more; a difference called "
-                     "resolved here may be two starts', not two configs' (replicates: 2 or more measure it)")
+# Every comparison of two configs or two tools says this where either side was measured
+# from one start: on one H100, plain vLLM's starts alone spread 114-148 ms in TTFT P50
+# at one point (results/sweep-speed/20261205-h200/FINDINGS.md), beyond a start's rounds.
+ONE_START_A_SIDE = ("one start a side: the interval is over rounds of one start and leaves out "
+                    "start-to-start spread")
+
+
+def one_start_note(*starts: int, why: str = "") -> str | None:
+    """The note a comparison owes its reader where either side (`starts`: each side's
+    count of server starts at the compared point) had fewer than 2: ONE_START_A_SIDE,
+    then `why` (what that means for this comparison). None where every side had 2 or more."""
+    if not starts:
+        raise ValueError("one_start_note needs each side's count of starts")
+    if min(starts) >= 2:
+        return None
+    return ONE_START_A_SIDE + (f"; {why}" if why else "")
+
+
+SINGLE_START_NOTE = one_start_note(1, why="one server start per point, and a restart alone can move a latency by "
+                                          "more: a difference called resolved here may be two starts', not two "
+                                          "configs' (replicates: 2 or more measure it)")
 
 
 def _scale(values: pd.Series) -> tuple[bool, pd.Series]:

@@ -111,6 +111,15 @@ def one_start_runs(ra: report.Run, rb: report.Run) -> list[str]:
     return [who for who, r in (("A", ra), ("B", rb)) if intervals.single_start(r.rounds)]
 
 
+def one_start_line(ra: report.Run, rb: report.Run) -> str | None:
+    """The header's first line where either run measured every point from one start
+    (intervals.one_start_note); None where both had 2 or more at some point."""
+    one = " and ".join(one_start_runs(ra, rb))
+    return intervals.one_start_note(*(intervals.starts_per_point(r.rounds) for r in (ra, rb)),
+                                    why=f"{one} measured each point from one server start, so no difference below "
+                                        "is called resolved; replicates: 2 or more in both studies measure it")
+
+
 ONE_START = "not resolved (one start)"
 
 
@@ -248,11 +257,8 @@ def header(ra: report.Run, rb: report.Run) -> str:
     measured in one run only: what a reader needs before the numbers."""
     diffs = study_differences(ra, rb)
     lines = [f"A: {ra.folder.path.name}", f"B: {rb.folder.path.name}"]
-    one = one_start_runs(ra, rb)
-    if one:
-        lines.insert(0, f"{' and '.join(one)} measured each point from one server start: start-to-start spread "
-                        "is not in these intervals (round-to-round noise only), so no difference below is called "
-                        "resolved; replicates: 2 or more in both studies measure it")
+    if note := one_start_line(ra, rb):
+        lines.insert(0, note)
     if diffs:
         lines.append("the studies differ in (A -> B):")
         lines += [f"{'*' if _workload_key(k) else ' '} {k}: {a!r} -> {b!r}" for k, a, b in diffs]

@@ -10,7 +10,7 @@ from ..define import grid_spec
 from ..vocab import axes, metrics
 from ..vocab.axes import SCHEDULER_AXIS
 from .binding import same_value, scheduler_binding
-from .report import group_order
+from .report import group_order, within_run_note
 from .run import Run, interval_row
 
 
@@ -147,8 +147,8 @@ def axis_effect_notes(r: Run, axis: str, reference=None) -> list[str]:
         notes.append(f"{axis}: no measured point has a measured twin at {axis}={axes.get(axis).fmt(ref)} "
                      "to be set against")
         return notes
-    if intervals.single_start(r.rounds):
-        notes.append(intervals.SINGLE_START_NOTE)
+    if note := within_run_note(r):
+        notes.append(note)
     effects = f[f["resolved"]]
     if effects.empty:
         notes.append(f"no effect of {axis} this study resolves, in any request group: every interval includes 0")
@@ -175,8 +175,8 @@ def comparison_table(r: Run, against: str | None = None) -> pd.DataFrame | None:
         for p in data.starts:
             cell = "reference" if p == ref else _diff_cell(intervals.difference(data, p, ref, noise))
             rows.setdefault(p, {})[f"{metrics.get(n).label} vs {'baseline' if against else 'best'}"] = cell
-    if intervals.single_start(r.rounds):
-        print(intervals.SINGLE_START_NOTE)
+    if note := within_run_note(r):
+        print(note)
     return pd.DataFrame.from_dict(rows, orient="index").rename_axis("point")
 
 

@@ -112,6 +112,14 @@ def failures(r: Run) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("point")
 
 
+def within_run_note(r: Run) -> str | None:
+    """intervals.SINGLE_START_NOTE where no point of the run had two starts. One count
+    stands for both sides: a run's intervals pool start-to-start spread over its points,
+    so one point with two starts measures it for every comparison in the run."""
+    n = intervals.starts_per_point(r.rounds)
+    return intervals.SINGLE_START_NOTE if intervals.one_start_note(n) else None
+
+
 def target_comparison(r: Run) -> pd.DataFrame | None:
     targets = r.study.targets
     if not targets:
@@ -129,6 +137,8 @@ def target_comparison(r: Run) -> pd.DataFrame | None:
             row[m.title] = metrics.with_interval(r.interval(pid, n), m)
             row[f"{m.label} vs {targets[0].name}"] = _change(r, n, pid, first) if pid != first else ""
         rows.append(row)
+    if note := within_run_note(r):
+        print(note)
     return pd.DataFrame(rows).set_index("target")
 
 
