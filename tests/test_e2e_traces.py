@@ -1,14 +1,15 @@
 """Trace replay against a real vLLM (the CPU build), where only vLLM's cache can answer:
 a trace with prefix blocks whose hit rate vLLM must reproduce to the token, and windows
 of the shipped Mooncake trace primed with their history, whose hit rate is the cache
-model's. (The capacity search on a trace window, and what a plain trace run says it
-could not replay: test_e2e_trace_capacity.py, on the fake engine.)"""
+model's. A primed window's control flow (its history sent first, outside the round's
+counters) runs on the fake engine. (The capacity search on a trace window, and what a
+plain trace run says it could not replay: test_e2e_trace_capacity.py, on the fake.)"""
 from __future__ import annotations
 
 import json
 
 import pytest
-from e2e_support import kv_bytes, measure, plan_of, tiny
+from e2e_support import fake_engine_study, kv_bytes, measure, plan_of, tiny
 from procs import group_gone
 
 
@@ -42,15 +43,19 @@ def test_a_trace_with_prefix_blocks_gets_the_hit_rate_it_allows(tmp_path):
 
 
 @pytest.mark.e2e
-def test_a_primed_mooncake_window_hits_what_the_cache_model_predicts(tmp_path):
-    """trace.prime: history on the shipped Mooncake window, on a KV cache of 16k tokens
-    (two of its longer prompts): each round is first primed with the traffic before the
-    window that fits the cache, and vLLM's measured hit rate is the cache model's."""
-    study = tiny(workload={"kind": "trace", "warmup_requests": 1, "concurrency": 1,
-                           "trace": {"file": "mooncake_conversation", "start_s": 60, "requests": 20,
-                                     "max_output_tokens": 4, "prime": "history"}},
-                 engine_args={**tiny()["engine_args"], "max_model_len": 8192, "kv_cache_memory_bytes": kv_bytes(16384)},
-                 grid={"max_num_batched_tokens": [2048]}, rounds=2)
+@pytest.mark.fake_engine
+def test_a_primed_mooncake_window_is_primed_with_its_history_outside_the_rounds_counters(tmp_path):
+    """trace.prime: history on one window of the shipped Mooncake trace (from 60 s), on a
+    KV cache of 16k tokens (two of its longer prompts), on the fake engine: each round is
+    first primed with the traffic before the window that fits the cache, sent to the
+    round's server and kept out of its counters, and its blocks are hit in the round.
+    (vLLM's hit rate against the cache model's, primed: the windows test below.)"""
+    study = fake_engine_study(tiny(
+        workload={"kind": "trace", "warmup_requests": 1, "concurrency": 1,
+                  "trace": {"file": "mooncake_conversation", "start_s": 60, "requests": 20,
+                            "max_output_tokens": 4, "prime": "history"}},
+        engine_args={**tiny()["engine_args"], "max_model_len": 8192, "kv_cache_memory_bytes": kv_bytes(16384)},
+        grid={"max_num_batched_tokens": [2048]}, rounds=2))
     run, summary = measure(plan_of(study), tmp_path / "s1")
     assert summary.status == "ok", summary.reasons
     assert len(run.rounds) == 2
@@ -61,8 +66,9 @@ def test_a_primed_mooncake_window_hits_what_the_cache_model_predicts(tmp_path):
         assert m["prompt_tokens_vs_trace"] == 0.0 and m["prompt_tokens"] == m["trace_prompt_tokens"]
         # priming is outside the round's counters: the queries are the window's prompts alone
         assert m["prefix_cache_queries"] == m["trace_prompt_tokens"]
-        assert abs(m["prefix_cache_hit_rate"] - m["model_prefix_hit_rate"]) <= 0.05, m
-        assert m["model_prefix_hit_rate"] > m["expected_prefix_hit_rate"]  # the history's blocks are hit
+        # the history's blocks are hit: in the cache model, and in the server the round primed
+        assert m["model_prefix_hit_rate"] > m["expected_prefix_hit_rate"]
+        assert m["prefix_cache_hit_rate"] > m["expected_prefix_hit_rate"], m
     assert not run.record.warnings or not any("runs off" in w for w in run.record.warnings)
     assert group_gone(run.record.launch.server_pgid)
 
