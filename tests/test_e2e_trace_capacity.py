@@ -18,6 +18,7 @@ from procs import group_gone
 from vllm_study.capacity import bracket as capacity
 from vllm_study.records import point_capacity
 from vllm_study.records.results import RunFolder
+from vllm_study.report import capacity_section, report
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 
@@ -145,7 +146,8 @@ BELOW_LO_STUDY = {**TRACE_STUDY, "name": "e2e-capacity-below-lo",
 
 def test_a_capacity_below_lo_is_found_by_halving(tmp_path):
     results = tmp_path / "results"
-    r = sweep(write(tmp_path, BELOW_LO_STUDY), "--results", results)
+    # the report notebook of a capacity study: the test above; here its answer, in this process
+    r = sweep(write(tmp_path, BELOW_LO_STUDY), "--results", results, "--no-report")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "a capacity search over speed 32..64, halving down to 2 where 32 misses (up to 6 rounds)" in r.stdout
     (path,) = results.iterdir()
@@ -170,8 +172,7 @@ def test_a_capacity_below_lo_is_found_by_halving(tmp_path):
         for bound, limit in SLO.items():
             assert s["margins"][bound] == pytest.approx(rec.metrics[capacity.bound_key(bound, rec.metrics)] / limit)
         assert s["met"] == (max(s["margins"].values()) <= 1 and rec.metrics["failed"] == 0)
-    nb = json.loads((path / "report.ipynb").read_text())
-    text = "".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
+    text = capacity_section.capacity_answer(report.Run.load(run))
     # found below lo: a capacity with its bracket, between a pass and the miss above it
     assert cap.censored is None and cap.load == max(met) < 32
     assert cap.bracket[0] == cap.load < cap.bracket[1] <= 32
