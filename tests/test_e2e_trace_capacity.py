@@ -69,7 +69,8 @@ def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
         met, _ = capacity.judge(rec.metrics, SLO)
         assert rec.slo_met == met, (rec.load, rec.slo_why)
         m = rec.metrics
-        # exact prompts: what vLLM counted is what the trace says, request by request
+        # exact prompts: what the server counted (the fake, with the model folder's tokenizer and
+        # chat template; vLLM's own count: test_e2e_traces.py) is what the trace says, request by request
         assert m["prompt_tokens_vs_trace"] == 0.0
         assert m["prompt_tokens"] == m["trace_prompt_tokens"]
         # latency from the schedule is the latency from the send plus the send's lateness (a
