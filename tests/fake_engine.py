@@ -62,6 +62,9 @@ LIVE_SCHEDULERS = ("vllm_study.prefix_budget.LiveLimitsScheduler",
 STEP_S = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.004"))     # a step's fixed cost
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.00002"))  # and per scheduled token
 INIT_S = float(os.environ.get("FAKE_ENGINE_INIT_S", "0.3"))  # engine-init line to healthy, at least
+# a file: the engine's init lasts until it exists (a test's gate: a stop lands while the
+# server starts, and a later start of the same study starts at once)
+INIT_UNTIL = os.environ.get("FAKE_ENGINE_INIT_UNTIL")
 KV_TOKENS = int(os.environ.get("FAKE_ENGINE_KV_TOKENS", "65536"))  # no KV size given
 OUTPUT_TEXT = " the"
 
@@ -797,6 +800,8 @@ def main(argv: list[str]) -> None:
     engine = Engine(sched)
     engine.thread.start()
     time.sleep(max(0.0, INIT_S - (time.monotonic() - init)))  # a start ahead can be frozen here
+    while INIT_UNTIL and not os.path.exists(INIT_UNTIL):
+        time.sleep(0.1)
     log("EngineCore", "core.py:402", f"init engine (profile, create kv cache, warmup model) took "
         f"{time.monotonic() - init:.2f} s")
     server = Server(args, served, tokens, engine, max_model_len)

@@ -1,10 +1,11 @@
 """A study with two chunk sizes and two max_num_seqs on the CPU engine: live knobs are
-on by default there, so one vLLM start serves all four points. Each point keeps its own
-folder and records; every round's limits are the engine's own report of what it ran the
-round under, and its largest step and most running requests stay within them; the
-report renders (real vLLM: its scheduler keeping to the lowered limits is what is
-tested). A precision block whose start serves the whole group again: the fake engine
-(the sweep's own control flow)."""
+on by default there, so one server start serves all four points. Each point keeps its
+own folder and records; every round's limits are the engine's own report of what it ran
+the round under (the kit's live-limits plugin code, running in the fake engine), and its
+largest step and most running requests stay within them; the report renders. A
+precision block whose start serves the whole group again. Both on the fake engine: the
+grouping, the control messages and the records are the sweep's own control flow; vLLM's
+scheduler keeping to limits lowered live is tested on vLLM in test_e2e_live_knobs.py."""
 from __future__ import annotations
 
 import json
@@ -15,13 +16,13 @@ from e2e_support import fake_engine_study, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 
 CHUNKS, SEQS = [256, 512], [2, 4]
 # the 512-token system prompt (plus its question) is longer than the small chunk and
 # fills the large one; 8 requests at concurrency 4 fill either max_num_seqs
-STUDY = tiny(grid={"max_num_batched_tokens": CHUNKS, "max_num_seqs": SEQS}, rounds=2,
-             workload={**tiny()["workload"], "requests_per_round": 8})
+STUDY = fake_engine_study(tiny(grid={"max_num_batched_tokens": CHUNKS, "max_num_seqs": SEQS}, rounds=2,
+                               workload={**tiny()["workload"], "requests_per_round": 8}))
 
 
 def test_one_start_serves_four_points_under_the_limits_each_round_recorded(tmp_path):
@@ -76,7 +77,6 @@ def test_one_start_serves_four_points_under_the_limits_each_round_recorded(tmp_p
     assert {s.point: s.status for s in run.summaries()} == {p: "ok" for p in unit.serves}
 
 
-@pytest.mark.fake_engine
 def test_precision_adds_a_start_that_serves_the_whole_group_again(tmp_path):
     """One planned start gives no start-to-start spread, so every interval is too wide:
     precision adds a block, and its start serves both points again, as the first did."""

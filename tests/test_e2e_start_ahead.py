@@ -104,12 +104,13 @@ def _logged(start_dir, marker: str) -> float:
 
 @pytest.mark.fake_engine
 def test_a_sweep_spawns_the_next_server_during_the_measurement_and_holds_it(tmp_path):
-    # Rounds of ~25 s (Poisson, 0.25 req/s): the second server reaches its engine's init
-    # while the first one still measures, on any CPU this runs on.
+    # Rounds of ~6 s (Poisson, 0.5 req/s): the second server spawns once its notebook is
+    # ready, seconds into the first one's start, and the fake engine reaches its init line in
+    # about a second, while the first one still warms up or measures (~20 s).
     study = fake_engine_study(tiny(grid={"max_num_batched_tokens": [256, 512]},
                                    server={"extra_cli_args": UNI, "start_ahead": True, "live_knobs": False},
-                                   workload={**tiny()["workload"], "requests_per_round": 6,
-                                             "load": {"kind": "poisson", "rate": 0.25}}))
+                                   workload={**tiny()["workload"], "requests_per_round": 4,
+                                             "load": {"kind": "poisson", "rate": 0.5}}))
     done = sweep(write(tmp_path, study), "--results", tmp_path / "results", "--no-report")
     assert done.returncode == 0, done.stderr[-3000:]
     run = RunFolder(next((tmp_path / "results").iterdir()))

@@ -154,13 +154,16 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     prepared, waits for the slot: the sweep exits 130, every process it started (both
     kernels and the server) is gone, the unfinished starts are left as such, and --resume
     runs them, the second server spawned only once the first had stopped. The fake engine
-    takes 30 s from its engine's init to healthy: the stop lands while it starts, as a
-    vLLM start's would. (Finished starts surviving a stop: the budget test.)"""
+    stays in its engine's init until a file exists: the stop lands while it starts, as a
+    vLLM start's would; the file is made before --resume, whose starts then take 5 s each
+    from init to healthy (the second notebook waits at the slot meanwhile).
+    (Finished starts surviving a stop: the budget test.)"""
     import psutil
 
+    gate = tmp_path / "engine-may-finish-init"
     study = fake_engine_study(tiny(rounds=1, grid={"max_num_batched_tokens": [256, 512]},
                                    server={"extra_cli_args": UNI, "live_knobs": False}),  # two starts, one slot
-                              FAKE_ENGINE_INIT_S="30")
+                              FAKE_ENGINE_INIT_S="5", FAKE_ENGINE_INIT_UNTIL=str(gate))
     results = tmp_path / "results"
     proc = subprocess.Popen([sys.executable, "-m", "vllm_study", "sweep", str(write(tmp_path, study)),
                              "--results", str(results)], cwd=REPO, stdout=subprocess.PIPE,
@@ -194,6 +197,7 @@ def test_sigterm_stops_everything_and_resume_completes(tmp_path):
     assert [StartRecord.load(f).status for f in points.glob("*/s1/start.json")] == ["running"] * 2
 
     run = RunFolder(start_dir.parents[2])
+    gate.touch()
     again = sweep("--resume", run.path, "--no-report")  # the budget test checks the report
     assert again.returncode == 0, again.stderr[-3000:]
     assert "0 of 2 starts already finished" in again.stdout

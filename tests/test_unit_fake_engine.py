@@ -184,6 +184,33 @@ def test_a_start_ahead_is_frozen_at_the_engine_init_line_until_its_slot_is_free(
         srv.stop()
 
 
+def test_an_init_gated_on_a_file_lasts_until_the_file_exists(model_dir, tmp_path):
+    """FAKE_ENGINE_INIT_UNTIL: a test's gate (a stop that must land while the server
+    starts): not healthy while the file is missing, serving once it exists."""
+    import threading
+    gate, seen, openers = tmp_path / "gate", {}, []
+
+    def open_later(url: str) -> None:
+        time.sleep(2)
+        seen["healthy before the file"] = _healthy(url)
+        gate.touch()
+
+    def made(srv) -> None:
+        openers.append(threading.Thread(target=open_later, args=(srv.url,)))
+        openers[-1].start()
+
+    t0 = time.monotonic()
+    srv = serve_on_a_free_port(fake_command(model_dir), tmp_path / "server.log", made=made,
+                               env={"FAKE_ENGINE_INIT_UNTIL": str(gate)}, startup_timeout_s=30)
+    try:
+        assert time.monotonic() - t0 >= 2 and seen == {"healthy before the file": False}
+        assert run(srv, text_requests(1, "after the gate", 2), 1)[0].ok
+    finally:
+        srv.stop()
+        for t in openers:
+            t.join()
+
+
 def _healthy(url: str) -> bool:
     from vllm_study.launch import net
     try:
