@@ -64,6 +64,7 @@ def test_chunking_splits_a_long_prompt(model_dir):
     assert len(rows) == math.ceil(300 / 64)
     assert rows["prefill_tokens"].tolist() == [64, 64, 64, 64, 44]
     assert rows["context_tokens"].tolist() == [0, 64, 128, 192, 256]
+    assert rows["prefill_context_tokens"].tolist() == [0, 64, 128, 192, 256]  # all of it a prompt's
     assert rows["decode_reqs"].sum() == 0
     # each step starts where the previous ended
     assert np.allclose(rows["t_done"] - rows["t_scheduled"], DT)

@@ -132,7 +132,7 @@ class VirtualEngine:
         pre = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         pre.update(zip(cached.req_ids, cached.num_computed_tokens))
-        prefill_tokens = prefill_reqs = decode_reqs = decode_tokens = context = 0
+        prefill_tokens = prefill_reqs = decode_reqs = decode_tokens = context = prefill_context = 0
         sampled = []
         for rid, k in n.items():
             req = sched.requests[rid]
@@ -141,6 +141,7 @@ class VirtualEngine:
             if p < req.num_prompt_tokens:  # inside its prompt (as the kit's step records count it)
                 prefill_tokens += k
                 prefill_reqs += 1
+                prefill_context += p
             else:
                 decode_reqs += 1
                 decode_tokens += k
@@ -151,7 +152,7 @@ class VirtualEngine:
         counts = getattr(sched, "get_request_counts", None)  # 0.32: waiting includes KV-holding ones
         running, waiting = counts() if counts else (len(sched.running), len(sched.waiting))
         row = (self.now, 0.0, prefill_tokens, prefill_reqs, decode_reqs, decode_tokens, context, new_cached,
-               running, waiting, preempted, float(sched.kv_cache_manager.usage))
+               running, waiting, preempted, float(sched.kv_cache_manager.usage), prefill_context)
         one = np.array([row], dtype=DTYPE)
         dt = float(self.step_time(one)[0])
         if self._jitter is not None:

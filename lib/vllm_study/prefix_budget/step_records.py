@@ -29,6 +29,9 @@ Where the columns come from (line numbers read in vLLM 0.32.0, vllm/v1/core/sche
 - ``running`` / ``waiting``: ``get_request_counts()`` where vLLM has it (0.32
   scheduler.py l.2608: waiting includes KV-holding waiting requests), else the queues'
   lengths; ``kv_usage``: ``kv_cache_manager.usage`` (both).
+- ``prefill_context_tokens``: for each request inside its prompt, its
+  ``num_computed_tokens`` less the tokens scheduled for it (schedule() has advanced the
+  count by then), summed: the prefix a chunk's attention reads.
 
 Pairing a step with its output: EngineCore calls ``update_from_output(scheduler_output,
 model_output)`` with the very SchedulerOutput schedule() returned. Under async
@@ -151,7 +154,7 @@ class StepRecordsMixin:
             r = reqs[rid]
             if r.num_computed_tokens - sched[rid] < r.num_prompt_tokens:
                 prefill[rid] = r.num_prompt_tokens
-        p_tok = p_req = 0
+        p_tok = p_req = p_ctx = 0
         for rid, prompt in list(prefill.items()):
             n = sched.get(rid)
             if n is None:
@@ -160,6 +163,7 @@ class StepRecordsMixin:
                 continue
             p_tok += n
             p_req += 1
+            p_ctx += reqs[rid].num_computed_tokens - n  # (advanced by schedule()) before the step
             if reqs[rid].num_computed_tokens >= prompt:  # (advanced by schedule()) its prompt is done
                 del prefill[rid]
         cached = sum(nr.num_computed_tokens for nr in new)
@@ -170,7 +174,7 @@ class StepRecordsMixin:
             running, waiting = len(self.running), len(self.waiting)
         preempted = len(getattr(out, "preempted_req_ids", None) or ())
         return (t_scheduled, p_tok, p_req, len(sched) - p_req, out.total_num_scheduled_tokens - p_tok, ctx,
-                cached, running, waiting, preempted, self.kv_cache_manager.usage)
+                cached, running, waiting, preempted, self.kv_cache_manager.usage, p_ctx)
 
     @staticmethod
     def _sr_resumed(cached_reqs):

@@ -39,6 +39,8 @@ COLUMNS = (
     ("waiting", "i4", "requests waiting after the step was scheduled"),
     ("preempted", "i4", "requests preempted while scheduling the step"),
     ("kv_usage", "f4", "share of KV blocks in use after the step was scheduled"),
+    ("prefill_context_tokens", "i8", "KV tokens the requests inside their prompt had computed before the "
+     "step (what a chunk's attention reads besides itself: a chunk late in a long prompt costs more)"),
 )
 DTYPE = np.dtype([(name, kind) for name, kind, _ in COLUMNS])
 ROUNDS_DIR = "steps"
