@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
+    commit = git_state(Path(__file__).resolve().parents[1])   # the code's, as the run starts
     original = RunFolder(a.run)
     then = ps.read(a.run)
     if then is None:
@@ -101,7 +102,7 @@ def main() -> int:
     if a.json:
         a.json.write_text(json.dumps({
             "run": str(a.run), "from": sorted(kept), "wall_s": wall,
-            "commit": git_state(Path(__file__).resolve().parents[1]).sha,
+            "commit": commit.sha, "dirty": commit.dirty,
             "workers": a.workers, "model": fe.model_dump(), "widen": pred.error.widen,
             "points": [p.model_dump() for p in pred.points],
             "errors": sec.errors, "median_error": float(np.median(list(sec.errors.values()))) if sec.errors else None,

@@ -11,13 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # 24.5 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads, and
 # the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
-# (each of its confirmation starts ~0.65 MB after lean_run, up to 5 more). A call carries the
-# tree and one part of the GPU bundle (~133 MiB): at 28 MiB of tree, parts of 36 MB (34.3 MiB) still
-# fit the 64 MiB, so the bundle still goes in 4 calls
-LIMIT_MIB = 28
+# (each of its confirmation starts ~0.65 MB after lean_run, up to 5 more); 31 MiB with the
+# H100 predict-then-confirm run, whose step records the step model refits from and whose
+# requests its capacities rest on (3.8 MB after lean_run). A call carries the tree and one
+# part of the GPU bundle (~133 MiB): at 34 MiB of tree, parts of 30 MiB still fit the 64
+# MiB, so the bundle goes in 5 calls (make-bundle.sh sizes the parts to the tree)
+LIMIT_MIB = 34
 
 
-def test_the_tracked_tree_weighs_under_28_mib():
+def test_the_tracked_tree_weighs_under_34_mib():
     try:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
