@@ -245,7 +245,7 @@ def _windowed_start(tmp_path, tok, prime: str, rounds: int = 5, **over):
     start = PointStart(PointPlan(study=study, point=point, engine="cpu"), tmp_path / "s1")
     launcher = start.launcher
     launcher.work.tokenizer, launcher.served.url, launcher.served.model_name = tok, "http://127.0.0.1:9", "m"
-    launcher.work.workload = launcher._trace_workload()
+    launcher.work.workload = launcher.work.trace_workload(start.record)
     start.record.launch.cache_config = {"num_gpu_blocks": "40", "block_size": "16"}
     start.record.launch.has_metrics = False
     return start.rounds_on()

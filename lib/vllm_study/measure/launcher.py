@@ -1,6 +1,7 @@
 """A start's launch: its GPU slot (taken, or waited for while started ahead), the vLLM
 server with the kit's measurement flags (or a connection to an endpoint target), and
-the tokenizer and workload, built while vLLM starts."""
+the workload (start_workload.py), built while vLLM starts. What it hands the round
+protocol: the server (`Served`) and the workload."""
 from __future__ import annotations
 
 import ast
@@ -25,11 +26,9 @@ from ..launch.deployment import Endpoint, VllmServe
 from ..launch.flags import Flags
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, pgid_path, vllm_program,
                              stop_group_from_file)
-from ..workload import windows
-from ..workload.build_workload import make_workload
-from ..workload.trace_workload import window_workload
 from .live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from .start_record import STEPS_RAW, StartLog, recorded_step
+from .start_workload import StartWorkload
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -66,15 +65,6 @@ class Served:
     steps_raw: Path | None = None
 
 
-@dataclass
-class StartWorkload:
-    """What the rounds send, built while the server starts: the tokenizer, the workload
-    and, with trace.windows, the trace's windows (the workload is their first's)."""
-    tokenizer: object = None
-    workload: object = None
-    windows: windows.WindowSet | None = None
-
-
 class Launcher:
     """A start's launch, writing through its StartLog `log`: takes the GPU slot
     (`slot_lock`, a path: slots.SlotLock), starts the point's server (or connects to its
@@ -88,7 +78,7 @@ class Launcher:
         self.gpu_indices = gpu_indices
         self.slot_lock = SlotLock(slot_lock) if slot_lock else None
         self.live, self.served_chunks = live, served_chunks
-        self.served, self.work = Served(), StartWorkload()
+        self.served, self.work = Served(), StartWorkload(plan)
 
     @property
     def server(self) -> VllmServer | None:
@@ -118,7 +108,7 @@ class Launcher:
         record = self.log.record
         kv_block = int(record.launch.cache_config.get("block_size") or planned_kv_block or 0)
         if kv_block and kv_block != planned_kv_block:  # the server chose another block size than planned
-            expected = self._expected_hit_rate(kv_block)
+            expected = self.work.expected_hit_rate(kv_block)
         if not self.log.failed:
             record.expected_prefix_hit_rate = expected
         self.log.save()
@@ -176,40 +166,8 @@ class Launcher:
     def _build_workload(self, model: str, kv_block: int | None) -> float | None:
         """The tokenizer and the workload; returns the expected hit rate at KV-cache block
         size `kv_block`."""
-        from transformers import AutoTokenizer
-        work = self.work
-        work.tokenizer = AutoTokenizer.from_pretrained(model)
-        w = self.study.workload
-        if w.kind == "trace":
-            work.workload = self._trace_workload()
-        else:
-            work.workload = make_workload(work.tokenizer, w)
-        return self._expected_hit_rate(kv_block) if kv_block else None
-
-    def _trace_workload(self):
-        """The trace's window, less the requests longer than the server allows (counted in
-        start.json), as prompts of exact length and prefix structure; with trace.windows,
-        their first (every window's is in `work.windows`)."""
-        w, work = self.study.workload, self.work
-        limit = (self.point.effective.max_model_len if self.point.effective else None) \
-            or models.max_positions(self.study.model)
-        if w.trace.windows:  # one workload a window; the first is the start's until a round picks its own
-            work.windows, self.log.record.trace = windows.build(work.tokenizer, w, limit)
-            return work.windows.workloads[0]
-        wl, self.log.record.trace = window_workload(work.tokenizer, w, limit)
-        return wl
-
-    def _expected_hit_rate(self, kv_block: int) -> float | None:
-        """What a cache that never evicts would hit (the report puts it beside the measured
-        rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
-        work = self.work
-        if self.study.workload.kind == "trace":
-            if work.windows:  # each round records its window's; the start, their mean
-                return work.windows.expected_hit_rate()
-            return work.workload.expected_hit_rate()
-        if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
-            return None
-        return work.workload.expected_hit_rate(self.study.workload.requests_per_round, kv_block)
+        self.work.build(model, self.log.record)
+        return self.work.expected_hit_rate(kv_block) if kv_block else None
 
     def _connect(self, t) -> None:
         target = Endpoint(t.name, t.base_url, t.model, t.api_key_env, t.proxy)

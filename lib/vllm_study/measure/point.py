@@ -9,7 +9,7 @@ the sweep goes on. Finished rounds are on disk the moment they end.
 PointStart composes three parts, handed to each other: the start's log
 (start_record.StartLog: its record and folder), its launch (launcher.Launcher: the slot,
 the server behind launch/deployment.py, the workload), which hands over the server it
-started (launcher.Served) and the workload (launcher.StartWorkload), and the round
+started (launcher.Served) and the workload (start_workload.StartWorkload), and the round
 protocol on them (rounds.RoundProtocol). Here are its making, its finish (`close`: the
 start's verdict), and the point's summary over its starts.
 """

@@ -20,9 +20,10 @@ from ..define.grid import point_limits
 from ..records.results import RoundRecord, append_round, now_utc
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..prefix_budget import steps
-from .launcher import Served, StartWorkload
+from .launcher import Served
 from .primer import Primer, model_departure
 from .start_record import StartLog, exited, recorded_step
+from .start_workload import StartWorkload
 
 
 STEPS_SETTLE_S = 1.0  # the longest wait for a round's last step records (its last step in flight)
@@ -31,7 +32,7 @@ STEPS_SETTLE_S = 1.0  # the longest wait for a round's last step records (its la
 class RoundProtocol:
     """The measuring steps of a start, writing through its StartLog `log`, on the server
     its launch handed over (`served`, a launcher.Served) with the workload built there
-    (`work`, a launcher.StartWorkload). `nvml`: the start's GPUs, sampled over each
+    (`work`, a start_workload.StartWorkload). `nvml`: the start's GPUs, sampled over each
     round. `live`: the control channel (live_knobs.Channel) where the server serves
     several points; each round first sets this point's limits through it."""
 
