@@ -56,32 +56,33 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     run = PointStart(plan, tmp_path / "s1", 1)
     run.launch()
     assert not run.failed, run.record.reason
+    rounds, server = run.protocol, run.launcher.server  # the start's parts: its rounds, its server
     launch = run.record.launch
     assert launch.startup_s > 0 and launch.cache_config["kv_cache_memory_bytes"] == str(kv_bytes(16384))
     assert launch.vllm_non_default_args["max_num_batched_tokens"] == 256
     assert run.record.gpus == [] and "no NVIDIA GPU" in run.record.no_gpu_reason  # said plainly on a CPU
     run.warmup()
-    run.run_round(0)
-    pgid = run.server.proc.pid
+    rounds.run_round(0)
+    pgid = server.proc.pid
     killed, sending, ended = threading.Event(), threading.Event(), threading.Event()
-    prepare = run._prepare_round
+    prepare = rounds._prepare_round
 
     def prepared(*a, **k):  # the round's requests built: what the round does next is send them
         out = prepare(*a, **k)
         sending.set()
         return out
-    run._prepare_round = prepared
+    rounds._prepare_round = prepared
     # as in the moment between a killed server's sockets closing and its exit showing: the
     # round ends on its errors with the server not yet seen gone, and the scrape after it fails
-    exited = run.server.exited
-    run.server.exited = lambda wait_s=0: wait_s > 0 and exited(wait_s)
-    killer = threading.Thread(target=_kill_when_busy, args=(run.server.url, pgid, sending, killed, ended))
+    exited = server.exited
+    server.exited = lambda wait_s=0: wait_s > 0 and exited(wait_s)
+    killer = threading.Thread(target=_kill_when_busy, args=(server.url, pgid, sending, killed, ended))
     killer.start()
-    run.run_round(1)
+    rounds.run_round(1)
     ended.set()
     killer.join()
     assert killed.is_set(), "round 1 ended before the server was seen running requests"
-    run.run_round(2)  # a no-op once the start has failed
+    rounds.run_round(2)  # a no-op once the start has failed
     summary = run.finish()
     assert [r.status for r in run.rounds] == ["ok", "failed"], run.record.reason
     assert run.rounds[1].metrics["failed"] > 0
@@ -103,12 +104,13 @@ def test_a_server_that_dies_before_its_warm_up_fails_the_start_with_its_own_reas
     run = PointStart(plan, tmp_path / "s1", 1)
     run.launch()
     assert not run.failed, run.record.reason
-    pgid = run.server.proc.pid
+    rounds, server = run.protocol, run.launcher.server
+    pgid = server.proc.pid
     os.killpg(pgid, signal.SIGKILL)
     run.warmup()
     assert run.record.warmup_errors == plan.study.workload.warmup_requests > 0
     assert run.record.reason.startswith("server died during warm-up: ") and "killed by SIGKILL" in run.record.reason
-    run.run_round(0)  # a no-op once the start has failed
+    rounds.run_round(0)  # a no-op once the start has failed
     summary = run.finish()
     assert run.rounds == [] and summary.status == "failed" and "died during warm-up" in summary.reasons[0]
     assert group_gone(pgid)
@@ -130,7 +132,7 @@ def test_a_port_held_by_another_process_is_the_reason(tmp_path, monkeypatch):
     finally:
         holder.close()
     assert run.failed and "port in use" in run.record.reason, run.record.reason
-    assert group_gone(run.server.proc.pid)
+    assert group_gone(run.launcher.server.proc.pid)
 
 
 def test_prefix_reuse_expected_vs_measured_shows_eviction(tmp_path):

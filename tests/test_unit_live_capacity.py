@@ -19,6 +19,7 @@ from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure import client
 from vllm_study.measure.live_start import SharedStart
 from vllm_study.measure.point import PointStart
+from vllm_study.measure.rounds import RoundProtocol
 from vllm_study.point_notebook import planned_rounds
 from vllm_study.records import confirmation
 from vllm_study.records.results import StartRecord
@@ -78,10 +79,19 @@ def _fake_server(monkeypatch, channel: FakeChannel, steps: list):
     monkeypatch.setattr(client, "run_sync", run_sync)
 
 
-def _ready(s: PointStart, channel: FakeChannel) -> None:
-    """What launch() leaves for the rounds, on the fake server."""
-    s.url, s.model_name, s.live, s.workload = "http://127.0.0.1:9", "tiny", channel, FakeWorkload()
-    s.record.launch.has_metrics = s.record.launch.cache_reset = False
+def _launched(launcher, logs) -> None:
+    """What launch() hands over to the rounds, on the fake server."""
+    launcher.served.url, launcher.served.model_name = "http://127.0.0.1:9", "tiny"
+    launcher.work.workload = FakeWorkload()
+    for log in logs:
+        log.record.launch.has_metrics = log.record.launch.cache_reset = False
+
+
+def _ready(start: PointStart) -> RoundProtocol:
+    """A start of its own, launched by hand on the fake server: its round protocol."""
+    _launched(start.launcher, [start.log])
+    start.protocol = start.rounds_on()
+    return start.protocol
 
 
 def _shared(tmp_path, monkeypatch, study=STUDY):
@@ -90,8 +100,9 @@ def _shared(tmp_path, monkeypatch, study=STUDY):
     shared = SharedStart(plans, [tmp_path / "points" / p.point.id / "s1" for p in plans], 1, 1)
     channel, steps = FakeChannel(), []
     _fake_server(monkeypatch, channel, steps)
-    for s in shared.starts:
-        _ready(s, channel)
+    _launched(shared.launcher, shared.logs)
+    shared.live = channel
+    shared.protocols = shared.rounds_on()
     return shared, channel, steps
 
 
@@ -99,19 +110,20 @@ def test_each_point_runs_its_own_search_under_its_own_limits_on_the_shared_start
     shared, channel, steps = _shared(tmp_path, monkeypatch)
     ticks = []
     shared.run_rounds(ticks.append)
-    recs = {s.point.id: StartRecord.model_validate_json((s.dir / "start.json").read_text()) for s in shared.starts}
+    recs = {s.point.id: StartRecord.model_validate_json((s.log.dir / "start.json").read_text())
+            for s in shared.protocols}
     # each point's capacity is the one its own limits give: 4 x max_num_seqs requests in flight
     assert recs[LEAD].capacity.load == 16 and recs[OTHER].capacity.load == 8
     assert recs[OTHER].served_by == f"{LEAD}/s1" and recs[LEAD].serves == [LEAD, OTHER]
     # a step's limits are set before it runs, and every round records its own point's
-    assert len(channel.entered) == len(steps) == sum(len(s.rounds) for s in shared.starts)
-    for s in shared.starts:
+    assert len(channel.entered) == len(steps) == sum(len(s.rounds) for s in shared.protocols)
+    for s in shared.protocols:
         assert s.rounds and all(r.limits["max_num_seqs"] == s.point.values["max_num_seqs"] for r in s.rounds)
         assert [st["load"] for st in recs[s.point.id].capacity.steps] == [r.load for r in s.rounds]
         assert [r.round for r in s.rounds] == list(range(len(s.rounds)))  # numbered as a start of its own
     # the searches run whole, one after the other, in the seeded order
     first = search_order([LEAD, OTHER], 0, 1)[0]
-    n_first = len(next(s for s in shared.starts if s.point.id == first).rounds)
+    n_first = len(next(s for s in shared.protocols if s.point.id == first).rounds)
     by_step = [lim["max_num_seqs"] for _, lim in steps]
     want = {LEAD: 4, OTHER: 2}
     assert by_step == [want[first]] * n_first + [want[({LEAD, OTHER} - {first}).pop()]] * (len(steps) - n_first)
@@ -122,22 +134,21 @@ def test_each_point_runs_its_own_search_under_its_own_limits_on_the_shared_start
 def test_a_point_served_in_a_group_keeps_the_capacity_record_a_start_of_its_own_would(tmp_path, monkeypatch):
     shared, _, _ = _shared(tmp_path / "shared", monkeypatch)
     shared.run_rounds()
-    for s in shared.starts:  # the same point, a server of its own launched at its limits: no channel
-        alone = PointStart(s.plan, tmp_path / "alone" / s.point.id / "s1", 1, 1)
+    for plan, s in zip(shared.plans, shared.protocols):  # the same point, a server of its own at its limits
+        alone = PointStart(plan, tmp_path / "alone" / s.point.id / "s1", 1, 1)
         channel = FakeChannel()
         channel.in_force = point_limits(s.point)
         _fake_server(monkeypatch, channel, [])
-        _ready(alone, channel)
-        alone.live = None
+        _ready(alone)  # no channel
         alone.run_rounds()
-        assert alone.record.capacity == s.record.capacity and alone.record.capacity.load
+        assert alone.record.capacity == s.log.record.capacity and alone.record.capacity.load
         assert [r.load for r in alone.rounds] == [r.load for r in s.rounds]
 
 
 def test_a_server_that_dies_between_searches_fails_the_points_not_searched(tmp_path, monkeypatch):
     shared, _, _ = _shared(tmp_path, monkeypatch)
     first, second = search_order([LEAD, OTHER], 0, 1)
-    by_id = {s.point.id: s for s in shared.starts}
+    by_id = {s.point.id: s for s in shared.protocols}
 
     class Server:
         up = True
@@ -147,9 +158,7 @@ def test_a_server_that_dies_between_searches_fails_the_points_not_searched(tmp_p
 
         def exited(self, wait_s=0):
             return not self.up
-    server = Server()
-    for s in shared.starts:
-        s.server = server
+    server = shared.launcher.served.server = Server()  # the one server every point's rounds watch
     search = by_id[first].search_capacity
 
     def then_die(progress=None):  # the server dies once the first search is done
@@ -157,9 +166,9 @@ def test_a_server_that_dies_between_searches_fails_the_points_not_searched(tmp_p
         server.up = False
     by_id[first].search_capacity = then_die
     shared.run_rounds()
-    assert by_id[first].record.capacity and not by_id[first].failed
-    assert by_id[second].failed and "the shared server died" in by_id[second].record.reason
-    assert not by_id[second].rounds and by_id[second].record.capacity is None
+    assert by_id[first].log.record.capacity and not by_id[first].failed
+    assert by_id[second].failed and "the shared server died" in by_id[second].log.record.reason
+    assert not by_id[second].rounds and by_id[second].log.record.capacity is None
 
 
 def test_a_server_gone_before_a_step_fails_the_start_with_what_ended_it(tmp_path, monkeypatch):
@@ -169,15 +178,15 @@ def test_a_server_gone_before_a_step_fails_the_start_with_what_ended_it(tmp_path
     channel, steps = FakeChannel(), []
     _fake_server(monkeypatch, channel, steps)
     start = PointStart(plan_of(STUDY, 1), tmp_path / "s1", 1, 1)
-    _ready(start, channel)
-    start.live, channel.in_force = None, point_limits(start.point)
+    _ready(start)
+    channel.in_force = point_limits(start.point)
 
     class Gone:
         proc, log_path = SimpleNamespace(returncode=-9), tmp_path / "lead" / "server.log"
 
         def exited(self, wait_s=0):
             return True
-    start.server = Gone()
+    start.launcher.served.server = Gone()
     start.run_rounds()
     assert start.failed and start.record.reason.startswith("server died before step 1: ")
     assert "killed by SIGKILL" in start.record.reason
@@ -195,8 +204,8 @@ def test_a_target_that_stops_answering_after_a_round_keeps_the_round_as_failed(t
     channel, steps = FakeChannel(), []
     _fake_server(monkeypatch, channel, steps)
     start = PointStart(plan_of(STUDY, 1), tmp_path / "s1", 1, 1)
-    _ready(start, channel)
-    start.live, channel.in_force = None, point_limits(start.point)
+    rounds = _ready(start)
+    channel.in_force = point_limits(start.point)
     start.record.launch.has_metrics = True
     scrapes = []
 
@@ -214,7 +223,7 @@ def test_a_target_that_stops_answering_after_a_round_keeps_the_round_as_failed(t
         def result(self):
             return {}
     monkeypatch.setattr(counters, "RoundSampler", NoSampler)
-    rec = start.run_round(0, 2.0)
+    rec = rounds.run_round(0, 2.0)
     assert rec is not None, start.record.reason
     assert rec.status == "failed" and [r.status for r in start.rounds] == ["failed"]
     assert start.failed and start.record.reason.startswith("the server stopped answering after round 1: ")
@@ -263,15 +272,19 @@ def test_a_served_point_replays_the_windows_the_lead_cut(tmp_path, monkeypatch):
     """trace.windows: the lead cuts the windows at launch; every point it serves picks its
     round's window from them (a capacity step measures each window at its load)."""
     shared, _, _ = _shared(tmp_path, monkeypatch)
-    lead, other = shared.starts
 
     class Windows:
         workloads = ["window 1", "window 2"]
 
         def pick(self, index):
             return index % 2
-    lead.windows, lead.record.trace = Windows(), {"rate": 1.5}
-    lead.tokenizer = lead.proxy = lead.api_key = None  # (what launch() sets)
-    shared._attach(other)
-    assert other.windows is lead.windows and other.record.trace == {"rate": 1.5}
+
+    def launch():  # what the launch cuts, into the lead's record and the workload it hands over
+        shared.launcher.work.windows, shared.lead.record.trace = Windows(), {"rate": 1.5}
+    shared.launcher.launch = launch
+    shared.launch()
+    lead, other = shared.protocols
+    assert other.windows is lead.windows is shared.launcher.work.windows
+    assert other.log.record.trace == {"rate": 1.5} and other.log.record.served_by == f"{LEAD}/s1"
     assert other._pick_window(3) == 1 and other.workload == "window 2"
+    assert lead.workload != "window 2"  # each point picks its own round's window

@@ -151,6 +151,7 @@ def test_a_round_whose_limits_the_engine_refuses_is_not_run(tmp_path):
     point's start with the reason, sends nothing, and writes no control message."""
     from e2e_support import plan_of
     from vllm_study.measure.point import PointStart
+    from vllm_study.measure.rounds import RoundProtocol
     from vllm_study.prefix_budget import StatsRecorder
     rec = StatsRecorder(tmp_path / "stats.json", {}, interval_s=3600)
     rec.set_section("knobs", {"launch": {"max_num_batched_tokens": 256, "max_num_seqs": 4,
@@ -158,9 +159,10 @@ def test_a_round_whose_limits_the_engine_refuses_is_not_run(tmp_path):
     rec.close()
     plan = plan_of(tiny(grid=GRID), index=3)  # mbt=512__mns=4
     start = PointStart(plan, tmp_path / "s1", 1, 1)
-    start.live = live_knobs.Channel(tmp_path / "stats.json", tmp_path / "control.json")
-    start.live.url = "http://127.0.0.1:9"  # nothing listens: any request would fail the round otherwise
-    assert start.run_round(0) is None
+    live = live_knobs.Channel(tmp_path / "stats.json", tmp_path / "control.json")
+    live.url = "http://127.0.0.1:9"  # nothing listens: any request would fail the round otherwise
+    rounds = RoundProtocol(plan, start.log, start.launcher.served, start.launcher.work, start.nvml, live)
+    assert rounds.run_round(0) is None
     assert start.failed and "Refused" in start.record.reason
     assert "max_num_batched_tokens 512 is above its launch value 256" in start.record.reason
     assert not (tmp_path / "s1" / "rounds.jsonl").exists() and not (tmp_path / "control.json").exists()

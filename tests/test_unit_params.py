@@ -680,8 +680,8 @@ def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     from vllm_study.measure.point import PointStart
     s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8], "max_defer_ms": 250}))
     off, on = expand(s, "cpu")[:2]
-    flags_on = PointStart(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a")._measurement_flags()
-    flags_off = PointStart(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b")._measurement_flags()
+    flags_on = PointStart(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a").launcher.measurement_flags()
+    flags_off = PointStart(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b").launcher.measurement_flags()
     i = flags_on.index("--scheduler-cls")
     assert flags_on[i + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
     cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])
@@ -692,9 +692,9 @@ def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8]}, server={"step_records": False}))
     off, on = expand(s, "cpu")[:2]
     assert "--scheduler-cls" not in PointStart(PointPlan(study=s, point=off, engine="cpu"),
-                                               tmp_path / "c")._measurement_flags()
+                                               tmp_path / "c").launcher.measurement_flags()
     assert "--scheduler-cls" in PointStart(PointPlan(study=s, point=on, engine="cpu"),
-                                           tmp_path / "d")._measurement_flags()
+                                           tmp_path / "d").launcher.measurement_flags()
 
 
 def test_step_records_are_on_for_launched_servers_and_say_why_not(tmp_path):

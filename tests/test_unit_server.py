@@ -542,9 +542,11 @@ def test_a_start_whose_port_was_taken_before_vllm_bound_it_starts_once_more(tmp_
             raise ServerStartError(reasons[len(ports) - 1])
         return server
     monkeypatch.setattr(VllmServer, "start", spawn)
-    monkeypatch.setattr(start, "_started", ended.append)
-    start._start_server("model", dummy=True)
+    launcher = start.launcher
+    monkeypatch.setattr(launcher, "_started", ended.append)
+    launcher._start_server("model", dummy=True)
     assert len(ports) == attempts and len(set(ports)) == attempts  # a new port each time
     assert ended == [reasons[attempts - 1]]
-    assert start.server.port == ports[-1] and start.record.launch.command == start.server.cmd  # the last one spawned
-    assert any("was taken before the server bound it" in w for w in start.server.notes) == warned
+    server = launcher.served.server
+    assert server.port == ports[-1] and start.record.launch.command == server.cmd  # the last one spawned
+    assert any("was taken before the server bound it" in w for w in server.notes) == warned

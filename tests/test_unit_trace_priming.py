@@ -230,8 +230,9 @@ def test_the_fidelity_table_shows_the_three_hit_rates_and_priming_and_older_runs
 # ---------------------------------------------------------------- trace.windows: a start's rounds
 
 def _windowed_start(tmp_path, tok, prime: str, rounds: int = 5, **over):
-    """A PointStart of a 3-window study over a 60-row jsonl trace, launched by hand: its
-    workloads built as launch() builds them, a KV cache of 40 16-token blocks, no server."""
+    """The round protocol of a PointStart of a 3-window study over a 60-row jsonl trace,
+    launched by hand: its workloads built as launch() builds them, a KV cache of 40
+    16-token blocks, no server."""
     from vllm_study.define.grid import PointPlan
     from vllm_study.measure.point import PointStart
     rows = [{"t_s": i * 0.5, "input_tokens": 96, "output_tokens": 3, "prefix": [i % 4, 100 + i, 200 + i]}
@@ -241,12 +242,13 @@ def _windowed_start(tmp_path, tok, prime: str, rounds: int = 5, **over):
     study = study_from_dict({**_study(trace), "rounds": rounds, "workload": {
         "kind": "trace", "trace": trace, "warmup_requests": 0, "seed": 4}, **over})
     (point,) = expand(study, "cpu")
-    ps = PointStart(PointPlan(study=study, point=point, engine="cpu"), tmp_path / "s1")
-    ps.tokenizer, ps.url, ps.model_name = tok, "http://127.0.0.1:9", "m"
-    ps.workload = ps._trace_workload()
-    ps.record.launch.cache_config = {"num_gpu_blocks": "40", "block_size": "16"}
-    ps.record.launch.has_metrics = False
-    return ps
+    start = PointStart(PointPlan(study=study, point=point, engine="cpu"), tmp_path / "s1")
+    launcher = start.launcher
+    launcher.work.tokenizer, launcher.served.url, launcher.served.model_name = tok, "http://127.0.0.1:9", "m"
+    launcher.work.workload = launcher.work.trace_workload(start.record)
+    start.record.launch.cache_config = {"num_gpu_blocks": "40", "block_size": "16"}
+    start.record.launch.has_metrics = False
+    return start.rounds_on()
 
 
 def _fake_server(monkeypatch):
@@ -278,9 +280,9 @@ def test_rounds_rotate_through_the_windows_each_primed_with_its_own_history(tmp_
     calls = _fake_server(monkeypatch)
     ps = _windowed_start(tmp_path, tok, "history")
     whole, plan = ps.windows.whole, ps.windows.plan
-    assert len(plan.windows) == 3 and ps.record.trace["windows"][2]["first"] == plan.windows[2].start
+    assert len(plan.windows) == 3 and ps.log.record.trace["windows"][2]["first"] == plan.windows[2].start
     ps.run_rounds()
-    assert not ps.failed, ps.record.reason
+    assert not ps.failed, ps.log.record.reason
     assert [r.window for r in ps.rounds] == [1, 2, 3, 1, 2]
     for rec in ps.rounds:
         w = plan.windows[rec.window - 1]
@@ -338,8 +340,8 @@ def test_a_capacity_step_measures_every_window_at_its_load_and_judges_them_poole
                          capacity={"over": "speed", "lo": 0.5, "hi": 4, "precision": 0.15, "max_steps": 4})
     assert ps.study.steps_per_start == 3 * (4 + 3)  # (4 steps + 3 halvings to the default floor) x 3 windows
     ps.run_rounds()
-    assert not ps.failed, ps.record.reason
-    steps = ps.record.capacity.steps
+    assert not ps.failed, ps.log.record.reason
+    steps = ps.log.record.capacity.steps
     assert len(steps) >= 2 and len(ps.rounds) == 3 * len(steps)
     assert [r.window for r in ps.rounds] == [1, 2, 3] * len(steps)
     assert [r.load for r in ps.rounds] == [s["load"] for s in steps for _ in range(3)]
@@ -352,8 +354,8 @@ def test_a_capacity_step_measures_every_window_at_its_load_and_judges_them_poole
         assert step["met"] or "1 of 18 requests failed" in step["why"]
     assert any(not s["met"] for s in steps) and any(s["met"] for s in steps)
     # the capacity in req/s: the speed times the windows' pooled rate (5 gaps of 0.5 s each)
-    assert ps.record.trace["rate"] == pytest.approx(2.0)
-    assert ps.record.capacity.requests_per_s == pytest.approx(ps.record.capacity.load * 2.0)
+    assert ps.log.record.trace["rate"] == pytest.approx(2.0)
+    assert ps.log.record.capacity.requests_per_s == pytest.approx(ps.log.record.capacity.load * 2.0)
 
 
 def test_the_fidelity_table_has_a_row_per_window_each_beside_its_own_window(tmp_path, capsys):
@@ -500,7 +502,7 @@ def test_a_server_killed_during_priming_leaves_the_steps_that_ran_and_no_capacit
     from vllm_study.records.results import PointFolder
     calls = _fake_server(monkeypatch)
     ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000}, capacity=CAPACITY)
-    server = ps.server = _DyingServer(tmp_path)
+    server = ps.served.server = _DyingServer(tmp_path)
     primed = client.run_closed_loop
 
     async def dies_at_fourth_priming(url, model, api, requests, concurrency, **k):
@@ -518,9 +520,9 @@ def test_a_server_killed_during_priming_leaves_the_steps_that_ran_and_no_capacit
     monkeypatch.setattr(counters, "reset_prefix_cache", reset)
     ps.run_rounds()
     assert ps.failed
-    assert ps.record.reason.startswith("server died during priming of step 2 (window 1): server killed by SIGKILL")
-    cap = ps.record.capacity
-    assert [s["load"] for s in cap.steps] == [4.0] and cap.stopped == ps.record.reason
+    assert ps.log.record.reason.startswith("server died during priming of step 2 (window 1): server killed by SIGKILL")
+    cap = ps.log.record.capacity
+    assert [s["load"] for s in cap.steps] == [4.0] and cap.stopped == ps.log.record.reason
     assert cap.load is None and cap.censored is None
     assert len(ps.rounds) == 3                             # step 1's three windows, nothing after
     assert "start failed" not in json.dumps(cap.steps)
@@ -534,7 +536,7 @@ def test_a_server_killed_between_two_windows_of_a_step_ends_the_search_there(tmp
     from vllm_study.measure import client, counters
     _fake_server(monkeypatch)
     ps = _windowed_start(tmp_path, tok, "history", slo={"ttft_p90_ms": 5000}, capacity=CAPACITY)
-    server = ps.server = _DyingServer(tmp_path)
+    server = ps.served.server = _DyingServer(tmp_path)
     measured = client.run_open_loop
 
     async def dies_after_first_window(*a, **k):
@@ -548,6 +550,6 @@ def test_a_server_killed_between_two_windows_of_a_step_ends_the_search_there(tmp
     monkeypatch.setattr(client, "run_open_loop", dies_after_first_window)
     monkeypatch.setattr(counters, "reset_prefix_cache", reset)
     ps.run_rounds()
-    assert ps.record.reason.startswith("server died before step 1 (window 2): server killed by SIGKILL")
-    assert ps.record.capacity.steps == [] and ps.record.capacity.load is None
+    assert ps.log.record.reason.startswith("server died before step 1 (window 2): server killed by SIGKILL")
+    assert ps.log.record.capacity.steps == [] and ps.log.record.capacity.load is None
     assert [r.window for r in ps.rounds] == [1]            # what it measured is kept

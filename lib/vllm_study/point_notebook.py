@@ -82,7 +82,7 @@ def make_start(plan: PointPlan, start_dir: Path, start: int, block: int | None, 
 
 def planned_rounds(run) -> int:
     """The rounds this start will run: the study's, for each point it serves."""
-    return run.study.steps_per_start * len(getattr(run, "starts", [run]))
+    return run.planned_rounds
 
 
 def describe_point(plan: PointPlan, start: int) -> None:

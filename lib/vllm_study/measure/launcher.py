@@ -1,6 +1,7 @@
 """A start's launch: its GPU slot (taken, or waited for while started ahead), the vLLM
 server with the kit's measurement flags (or a connection to an endpoint target), and
-the tokenizer and workload, built while vLLM starts."""
+the workload (start_workload.py), built while vLLM starts. What it hands the round
+protocol: the server (`Served`) and the workload."""
 from __future__ import annotations
 
 import ast
@@ -10,25 +11,24 @@ import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import client, counters
 from ..define import models
 from ..launch.machine import vllm_accepts
-from ..records.results import LOG, now_utc, read_log
+from ..records.results import LOG, compress_log, now_utc, read_log
 from ..prefix_budget.knobs import CONTROL_ENV
 from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
 from ..prefix_budget.steps import STEPS_ENV
-from ..launch.slots import compile_cache_env
+from ..launch.slots import SlotLock, compile_cache_env
 from ..launch.deployment import Endpoint, VllmServe
 from ..launch.flags import Flags
 from ..launch.server import (ServerStartError, VllmServer, engine_init_visible, pgid_path, vllm_program,
                              stop_group_from_file)
-from ..workload import windows
-from ..workload.build_workload import make_workload
-from ..workload.trace_workload import window_workload
 from .live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
-from .start_record import StartWriter, recorded_step
+from .start_record import STEPS_RAW, StartLog, recorded_step
+from .start_workload import StartWorkload
 
 
 def _non_default_args(log_text: str) -> dict | None:
@@ -49,10 +49,41 @@ PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, 
 STEPS_SCHEDULER_CLS = "vllm_study.prefix_budget.StepRecordsScheduler"
 
 
-class Launcher(StartWriter):
-    """The launch steps of a PointStart: sets the server (or target) and `self.url`,
-    `self.model_name`, `self.api_key`, `self.proxy`, `self.tokenizer`, `self.workload`."""
-    served_chunks: tuple[int, ...] = ()  # live knobs: every chunk size this start's rounds run at
+@dataclass
+class Served:
+    """The server a start measures, as its launch hands it to the round protocol: where
+    requests go (URL, model name, API key, proxy), the kit's own server (`server`, the
+    deployment's handle: pgid, log, metrics URL, stop(); None for an endpoint target,
+    which has no process of the kit's to stop or watch) and the file of its engine's
+    step records (None where it keeps none). Filled in as the launch goes: the server
+    at its spawn, the rest once it answers."""
+    url: str | None = None
+    model_name: str | None = None
+    api_key: str | None = None
+    proxy: str | None = None
+    server: VllmServer | None = None
+    steps_raw: Path | None = None
+
+
+class Launcher:
+    """A start's launch, writing through its StartLog `log`: takes the GPU slot
+    (`slot_lock`, a path: slots.SlotLock), starts the point's server (or connects to its
+    endpoint target) and builds the workload; `served` and `work` are what it hands on.
+    `live`: the control channel (live_knobs.Channel) where the server serves several
+    points, launched so that every chunk size in `served_chunks` is counted."""
+
+    def __init__(self, plan, log: StartLog, gpu_indices: list[int] | None = None,
+                 slot_lock: str | Path | None = None, live=None, served_chunks: tuple[int, ...] = ()):
+        self.plan, self.study, self.point, self.log = plan, plan.study, plan.point, log
+        self.gpu_indices = gpu_indices
+        self.slot_lock = SlotLock(slot_lock) if slot_lock else None
+        self.live, self.served_chunks = live, served_chunks
+        self.served, self.work = Served(), StartWorkload(plan)
+
+    @property
+    def server(self) -> VllmServer | None:
+        """The kit's own server once spawned (recorded_step watches it)."""
+        return self.served.server
 
     @recorded_step
     def launch(self) -> None:
@@ -74,30 +105,46 @@ class Launcher(StartWriter):
             else:
                 self._start_server(model, dummy, ahead)
             expected = built.result()
-        kv_block = int(self.record.launch.cache_config.get("block_size") or planned_kv_block or 0)
+        record = self.log.record
+        kv_block = int(record.launch.cache_config.get("block_size") or planned_kv_block or 0)
         if kv_block and kv_block != planned_kv_block:  # the server chose another block size than planned
-            expected = self._expected_hit_rate(kv_block)
-        if not self.failed:
-            self.record.expected_prefix_hit_rate = expected
-        self._save()
+            expected = self.work.expected_hit_rate(kv_block)
+        if not self.log.failed:
+            record.expected_prefix_hit_rate = expected
+        self.log.save()
+
+    def stop(self) -> None:
+        """Stop the server (a target's is not the kit's) and hand the slot on as soon as it
+        is gone; its log compressed, the engine's whole step records dropped (the rounds
+        kept their own: steps/r<k>.npz; the rest is warm-up, priming and gaps)."""
+        server, log = self.served.server, self.log
+        if server:
+            log.mark("stop")
+            server.stop()
+            log.mark("stopped")
+        if self.slot_lock:
+            self.slot_lock.release()
+        if server:
+            compress_log(log.dir)
+        (log.dir / STEPS_RAW).unlink(missing_ok=True)
 
     def _take_slot(self, wait: bool = True) -> bool:
         """Wait for the slot's previous start to stop its server (wait=False: take the
         slot only if it is free now, and say whether it was); a server whose start died
         holding the slot (its pgid still in the lock file) is stopped first."""
-        lock = self.slot_lock
+        lock, record = self.slot_lock, self.log.record
         if lock is None or lock.held:
             return True
         t0 = time.monotonic()
         if not lock.acquire(wait):
             return False
-        self.record.launch.slot_wait_s = time.monotonic() - t0
+        record.launch.slot_wait_s = time.monotonic() - t0
         previous = lock.path.read_text().strip()  # the previous holder's server pgid file
         if previous and stop_group_from_file(Path(previous)):
-            self.record.warnings.append(f"stopped a server that the slot's previous start left running ({previous})")
-        lock.path.write_text(str(pgid_path(self.dir / LOG).resolve()))
-        self.record.started_utc = now_utc()  # the slot's time starts here, not at the wait
-        self._mark("slot", save=True)  # the sweep reads it: the slot's next start may now prepare
+            record.warnings.append(f"stopped a server that the slot's previous start left running ({previous})")
+        lock.path.write_text(str(pgid_path(self.log.dir / LOG).resolve()))
+        record.started_utc = now_utc()  # the slot's time starts here, not at the wait
+        self.log.mark("slot", save=True)  # the sweep reads it: the slot's next start may now prepare
         return True
 
     def _start_ahead_wanted(self) -> bool:
@@ -108,86 +155,58 @@ class Launcher(StartWriter):
             return False
         why = engine_init_visible({**os.environ, **s.env})
         if why:
-            self.record.warnings.append(f"not started ahead of its slot: {why}")
+            self.log.record.warnings.append(f"not started ahead of its slot: {why}")
         return why is None
 
     def _hold_for_slot(self) -> None:
         """The server started ahead is frozen at its engine's init: wait for the slot."""
-        self._mark("held", save=True)
+        self.log.mark("held", save=True)
         self._take_slot()
 
     def _build_workload(self, model: str, kv_block: int | None) -> float | None:
         """The tokenizer and the workload; returns the expected hit rate at KV-cache block
         size `kv_block`."""
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
-        w = self.study.workload
-        if w.kind == "trace":
-            self.workload = self._trace_workload()
-        else:
-            self.workload = make_workload(self.tokenizer, w)
-        return self._expected_hit_rate(kv_block) if kv_block else None
-
-    def _trace_workload(self):
-        """The trace's window, less the requests longer than the server allows (counted in
-        start.json), as prompts of exact length and prefix structure."""
-        w = self.study.workload
-        limit = (self.point.effective.max_model_len if self.point.effective else None) \
-            or models.max_positions(self.study.model)
-        if w.trace.windows:  # one workload a window; the first is the start's until a round picks its own
-            self.windows, self.record.trace = windows.build(self.tokenizer, w, limit)
-            return self.windows.workloads[0]
-        wl, self.record.trace = window_workload(self.tokenizer, w, limit)
-        return wl
-
-    def _expected_hit_rate(self, kv_block: int) -> float | None:
-        """What a cache that never evicts would hit (the report puts it beside the measured
-        rate), for the workloads that share a prefix; a trace's from its prefix block ids."""
-        if self.study.workload.kind == "trace":
-            if self.windows:  # each round records its window's; the start, their mean
-                return self.windows.expected_hit_rate()
-            return self.workload.expected_hit_rate()
-        if self.study.workload.kind not in ("shared_prefix", "mixed", "eviction"):
-            return None
-        return self.workload.expected_hit_rate(self.study.workload.requests_per_round, kv_block)
+        self.work.build(model, self.log.record)
+        return self.work.expected_hit_rate(kv_block) if kv_block else None
 
     def _connect(self, t) -> None:
         target = Endpoint(t.name, t.base_url, t.model, t.api_key_env, t.proxy)
-        handle = target.start()  # self.server stays None: there is no process of the kit's to stop or watch
-        self.url, self.model_name, self.proxy = handle.base_url, target.served_name, target.proxy
+        handle = target.start()  # served.server stays None: there is no process of the kit's to stop or watch
+        served, record = self.served, self.log.record
+        served.url, served.model_name, served.proxy = handle.base_url, target.served_name, target.proxy
         # Only the variable's name is recorded; the key stays in memory.
-        self.record.launch.target = target.record()
+        record.launch.target = target.record()
         if t.api_key_env:
-            self.api_key = os.environ.get(t.api_key_env)
-            if not self.api_key:
-                self._fail(f"environment variable {t.api_key_env} (the API key of target "
-                           f"{t.name}) is not set; export it before the run")
+            served.api_key = os.environ.get(t.api_key_env)
+            if not served.api_key:
+                self.log.fail(f"environment variable {t.api_key_env} (the API key of target "
+                              f"{t.name}) is not set; export it before the run")
                 return
         try:
-            client.check_endpoint(self.url, self.model_name, self.api_key, proxy=self.proxy)
+            client.check_endpoint(served.url, served.model_name, served.api_key, proxy=served.proxy)
         except client.EndpointError as e:
-            self._fail(f"target {t.name}: {e}")
+            self.log.fail(f"target {t.name}: {e}")
             return
-        api = counters.probe_server_api(self.url, self.api_key, self.proxy)
-        self._mark("ready")
-        self.record.launch.has_metrics = api.snapshot is not None
-        self.record.launch.cache_reset = api.cache_reset
+        api = counters.probe_server_api(served.url, served.api_key, served.proxy)
+        self.log.mark("ready")
+        record.launch.has_metrics = api.snapshot is not None
+        record.launch.cache_reset = api.cache_reset
         if api.snapshot is not None:
-            self.record.launch.cache_config = counters.cache_config(api.snapshot)
-        self.record.warnings += api.notes
+            record.launch.cache_config = counters.cache_config(api.snapshot)
+        record.warnings += api.notes
 
     def _start_server(self, model: str, dummy: bool, ahead: bool = False) -> None:
-        s = self.study
+        s, log = self.study, self.log
         env = dict(s.server.env)
         if self.gpu_indices is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpu_indices))
             env.update(compile_cache_env(self.gpu_indices))
         if self.point.prefix_budget:
             # the plugin's counters, per start; by environment so vLLM's compile cache key stays put
-            env[PB_STATS_ENV] = str(self.pb_stats_path)
+            env[PB_STATS_ENV] = str(log.pb_stats_path)
         if self.live:  # the plugin's control file, and its counters file that answers it
             env.update(self.live.env())
-        self.steps_raw = step_records_env(s, self.dir, env, self.record.warnings)
+        self.served.steps_raw = step_records_env(s, log.dir, env, log.record.warnings)
         if s.server.ahead_on(self.plan.engine):
             # on every start of the study, held or not: VLLM_ENGINE_READY_TIMEOUT_S is in
             # vLLM's torch.compile cache key (envs.compile_factors), so setting it on held
@@ -198,13 +217,13 @@ class Launcher(StartWriter):
         program = s.server.program()  # None: vLLM's own entrypoint
         deployment = VllmServe(model, s.model.served_name, dummy, engine=args.flags(),
                                extra=Flags.parse(s.server.extra_cli_args),
-                               measuring=Flags.parse(self._measurement_flags()), env=env,
+                               measuring=Flags.parse(self.measurement_flags()), env=env,
                                startup_timeout_s=s.server.startup_timeout_s, program=program or vllm_program())
-        self.record.launch.program = list(program) if program else None
+        log.record.launch.program = list(program) if program else None
         try:
-            deployment.start(self.dir / LOG, hold=self._hold_for_slot if ahead else None,
+            deployment.start(log.dir / LOG, hold=self._hold_for_slot if ahead else None,
                              spawned=lambda server: self._spawned(server, env, ahead))
-            self._mark("ready")
+            log.mark("ready")
             reason = None
         except ServerStartError as e:
             reason = e.reason
@@ -213,40 +232,40 @@ class Launcher(StartWriter):
     def _spawned(self, server: VllmServer, env: dict, ahead: bool) -> None:
         """A server spawned (its command fixed, not yet healthy): recorded, and stopped if
         the kernel dies mid-point."""
-        s = self.study
-        self.server = server
-        self.record.launch.command = server.cmd
-        self.record.launch.started_ahead = ahead
-        self.record.launch.kit_env = {**{k: v for k, v in env.items() if k not in s.server.env}, **server.uni_env}
+        launch = self.log.record.launch
+        self.served.server = server
+        launch.command = server.cmd
+        launch.started_ahead = ahead
+        launch.kit_env = {**{k: v for k, v in env.items() if k not in self.study.server.env}, **server.uni_env}
         atexit.register(server.stop)  # a kernel that dies mid-point stops its server
-        self._mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
+        self.log.mark("spawn", save=True)  # with "slot", the sweep lets the slot's next start prepare
 
     def _started(self, reason: str | None) -> None:
         """What the start recorded once its server is up (or why it is not)."""
-        s = self.study
-        self.record.launch.ahead_cpus = self.server.ahead_cpus
-        self.record.launch.ahead_priority_restored = self.server.priority_restored
-        if self.server.priority_restored is False:
-            self.record.warnings.append("started ahead at nice 19, and its priority could not be raised back once "
-                                        "released (that needs CAP_SYS_NICE): it measured at nice 19")
-        if self.server.hold_missed:
-            self.record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
-            self.record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
-                                        "its GPU start-up ran beside the slot's previous server")
-        self.record.warnings += self.server.notes
-        self.record.launch.vllm_non_default_args = _non_default_args(read_log(self.dir))
+        s, server, served, record = self.study, self.served.server, self.served, self.log.record
+        record.launch.ahead_cpus = server.ahead_cpus
+        record.launch.ahead_priority_restored = server.priority_restored
+        if server.priority_restored is False:
+            record.warnings.append("started ahead at nice 19, and its priority could not be raised back once "
+                                   "released (that needs CAP_SYS_NICE): it measured at nice 19")
+        if server.hold_missed:
+            record.timeline.pop("held", None)  # never frozen: its life on the GPU began at its spawn
+            record.warnings.append("started ahead, but vLLM was healthy before its engine-init line was seen: "
+                                   "its GPU start-up ran beside the slot's previous server")
+        record.warnings += server.notes
+        record.launch.vllm_non_default_args = _non_default_args(read_log(self.log.dir))
         if reason:
-            self._fail(f"server did not start: {reason}")
+            self.log.fail(f"server did not start: {reason}")
             return
-        self.record.launch.server_pgid = self.server.pgid
-        self.record.launch.startup_s = self.server.startup_s
-        self.url, self.model_name = self.server.base_url, s.model.served_name
+        record.launch.server_pgid = server.pgid
+        record.launch.startup_s = server.startup_s
+        served.url, served.model_name = server.base_url, s.model.served_name
         if self.live:  # the control channel (live knobs) talks to this server
-            self.live.url = self.url
-        self.record.launch.cache_config = counters.cache_config(counters.scrape(self.url))
-        client.check_endpoint(self.url, s.model.served_name)
+            self.live.url = served.url
+        record.launch.cache_config = counters.cache_config(counters.scrape(served.url))
+        client.check_endpoint(served.url, s.model.served_name)
 
-    def _measurement_flags(self) -> list[str]:
+    def measurement_flags(self) -> list[str]:
         return measurement_flags(self.plan, self.live is not None, self.served_chunks)
 
 
@@ -268,8 +287,8 @@ def step_records_env(study, start_dir: Path, env: dict, warnings: list[str]) -> 
     wants records its own scheduler class cannot write."""
     off = step_records_off(study)
     if off is None:
-        env[STEPS_ENV] = str(start_dir / "steps.raw")
-        return start_dir / "steps.raw"
+        env[STEPS_ENV] = str(start_dir / STEPS_RAW)
+        return start_dir / STEPS_RAW
     if study.server.step_records:
         warnings.append(f"no step records: {off}")
     return None

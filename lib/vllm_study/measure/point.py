@@ -6,30 +6,28 @@ The steps are methods so the point notebook can show each as a cell. A failure
 reason and turns the remaining steps into no-ops: the notebook still finishes and
 the sweep goes on. Finished rounds are on disk the moment they end.
 
-PointStart is three parts over one start record: the writer (start_record.py), the
-launch (launcher.py) and the round protocol (rounds.py); here are its making, its
-finish, and the point's summary over its starts.
+PointStart composes three parts, handed to each other: the start's log
+(start_record.StartLog: its record and folder), its launch (launcher.Launcher: the slot,
+the server behind launch/deployment.py, the workload), which hands over the server it
+started (launcher.Served) and the workload (start_workload.StartWorkload), and the round
+protocol on them (rounds.RoundProtocol). Here are its making, its finish (`close`: the
+start's verdict), and the point's summary over its starts.
 """
 from __future__ import annotations
 
-import platform
-import shutil
 from pathlib import Path
 
 from . import stats
 from ..define.grid import PointPlan
 from ..launch.machine import NvmlProbe
-from ..records.results import (Launch, PointFolder, PointSummary, RoundRecord, StartRecord,
-                               compress_log, now_utc)
+from ..records.results import PointFolder, PointSummary, RoundRecord, StartRecord, now_utc
 from ..records.point_capacity import rps_per_load, start_figures
-from ..launch.slots import SlotLock
-from ..prefix_budget import steps
-from ..launch.server import VllmServer
 from .launcher import Launcher
 from .rounds import RoundProtocol
+from .start_record import StartLog
 
 
-class PointStart(Launcher, RoundProtocol):
+class PointStart:
     """Start `start` of the point in `plan`, its files in `start_dir` (points/<id>/s<k>/).
     `block`: the block of the randomized run order it belongs to (the KV-cache block
     size is `kv_block` wherever the two meet). `slot_lock`: the sweep's lock file for
@@ -39,49 +37,69 @@ class PointStart(Launcher, RoundProtocol):
     def __init__(self, plan: PointPlan, start_dir: str | Path, start: int = 1, block: int | None = None,
                  gpu_indices: list[int] | None = None, slot_lock: str | Path | None = None):
         self.plan, self.study, self.point = plan, plan.study, plan.point
-        self.dir = Path(start_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in self.dir.iterdir():  # a re-run of a start starts clean (its notebook aside)
-            if stale.is_file() and stale.suffix != ".ipynb":
-                stale.unlink()
-        shutil.rmtree(self.dir / steps.ROUNDS_DIR, ignore_errors=True)
-        self.gpu_indices = gpu_indices
-        self.server: VllmServer | None = None
-        self.url = self.model_name = self.api_key = self.proxy = None  # set by launch()
-        self.rounds: list[RoundRecord] = []
-        self.slot_lock = SlotLock(slot_lock) if slot_lock else None
         self.nvml = NvmlProbe(gpu_indices)  # not machine.describe(): its CPU probe imports torch (seconds)
-        self.record = StartRecord(point=self.point.id, start=start, block=block, started_utc=now_utc(),
-                                  launch=Launch(), host=platform.node(), gpus=self.nvml.describe(),
-                                  no_gpu_reason=None if self.nvml.available else self.nvml.why,
-                                  rounds_planned=self.study.steps_per_start, warnings=list(self.point.warnings))
-        self._save()
+        self.log = StartLog.begin(plan, start_dir, start, block, self.nvml)
+        self.launcher = Launcher(plan, self.log, gpu_indices, slot_lock)
+        self.protocol = self.rounds_on()  # on nothing yet: a step before launch measures nothing
+
+    def rounds_on(self) -> RoundProtocol:
+        """The round protocol on what the launch has handed over so far."""
+        return RoundProtocol(self.plan, self.log, self.launcher.served, self.launcher.work, self.nvml)
+
+    # what the point notebook reads of a start
+    @property
+    def record(self) -> StartRecord:
+        return self.log.record
+
+    @property
+    def failed(self) -> bool:
+        return self.log.failed
+
+    @property
+    def url(self) -> str | None:
+        return self.launcher.served.url
+
+    @property
+    def rounds(self) -> list[RoundRecord]:
+        return self.protocol.rounds
+
+    @property
+    def planned_rounds(self) -> int:
+        return self.study.steps_per_start
+
+    def launch(self) -> None:
+        self.launcher.launch()
+        self.protocol = self.rounds_on()
+
+    def warmup(self) -> None:
+        self.protocol.warmup()
+
+    def run_rounds(self, progress=None) -> None:
+        self.protocol.run_rounds(progress)
 
     def finish(self) -> PointSummary:
         """Stop the server, close this start's record, and summarize the point over
         every start it has so far. The slot is handed on as soon as the server is gone."""
-        if self.server:
-            self._mark("stop")
-            self.server.stop()
-            self._mark("stopped")
-        if self.slot_lock:
-            self.slot_lock.release()
-        if self.server:
-            compress_log(self.dir)
-        # the rounds kept their steps (steps/r<k>.npz); the rest (warm-up, priming, gaps) goes
-        (self.dir / "steps.raw").unlink(missing_ok=True)
-        if not self.failed:
-            if self.study.capacity:
-                self.record.status = "ok" if self.record.capacity else "failed"
-                if not self.record.capacity:
-                    self.record.reason = "the capacity search did not run"
-            elif self.record.rounds_ok < self.study.rounds:
-                self._fail(f"only {self.record.rounds_ok} of {self.study.rounds} rounds completed a request")
-            else:
-                self.record.status = "ok"
-        self.record.finished_utc = now_utc()
-        self._save()
-        return summarize(PointFolder(self.dir.parent), self.plan)
+        self.launcher.stop()
+        close(self.log, self.study)
+        return summarize(PointFolder(self.log.dir.parent), self.plan)
+
+
+def close(log: StartLog, study) -> None:
+    """A start's verdict, once its rounds are done: failed where it failed or measured
+    less than the study asks, ok otherwise; the record closed."""
+    record = log.record
+    if not log.failed:
+        if study.capacity:
+            record.status = "ok" if record.capacity else "failed"
+            if not record.capacity:
+                record.reason = "the capacity search did not run"
+        elif record.rounds_ok < study.rounds:
+            log.fail(f"only {record.rounds_ok} of {study.rounds} rounds completed a request")
+        else:
+            record.status = "ok"
+    record.finished_utc = now_utc()
+    log.save()
 
 
 def summarize(folder: PointFolder, plan: PointPlan) -> PointSummary:

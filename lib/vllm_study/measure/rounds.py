@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from ..capacity.bracket import Bracket, CapacityRecord, Step, Stopped, judge, margins, trace_speed
 from . import client, counters, stats
@@ -21,119 +20,137 @@ from ..define.grid import point_limits
 from ..records.results import RoundRecord, append_round, now_utc
 from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
 from ..prefix_budget import steps
+from .launcher import Served
 from .primer import Primer, model_departure
-from .start_record import StartWriter, recorded_step
+from .start_record import StartLog, exited, recorded_step
+from .start_workload import StartWorkload
 
 
 STEPS_SETTLE_S = 1.0  # the longest wait for a round's last step records (its last step in flight)
 
 
-class RoundProtocol(StartWriter):
-    """The measuring steps of a PointStart, on the server its Launcher started."""
-    live = None  # live_knobs.Channel where this start's server serves several points
+class RoundProtocol:
+    """The measuring steps of a start, writing through its StartLog `log`, on the server
+    its launch handed over (`served`, a launcher.Served) with the workload built there
+    (`work`, a start_workload.StartWorkload). `nvml`: the start's GPUs, sampled over each
+    round. `live`: the control channel (live_knobs.Channel) where the server serves
+    several points; each round first sets this point's limits through it."""
 
-    windows = None  # trace.windows: the whole trace, its windows and their workloads (set at launch)
+    def __init__(self, plan, log: StartLog, served: Served, work: StartWorkload, nvml, live=None):
+        self.study, self.point, self.log, self.served, self.nvml, self.live = \
+            plan.study, plan.point, log, served, nvml, live
+        self.tokenizer, self.windows = work.tokenizer, work.windows
+        self.workload = work.workload  # trace.windows: the window of the round running (_pick_window)
+        self.rounds: list[RoundRecord] = []
+        self._primer: Primer | None = None
+        self._last_results: list[dict] = []
 
     @property
-    def pb_stats_path(self) -> Path:
-        return self.dir / "prefix_budget.json"
+    def server(self):
+        """The kit's own server (None for a target): recorded_step and the rounds watch it."""
+        return self.served.server
+
+    @property
+    def failed(self) -> bool:
+        return self.log.failed
 
     def _pb_snapshot(self) -> dict | None:
         if not self.point.prefix_budget:
             return None
         try:
-            return read_pb_stats(self.pb_stats_path)
+            return read_pb_stats(self.log.pb_stats_path)
         except (OSError, ValueError):  # not written yet: the engine has not scheduled
             return None
 
     def _run_closed(self, requests) -> list[dict]:
-        w = self.study.workload
+        w, s = self.study.workload, self.served
         return [r.to_dict() for r in client.run_sync(client.run_closed_loop(
-            self.url, self.model_name, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s,
-            api_key=self.api_key, proxy=self.proxy))]
+            s.url, s.model_name, w.api, requests, w.concurrency, timeout_s=w.request_timeout_s,
+            api_key=s.api_key, proxy=s.proxy))]
 
     def _prepare_round(self, load_value: float | None = None):
         """The round's requests and the coroutine that sends them, built before the
         round's clock starts (tokenizing prompts is not the server's time). load_value:
         a capacity step's load, in capacity.over's unit, in place of the study's."""
-        w = self.study.workload
+        w, s = self.study.workload, self.served
         n, load = w.requests_per_round, w.load
         over = self.study.capacity.over if load_value is not None else None
-        common = dict(timeout_s=w.request_timeout_s, api_key=self.api_key, proxy=self.proxy)
+        common = dict(timeout_s=w.request_timeout_s, api_key=s.api_key, proxy=s.proxy)
         if w.kind == "multi_turn":  # turns are built as answers arrive
-            return client.run_conversations(self.url, self.model_name, self.workload, n // w.turns,
+            return client.run_conversations(s.url, s.model_name, self.workload, n // w.turns,
                                             w.concurrency, w.think_time_s, **common)
         if w.kind == "trace":
             speed = trace_speed(over, load_value, self.workload.trace.rate, w.trace.speed)
-            return client.run_open_loop(self.url, self.model_name, w.api, self.workload.requests(),
+            return client.run_open_loop(s.url, s.model_name, w.api, self.workload.requests(),
                                         self.workload.schedule(speed), **common)
         requests = self.workload.requests(n)
         if load.kind == "closed":
             c = int(load_value) if over == "concurrency" else w.concurrency
-            return client.run_closed_loop(self.url, self.model_name, w.api, requests, c, **common)
+            return client.run_closed_loop(s.url, s.model_name, w.api, requests, c, **common)
         if load.kind == "poisson":
             rate = load_value if over == "rate" else load.rate
             times = loads.arrivals(n, rate, load.burstiness, w.seed)
         else:
             times, step = loads.ladder(n, load.rates, load.burstiness, w.seed)
             requests = [replace(r, tags={**r.tags, "step": rate}) for r, rate in zip(requests, step)]
-        return client.run_open_loop(self.url, self.model_name, w.api, requests, times,
+        return client.run_open_loop(s.url, s.model_name, w.api, requests, times,
                                     max_concurrency=load.max_concurrency, **common)
 
     @recorded_step
     def warmup(self) -> None:
         """Requests from a separate stream, excluded from every statistic."""
-        n = self.study.workload.warmup_requests
-        self._mark("warmup")
+        n, log = self.study.workload.warmup_requests, self.log
+        log.mark("warmup")
         if n:
             res = self._run_closed(self.workload.requests(n, "warmup"))
-            self.record.warmup_errors = sum(1 for r in res if r["error"])
-            self._save()
-            self._server_died("during warm-up", wait_s=10 if self.record.warmup_errors else 0)
+            log.record.warmup_errors = sum(1 for r in res if r["error"])
+            log.save()
+            log.server_died(self.server, "during warm-up", wait_s=10 if log.record.warmup_errors else 0)
 
     @recorded_step
     def run_round(self, index: int, load: float | None = None, step: int | None = None) -> RoundRecord | None:
         """One measured round; `load`: a capacity step's load (judged against the SLO),
         `step` its number in the search (for the words a dead server is recorded with)."""
-        launch = self.record.launch
+        log, s = self.log, self.served
+        record, launch = log.record, log.record.launch
         k = self._pick_window(index)
         where = (f"step {step}" + (f" (window {k + 1})" if self.windows else "") if step is not None
-                 else f"round {index + 1} of {self.record.rounds_planned}")  # 0-based in records
-        if self._server_died(f"before {where}"):
+                 else f"round {index + 1} of {record.rounds_planned}")  # 0-based in records
+        if log.server_died(self.server, f"before {where}"):
             return None
-        self._doing = f"before {where}"   # where a request that finds the server gone was (recorded_step)
+        log.doing = f"before {where}"   # where a request that finds the server gone was (recorded_step)
         # a shared start (live knobs): this point's limits in force first, or no round (live_start.py)
         limits = self.live.enter(point_limits(self.point)) if self.live else None
         if launch.cache_reset:
-            counters.reset_prefix_cache(self.url, self.api_key, self.proxy)  # every round starts cold
+            counters.reset_prefix_cache(s.url, s.api_key, s.proxy)  # every round starts cold
         trace = self.study.workload.kind == "trace"
-        self._doing = f"during priming of {where}"
+        log.doing = f"during priming of {where}"
         primed = self.primer.prime(self._run_closed, k) if trace else {}  # unmeasured: before the first snapshot
-        if primed.get("prime_errors") and self._server_died(self._doing, wait_s=10):
+        if primed.get("prime_errors") and log.server_died(self.server, log.doing, wait_s=10):
             return None   # its priming's requests met a dead server: no round to measure
-        self._doing = f"during {where}"
-        before = counters.scrape(self.url, self.api_key, self.proxy) if launch.has_metrics else None
+        log.doing = f"during {where}"
+        before = counters.scrape(s.url, s.api_key, s.proxy) if launch.has_metrics else None
         pb_before = self._pb_snapshot()
         sending = self._prepare_round(load)
-        sampler = counters.RoundSampler(self.url if launch.has_metrics else None, self.nvml,
-                                        api_key=self.api_key, proxy=self.proxy)
+        sampler = counters.RoundSampler(s.url if launch.has_metrics else None, self.nvml,
+                                        api_key=s.api_key, proxy=s.proxy)
         with sampler:
             t0, sent = time.perf_counter(), time.monotonic()  # monotonic: the engine's step clock
             results = [r.to_dict() for r in client.run_sync(sending)]
             duration = _send_to_finish(results) or time.perf_counter() - t0
         values = stats.round_metrics(results, duration, self.study.slo)
         values["expected_prefix_hit_rate"] = (self.workload.expected_hit_rate() if self.windows
-                                              else self.record.expected_prefix_hit_rate)  # the round's window's
+                                              else record.expected_prefix_hit_rate)  # the round's window's
         if trace:
             values |= self.workload.fidelity(results) | primed | self.primer.model_hit_rate(values, load, k)
-        died, lost = self._server_exited(), None
+        died, lost = exited(self.server), None
         if not died:
             try:
                 if before is not None:
-                    after = counters.scrape(self.url, self.api_key, self.proxy)
+                    after = counters.scrape(s.url, s.api_key, s.proxy)
                     values |= _server_figures(self, before, after, duration)
             except OSError as e:  # a killed server's sockets close a moment before its exit shows
-                died = self._server_exited(wait_s=10)
+                died = exited(self.server, wait_s=10)
                 lost = None if died else f"the server stopped answering after round {index + 1}: {e}"
             values |= sampler.result()
             values |= _budget_figures(pb_before, self._pb_snapshot())
@@ -141,8 +158,8 @@ class RoundProtocol(StartWriter):
         ok = not died and not lost and values["completed"] > 0
         flag = model_departure(values, f"round {index + 1}" + (f" (window {k + 1})" if self.windows else ""))
         if flag:  # said where the start's warnings are, and by the sweep's console (sweep.model_flags)
-            self.record.warnings.append(flag)
-        rec = RoundRecord(point=self.point.id, start=self.record.start, round=index, block=self.record.block,
+            record.warnings.append(flag)
+        rec = RoundRecord(point=self.point.id, start=record.start, round=index, block=record.block,
                           status="ok" if ok else "failed", utc=now_utc(), errors=stats.errors(results),
                           metrics=values, groups=stats.group_records(results), load=load,
                           limits=self.live.used(limits) if self.live else None)
@@ -154,14 +171,14 @@ class RoundProtocol(StartWriter):
             rec.slo_met, rec.slo_why = judge(values, self.study.capacity.slo, why)
         self.rounds.append(rec)
         self._last_results = results  # a windowed capacity step pools its rounds' requests
-        append_round(self.dir, rec, results)
+        append_round(log.dir, rec, results)
         if died:
-            self._server_died(f"during {where}", wait_s=10)  # gone: at once
+            log.server_died(self.server, f"during {where}", wait_s=10)  # gone: at once
         elif lost:
-            self._fail(lost)
+            log.fail(lost)
         elif ok:
-            self.record.rounds_ok += 1
-            self._save()
+            record.rounds_ok += 1
+            log.save()
         return rec
 
     def _pick_window(self, index: int) -> int:
@@ -177,8 +194,8 @@ class RoundProtocol(StartWriter):
     @property
     def primer(self) -> Primer:
         """This start's priming and cache model, made at its first round (the server's KV size is known)."""
-        if getattr(self, "_primer", None) is None:
-            self._primer = Primer(self.study, self.workload, self.tokenizer, self.record, self.windows)
+        if self._primer is None:
+            self._primer = Primer(self.study, self.workload, self.tokenizer, self.log.record, self.windows)
         return self._primer
 
     def run_rounds(self, progress=None) -> None:
@@ -191,7 +208,7 @@ class RoundProtocol(StartWriter):
             self.run_round(i)
             if progress:
                 progress(i)
-        self._mark("measured", save=True)
+        self.log.mark("measured", save=True)
 
     def search_capacity(self, progress=None) -> None:
         """Bracket over this start's server, one round a step; the record is saved
@@ -210,7 +227,7 @@ class RoundProtocol(StartWriter):
                 if progress:
                     progress(i)
                 if self.failed:
-                    raise Stopped(self.record.reason)
+                    raise Stopped(self.log.record.reason)
                 if rec is None:
                     return Step(load, False, "round failed")
                 recs.append(rec)
@@ -221,10 +238,10 @@ class RoundProtocol(StartWriter):
             return _pooled_step(load, recs, pooled, c.slo)
         result = bracket.run(measure)
         # the start's trace record's rate: its window's, or with trace.windows theirs pooled
-        rate = self.record.trace["rate"] if c.over == "speed" else None
+        rate = self.log.record.trace["rate"] if c.over == "speed" else None
         result.requests_per_s = _requests_per_s(result, rate, self.rounds)
-        self.record.capacity = result
-        self._mark("measured", save=True)
+        self.log.record.capacity = result
+        self.log.mark("measured", save=True)
 
 
 def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
@@ -233,7 +250,7 @@ def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
     are in, before anything else is sent. The engine writes its rows when it holds no
     request, so the round's are on disk by now but for a step still in flight: the file
     is read once it has stopped growing (at most STEPS_SETTLE_S)."""
-    raw = start.steps_raw
+    raw = start.served.steps_raw
     if raw is None:
         return
     t1 = time.monotonic()
@@ -245,10 +262,10 @@ def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
         rows = steps.between(steps.read_raw(raw), t0, t1)
     except FileNotFoundError:  # the engine never wrote a row: said once
         why = f"no step records: the engine wrote no {raw.name} (is its scheduler the kit's?)"
-        if why not in start.record.warnings:
-            start.record.warnings.append(why)
+        if why not in start.log.record.warnings:
+            start.log.record.warnings.append(why)
         return
-    steps.save_round(start.dir, index, rows)
+    steps.save_round(start.log.dir, index, rows)
 
 
 def _server_figures(start: RoundProtocol, before: dict, after: dict, duration: float) -> dict:
@@ -257,11 +274,11 @@ def _server_figures(start: RoundProtocol, before: dict, after: dict, duration: f
     values = counters.round_deltas(before, after) | counters.work_deltas(before, after)
     if point.effective and point.effective.max_num_batched_tokens:
         values |= counters.long_prefills(before, after, point.effective.max_num_batched_tokens)
-    gpus = start.record.gpus
+    gpus = start.log.record.gpus
     figures, source = machine.use(values, duration, gpus[0].name if gpus else None,
                                    point.engine_args.tensor_parallel_size or 1, models.local_config(start.study.model))
     if source:
-        start.record.launch.hardware_source = source
+        start.log.record.launch.hardware_source = source
     return values | figures
 
 
