@@ -10,7 +10,6 @@ loop) and judged as a capacity step is, on the simulated requests' records.
 from __future__ import annotations
 
 import time
-import zlib
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -120,9 +119,11 @@ class SimulatedStart:
             self.record.trace = trace_rec
         self.prompts = [self.inputs.prompts(wl) for wl in self.workloads]
         self.primer = self.inputs.primer(self.spec.max_model_len, self.record)
-        # the step model's spread drawn with a seed of the study's and the point's own: the
-        # same point predicts the same every time
-        rng = np.random.default_rng([w.seed or 0, zlib.crc32(self.point.id.encode())])
+        # the step model's spread drawn from one stream of the study's seed for every point
+        # (common random numbers): a point predicts the same every time, and points whose
+        # steps run alike draw alike, so a difference between two predictions is theirs,
+        # not the draws'
+        rng = np.random.default_rng(w.seed or 0)
         self.engine = VirtualEngine(self.spec, step_time, rng)
         # the step model's front end (front_end.FrontEnd): the API server between client and engine
         self.front_end = getattr(step_time, "front_end", None)
