@@ -84,7 +84,6 @@ def main() -> int:
     print(f"predicted again from {len(kept)} start(s): {', '.join(sorted(kept))}")
     print(f"{sum(p.predicted for p in pred.points)} of {len(pred.points)} points in {wall:.0f} s on "
           f"{a.workers} process(es); model {pred.model.coef}")
-    fe = pred.model
     print(f"end-to-end error at the starts used: +-{pred.error.widen:.0%}" if pred.error.widen is not None
           else "end-to-end error at the starts used: none measured")
     print("top 5 now: " + ", ".join(f"{p.point} {p.value:.3g}" for p in sorted(
@@ -103,7 +102,7 @@ def main() -> int:
         a.json.write_text(json.dumps({
             "run": str(a.run), "from": sorted(kept), "wall_s": wall,
             "commit": commit.sha, "dirty": commit.dirty,
-            "workers": a.workers, "model": fe.model_dump(), "widen": pred.error.widen,
+            "workers": a.workers, "model": pred.model.model_dump(), "widen": pred.error.widen,
             "points": [p.model_dump() for p in pred.points],
             "errors": sec.errors, "median_error": float(np.median(list(sec.errors.values()))) if sec.errors else None,
             "tau": sec.tau, "flagged": sec.flagged}, indent=1, default=str) + "\n")

@@ -161,7 +161,7 @@ class VirtualEngine:
             raise ValueError(f"the step-time model gave {dt!r} s for a step of {prefill_tokens} prefill "
                              f"and {decode_tokens} decode tokens: a step takes a positive time")
         if self._queue and self._admission is not None:  # prepared while the step in flight runs
-            extra = float(self._admission(np.array([row], dtype=DTYPE))[0])
+            extra = float(self._admission(one)[0])
             if extra:
                 self._queue[-1].done += extra
                 self._rows[-1] = self._rows[-1][:1] + (self._rows[-1][1] + extra,) + self._rows[-1][2:]
