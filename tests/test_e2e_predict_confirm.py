@@ -1,7 +1,8 @@
 """`predict:` end to end against a real vLLM (the CPU build), through `python -m vllm_study
 sweep`: a 2x2 grid whose one seed (the baseline) is measured in a real start, every point
 predicted from its step records in parallel processes, the top config and the baseline
-measured in real starts and confirmed until resolved; predictions.json, the report's
+measured in real starts, the grid predicted again with the model refitted (a second
+pass) and its new top measured, and confirmed until resolved; predictions.json, the report's
 section and export say what was predicted and what was measured."""
 from __future__ import annotations
 
@@ -40,21 +41,27 @@ def test_predict_then_confirm_measures_the_seed_the_top_and_the_baseline_and_rep
     assert pred is not None, "predictions.json is missing"
     # every point has a verdict, none dropped; the model names what it was fitted on
     assert [p.point for p in pred.points] == run.manifest().points
-    assert pred.seeds == ["pc=on__lpt=0"] and pred.model.starts == ["pc=on__lpt=0#s1"] and pred.model.steps > 0
-    assert all(p.predicted and p.value > 0 and p.rank for p in pred.points), [p.verdict for p in pred.points]
-    top = min((p for p in pred.points if p.point != pred.seeds[0]), key=lambda p: p.rank)
-    assert pred.chosen == [top.point, "pc=on__lpt=0"]
+    first, second = pred.passes   # two passes (the default)
+    assert pred.seeds == ["pc=on__lpt=0"] and first.model.starts == ["pc=on__lpt=0#s1"] and first.model.steps > 0
+    for p in (first, second):
+        assert all(q.predicted and q.value > 0 and q.rank for q in p.points), [q.verdict for q in p.points]
+        top = min((q for q in p.points if q.point != pred.seeds[0]), key=lambda q: q.rank)
+        assert p.chosen == [top.point, "pc=on__lpt=0"]
+    # the second pass was fitted on the first's starts too
+    assert set(first.model.starts) < set(second.model.starts) and second.model.steps > first.model.steps
     # the end-to-end error was measured on the seed's replayed rounds, and the intervals carry it
-    assert pred.error.replay_rounds > 0 and pred.error.widen is not None
-    assert all(p.low is not None for p in pred.points)
-    # real starts: the seed's, then the top's first; the points never chosen have none
+    assert first.error.replay_rounds > 0 and first.error.widen is not None
+    assert all(p.low is not None for p in first.points)
+    # the step model's spread: every point of this small grid leads, each drawn on 3 streams
+    assert all(len(p.draws) == 3 for p in second.points), [p.draws for p in second.points]
+    # real starts: the seed's, then each pass's top's first; the points never chosen have none
     measured = {p for p in run.point_ids() if run.point(p).starts()}
-    assert measured == set(pred.chosen), measured
-    assert "predict: " in r.stdout and "end-to-end error so far" in r.stdout
+    assert measured == set(first.chosen) | set(second.chosen), measured
+    assert "predict: pass 2 of 2" in r.stdout and "end-to-end error so far" in r.stdout
     # each later real start refitted the model from every start's steps
     later = sum(len(run.point(p).starts()) for p in measured) - 1
     assert len(pred.refits) >= 1 and len(pred.refits) <= later
-    assert pred.refits[-1].steps > pred.model.steps
+    assert pred.refits[-1].steps > first.model.steps
     # confirmation ran over the measured configs
     rec = confirmation.read(path)
     assert rec is not None and rec.stop, r.stdout[-2000:]

@@ -150,10 +150,11 @@ def test_the_dry_run_gives_the_real_starts_and_their_minutes_against_the_whole_g
     points = sweep.dry_run([str(sweep.REPO / "params" / "cpu-predict-confirm.yaml")], "cpu")
     out = capsys.readouterr().out
     assert len(points) == 36
-    # 3 seeds + the top 3 (the baseline is a seed), then up to 3 x (max_starts - 1) confirmation starts
+    # 3 seeds + the top 3 (the baseline is a seed), a second pass's new top 3 at most, then up to
+    # 3 x (max_starts - 1) confirmation starts
     assert "predict: 3 seed point(s) measured" in out
     line = next(x for x in out.splitlines() if "real starts" in x)
-    assert "6 to 12 real starts" in line and "for the whole grid measured once" in line
+    assert "6 to 15 real starts" in line and "for the whole grid measured once" in line
     few, most, grid = (float(x) for x in __import__("re").findall(r"about (\d+) to (\d+) .* against (\d+)", line)[0])
     assert 0 < few < most < grid
 
@@ -192,3 +193,88 @@ def test_a_point_the_simulation_refuses_is_kept_with_why_never_dropped():
     p = ps.predict_one((pid, run.point(pid).plan(), model, {"block_size": "128"}))   # no KV block count
     assert not p.predicted and p.rank is None and p.value is None
     assert p.verdict.startswith("not predicted: the simulation failed: ") and "no KV block count" in p.verdict
+
+
+def test_a_point_drawn_on_several_streams_takes_the_median_stream_and_its_interval_every_stream():
+    streams = [_p("a", 1.2), _p("a", 0.9), _p("a", 1.0)]
+    p = ps.combine(streams)
+    assert p.value == 1.0 and p.draws == [(1.2, None), (0.9, None), (1.0, None)]
+    ps.widen(p, 0.05)   # the model's error is narrower than the draws' spread: the draws widen it
+    assert (p.low, p.high) == pytest.approx((0.9, 1.2))
+    q = ps.widen(ps.combine([_p("b", 1.0), _p("b", 2.0), _p("b", 1.1)]), 0.5)
+    assert q.value == 1.1 and (q.low, q.high) == pytest.approx((1.1 / 1.5, 2.0))
+    # a bound ranks beyond every value; a stream's bound opens its side of the interval
+    r = ps.widen(ps.combine([_p("c", 8.0, "above"), _p("c", 3.0), _p("c", 4.0)]), 0.1)
+    assert r.value == 4.0 and r.censored is None and r.high is None and r.low == pytest.approx(3.0)
+    s = ps.combine([_p("d", 1.0, "below"), _p("d", 1.0, "below"), _p("d", 3.0)])
+    assert s.censored == "below"
+    # an even count: the lower middle (the cautious one)
+    assert ps.combine([_p("e", 2.0), _p("e", 1.0)]).value == 1.0
+    # a stream the simulation refused: the point's verdict is that refusal
+    bad = _p("f", None, verdict="not predicted: the simulation failed: x")
+    assert ps.combine([_p("f", 1.0), bad]).verdict == bad.verdict
+
+
+def test_the_points_drawn_again_are_the_leaders_on_one_stream():
+    pts = [_p("a", 2.0), _p("b", 8.0, "above"), _p("c", 5.0), _p("d", 0.5, "below"),
+           _p("e", None, verdict="not predicted: x")]
+    assert ps.leading(pts, 2) == {"b", "c"}
+    assert ps.leading(pts, 9) == {"a", "b", "c", "d"}
+
+
+def _passes_run(tmp_path, values_by_pass):
+    """A 4-point capacity run whose manifest holds only the baseline's start, and a
+    `predict` that returns each pass's values in turn (as the sweep's passes would)."""
+    over = {"grid": {"max_num_batched_tokens": [256, 512, 1024, 2048]}, "baseline": "mbt=512",
+            "confirm": {"max_starts": 3}, "predict": {"seed": ["defaults"], "confirm_top": 1, "passes": 2}}
+    run = make_capacity_run(tmp_path, {"mbt=256": 4.0, "mbt=512": 3.0, "mbt=1024": 5.0, "mbt=2048": 2.0},
+                            study_over=over)
+    m = run.manifest()
+    m.order = [u for u in m.order if u.point == "mbt=512" and u.block == 1]
+    m.save(run.manifest_path)
+    calls = iter(values_by_pass)
+
+    def predict(run_, study, workers=None, on_ray=False):
+        points = [_p(pid, v) for pid, v in next(calls).items()]
+        ps.rank(points)
+        return ps.Predictions(model=ps.ModelVersion(starts=["mbt=512#s1"], rounds=1, steps=1), error=ps.EndToEnd(),
+                              points=points, seeds=["mbt=512"], chosen=ps.choose(points, 1, "mbt=512"))
+    return run, predict
+
+
+def test_each_pass_predicts_again_after_the_last_ones_starts_and_measures_only_its_new_top(tmp_path, monkeypatch):
+    run, predict = _passes_run(tmp_path, [
+        {"mbt=256": 3.0, "mbt=512": 3.0, "mbt=1024": 6.0, "mbt=2048": 2.0},    # pass 1: 1024 first
+        {"mbt=256": 4.5, "mbt=512": 3.0, "mbt=1024": 4.0, "mbt=2048": 2.0}])   # pass 2, refitted: 256 first
+    monkeypatch.setattr(ps, "predict", predict)
+    study = run.point("mbt=512").plan().study
+    first = ps.plan_confirmation(run, study)
+    assert [(u.point, u.start, u.block) for u in first] == [("mbt=1024", 1, 2)]
+    second = ps.plan_confirmation(run, study)
+    assert [(u.point, u.start, u.block) for u in second] == [("mbt=256", 1, 3)]
+    pred = ps.read(run.path)
+    assert len(pred.passes) == 2 and pred.passes[0].chosen == ["mbt=1024", "mbt=512"]
+    assert pred.chosen_in("mbt=1024") == 1 and pred.chosen_in("mbt=256") == 2 and pred.chosen_in("mbt=2048") is None
+    assert [u.point for u in run.manifest().order] == ["mbt=512", "mbt=1024", "mbt=256"]
+    assert ps.plan_confirmation(run, study) == []      # `passes` made: no third (predict is not called again)
+    # the report sets each config's prediction when it was chosen beside the latest
+    from vllm_study.report import report
+    sec = predict_section.predicted_vs_measured(run.path, report.Run.load(run).capacities)
+    t = sec.table
+    assert t.loc["mbt=1024", "chosen in pass"] == "1" and t.loc["mbt=1024", "predicted when chosen"] == "6"
+    assert t.loc["mbt=1024", "predicted"] == "4" and t.loc["mbt=512", "chosen in pass"] == "seed"
+    measured_1024 = report.Run.load(run).capacities["mbt=1024"].config.value
+    assert t.loc["mbt=1024", "error when chosen"] == f"{6.0 / measured_1024 - 1:+.0%}"
+    assert sec.lines[0].startswith("pass 1: fitted on 1 start(s)") and "chose mbt=1024, mbt=512" in sec.lines[0]
+    assert sec.lines[2].startswith("the error of each prediction made before its config was measured")
+
+
+def test_a_pass_that_chooses_only_measured_points_adds_no_start(tmp_path, monkeypatch):
+    from vllm_study.define.study_file import load_study
+    same = {"mbt=256": 3.0, "mbt=512": 3.0, "mbt=1024": 6.0, "mbt=2048": 2.0}
+    run, predict = _passes_run(tmp_path, [same, same])
+    monkeypatch.setattr(ps, "predict", predict)
+    study = run.point("mbt=512").plan().study
+    assert [u.point for u in ps.plan_confirmation(run, study)] == ["mbt=1024"]
+    assert ps.plan_confirmation(run, study) == []
+    assert len(ps.read(run.path).passes) == 2

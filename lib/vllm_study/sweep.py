@@ -290,30 +290,42 @@ def _search(run: RunFolder, study: Study, engine: str, todo: list[Unit], t0: flo
 def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | None, runner: executors.Executor,
                outcome: SweepOutcome):
     """`predict:` once its seeds are measured: every point predicted (predict/study.py),
-    then a first start of the top configs and the baseline; the model is refitted after
-    each of those starts, and (the on_done returned) after each confirmation start."""
+    then a first start of the top configs and the baseline; then, pass by pass, the grid
+    predicted again and a first start of its new top. The model is refitted after each of
+    those starts, and (the on_done returned) after each confirmation start."""
     from .predict import study as predicted
     on_ray = runner.kind == "ray"   # the cluster's cores, as its starts are
-    print(f"predict: fitting the step model on the seeds' steps; predicting {len(run.manifest().points)} points "
-          + ("as Ray tasks" if on_ray else f"on {study.predict.processes} process(es)"))
-    t = time.monotonic()
-    try:
-        units = predicted.plan_confirmation(run, study, on_ray=on_ray)
-    except ValueError as e:   # e.g. no seed start completed: nothing to fit; the seeds' records stay
-        return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
-    pred = predicted.read(run.path)
-    print(f"predict: {sum(p.predicted for p in pred.points)} of {len(pred.points)} points predicted in "
-          f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} round(s)); "
-          f"end-to-end error so far {_pct(pred.error.widen)}; real starts for {', '.join(pred.chosen)}")
-    for p in pred.points:
-        if not p.predicted:
-            print(f"  {p.point}: {p.verdict}")
 
     def refit(unit, summary):
         v = predicted.refit(run, study)
         if v:
             tqdm.write(f"  predict: model refitted on {v.steps} steps of {len(v.starts)} start(s)")
-    if units:
+    while not outcome.stop_note:
+        before = predicted.read(run.path)
+        if before is not None and len(before.passes) >= study.predict.passes:
+            break
+        n = 1 if before is None else len(before.passes) + 1
+        print(f"predict: pass {n} of {study.predict.passes}: fitting the step model on "
+              + ("the seeds' steps" if before is None else "every measured start's steps")
+              + f"; predicting {len(run.manifest().points)} points "
+              + ("as Ray tasks" if on_ray else f"on {study.predict.processes} process(es)"))
+        t = time.monotonic()
+        try:
+            units = predicted.plan_confirmation(run, study, on_ray=on_ray)
+        except ValueError as e:   # e.g. no seed start completed: nothing to fit; the seeds' records stay
+            return SweepOutcome(run, 0, f"predict: not run: {e}", outcome.lengths), None
+        pred = predicted.read(run.path)
+        print(f"predict: {sum(p.predicted for p in pred.points)} of {len(pred.points)} points predicted in "
+              f"{time.monotonic() - t:.0f} s (model: {pred.model.steps} steps of {pred.model.rounds} round(s)); "
+              f"end-to-end error so far {_pct(pred.error.widen)}; its choice {', '.join(pred.chosen)}"
+              + (f"; new real starts for {', '.join(u.point for u in units)}" if units else
+                 "; every one of them measured already"))
+        if n == 1:
+            for p in pred.points:
+                if not p.predicted:
+                    print(f"  {p.point}: {p.verdict}")
+        if not units:
+            break
         outcome = _run_units(run, units, study, t0, max_minutes, runner, outcome.lengths, on_done=refit)
     return outcome, refit
 
@@ -544,16 +556,19 @@ def predict_plan(study: Study, engine: str, points: list[Point], gpu: str, primi
     start of the top configs and the baseline, then confirmation's blocks) in GPU-minutes,
     against the whole grid's."""
     seeds = predicted_seeds(study, points)
-    first = len(seeds) * study.replicates + study.predict.confirm_top + (study.baseline not in {p.id for p in seeds})
-    most = first + 3 * (study.confirm.max_starts - 1)
+    spec = study.predict
+    first = len(seeds) * study.replicates + spec.confirm_top + (study.baseline not in {p.id for p in seeds})
+    # each later pass measures at most its new top; confirmation then adds blocks of up to 3 points
+    most = first + spec.confirm_top * (spec.passes - 1) + 3 * (study.confirm.max_starts - 1)
     gpus = study.engine_args.tensor_parallel_size or 1
     each = estimate_minutes(study, engine, 1, gpu, None, priming)
     unit = "GPU-minutes" if engine == "gpu" else "server-minutes (the CPU engine: no GPU)"
     return [f"predict: {len(seeds)} seed point(s) measured ({', '.join(p.id for p in seeds)}), every one of the "
             f"{len(points)} points predicted on {study.predict.processes} process(es) (seconds of CPU a point: "
-            f"results/predict-space/20261207-cpu), then the top {study.predict.confirm_top} and {study.baseline} "
-            "measured",
-            f"predict: {first} to {most} real starts (confirmation until resolved may add up to "
+            f"results/predict-space/20261207-cpu), then the top {spec.confirm_top} and {study.baseline} "
+            "measured" + (f", the grid predicted again after them with the model refitted ({spec.passes} passes in "
+                          "all), each pass's new top measured" if spec.passes > 1 else ""),
+            f"predict: {first} to {most} real starts (later passes and confirmation until resolved may add up to "
             f"{most - first}): about {first * each * gpus:.0f} to {most * each * gpus:.0f} {unit}, against "
             f"{grid_minutes * gpus:.0f} for the whole grid measured once"]
 

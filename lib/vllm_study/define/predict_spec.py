@@ -7,6 +7,10 @@ starts; the stage itself is predict/study.py.
       seed: [defaults, mbt=1024__mns=16]   # point ids measured first ('defaults': the baseline)
       # or seed: 2                          # the baseline and points spread over the grid
       confirm_top: 3                        # the best predicted, measured in real starts
+      passes: 2                             # predictions in all: after the top's first starts the model
+                                            # is refitted, the grid predicted again, its new top measured
+      draws: 3                              # streams of the step model's spread a leading point is
+                                            # simulated over (its capacity: their median)
       workers: 4                            # processes predicting at once (default: every core)
 """
 from __future__ import annotations
@@ -25,6 +29,8 @@ DEFAULTS = "defaults"   # a seed: the study's baseline (vLLM's defaults, by the 
 class Predict(Strict):
     seed: list[Annotated[str, Field(min_length=1)]] | Annotated[int, Field(ge=1)] = [DEFAULTS]
     confirm_top: int = Field(3, ge=1)
+    passes: int = Field(2, ge=1)
+    draws: int = Field(3, ge=1)
     workers: int | None = Field(None, ge=1)   # None: os.cpu_count()
 
     @property

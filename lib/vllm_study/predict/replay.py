@@ -61,13 +61,13 @@ def replay_start(start_dir: str | Path, step_time: StepTime, *, rounds: list[int
 def predict_capacity(plan, step_time: StepTime, *, cache_config: dict | None = None,
                      num_blocks: int | None = None, inputs: StudyInputs | None = None,
                      async_scheduling: bool = False, precision: float | None = None,
-                     max_steps: int | None = None) -> tuple[CapacityRecord, SimulatedStart]:
+                     max_steps: int | None = None, stream: int = 0) -> tuple[CapacityRecord, SimulatedStart]:
     """The study's capacity bracket (capacity.Bracket + judge) over simulated rounds of
     `plan`'s point with the KV pool of `cache_config` (a start's) or `num_blocks`; the
     record and the simulated start (its rounds: the steps the bracket took). precision,
-    max_steps: a finer bracket than the study's."""
+    max_steps: a finer bracket than the study's. stream: the draws' stream (SimulatedStart)."""
     if plan.study.capacity is None:
         raise ValueError(f"study {plan.study.name} has no capacity section: nothing to predict a capacity over")
     sim = SimulatedStart(plan, step_time, cache_config=cache_config, num_blocks=num_blocks, inputs=inputs,
-                         async_scheduling=async_scheduling)
+                         async_scheduling=async_scheduling, stream=stream)
     return sim.capacity(precision, max_steps), sim

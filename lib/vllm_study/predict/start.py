@@ -94,11 +94,12 @@ class SimulatedStart:
     launch.cache_config: num_gpu_blocks, block_size, enable_prefix_caching) or
     `num_blocks`. `record`: the measured start's StartRecord where one is replayed (its
     trace record and cache config then drive priming exactly as they did). `inputs`: the
-    study's StudyInputs, shared by the starts simulated for one study."""
+    study's StudyInputs, shared by the starts simulated for one study. `stream`: which
+    stream of draws from the step model's spread (0: the study seed's own)."""
 
     def __init__(self, plan: PointPlan, step_time: StepTime, *, cache_config: dict | None = None,
                  num_blocks: int | None = None, record: StartRecord | None = None,
-                 async_scheduling: bool = False, inputs: StudyInputs | None = None):
+                 async_scheduling: bool = False, inputs: StudyInputs | None = None, stream: int = 0):
         self.plan, self.study, self.point = plan, plan.study, plan.point
         w = self.study.workload
         if w.kind == "multi_turn":
@@ -122,8 +123,8 @@ class SimulatedStart:
         # the step model's spread drawn from one stream of the study's seed for every point
         # (common random numbers): a point predicts the same every time, and points whose
         # steps run alike draw alike, so a difference between two predictions is theirs,
-        # not the draws'
-        rng = np.random.default_rng(w.seed or 0)
+        # not the draws'. `stream` k > 0: the k-th other stream, shared by every point alike
+        rng = np.random.default_rng(w.seed or 0) if not stream else np.random.default_rng([w.seed or 0, stream])
         self.engine = VirtualEngine(self.spec, step_time, rng)
         # the step model's front end (front_end.FrontEnd): the API server between client and engine
         self.front_end = getattr(step_time, "front_end", None)

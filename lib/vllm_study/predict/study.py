@@ -1,13 +1,23 @@
 """The study's `predict:` stage (define/predict_spec.py): after the seed points' real
 starts, every grid point's capacity predicted from a step-time model fitted to their
 step records, each interval widened by the model's end-to-end error measured so far,
-the points ranked, and the top `confirm_top` and the baseline handed to confirmation
-until resolved as real starts. predictions.json in the run folder keeps it all; after
-each later real start the model is refitted from every step so far and the prediction
-of every measured point set beside its measurement (report/predict_section.py).
+the points ranked, and the top `confirm_top` and the baseline measured in real starts.
+Then, up to `passes` times, the grid is predicted again from every step so far (the
+model refitted, its error now measured at the top's starts too) and its new top
+measured; confirmation takes over until resolved. predictions.json in the run folder
+keeps the latest pass and every earlier one; after each real start the model's refit is
+recorded and the prediction of every measured point set beside its measurement
+(report/predict_section.py).
 
-    units = plan_confirmation(run, study)    # predicts (once), appends the top's starts
+    units = plan_confirmation(run, study)    # the next pass, and a first start of its new top
     refit(run)                               # after a real start: the model's new version
+
+A leading point's capacity is the median over `draws` streams of the step model's
+spread (a capacity bound by a P99 sits on the draws: three configs that run alike
+predicted 0.90, 0.96 and 1.03 x from a stream each in
+results/20261207T035231Z-h100-mooncake-predict-confirm-82eaa0b); the grid is screened on
+one stream and only its leading points drawn again, since every stream costs a
+simulation of every point it is drawn for.
 
 A point the model cannot predict (outside its scope, no measured KV pool like its own)
 is kept with its reason ("not predicted: ..."), never dropped.
@@ -62,6 +72,9 @@ class PointPrediction(BaseModel):
     high: float | None = None
     sim_wall_s: float | None = None
     rank: int | None = None           # 1 = the highest predicted capacity
+    # a leading point's capacity in each stream of draws, (value, censored); value is their
+    # median stream's. Empty: one stream (value's own)
+    draws: list[tuple[float | None, str | None]] = []
 
     @property
     def predicted(self) -> bool:
@@ -81,19 +94,34 @@ class EndToEnd(BaseModel):
     widen: float | None = None
 
 
-class Predictions(BaseModel):
+class Pass(BaseModel):
+    """One prediction of the grid: the model it used, its error then, every point, and
+    the points it sent to real starts."""
     model: ModelVersion
     error: EndToEnd
     points: list[PointPrediction]
-    seeds: list[str]
     chosen: list[str]                 # measured in real starts on this prediction: the top and the baseline
-    refits: list[ModelVersion] = []   # the model refitted after each later real start
-
-    def save(self, run: RunFolder) -> None:
-        write_atomic(run.path / PREDICTIONS, self.model_dump_json(indent=1) + "\n")
 
     def of(self, point: str) -> PointPrediction | None:
         return next((p for p in self.points if p.point == point), None)
+
+
+class Predictions(Pass):
+    """The latest pass, with the earlier ones (oldest first)."""
+    seeds: list[str]
+    refits: list[ModelVersion] = []   # the model refitted after each later real start
+    earlier: list[Pass] = []
+
+    @property
+    def passes(self) -> list[Pass]:
+        return [*self.earlier, self]
+
+    def chosen_in(self, point: str) -> int | None:
+        """The 1-based pass that first sent `point` to a real start (None: none did)."""
+        return next((i for i, p in enumerate(self.passes, 1) if point in p.chosen), None)
+
+    def save(self, run: RunFolder) -> None:
+        write_atomic(run.path / PREDICTIONS, self.model_dump_json(indent=1) + "\n")
 
 
 def read(path: str | Path) -> Predictions | None:
@@ -196,19 +224,23 @@ def tasks(run: RunFolder, models: list[step_model.StepModel], plans: list | None
 _INPUTS: dict = {}   # a worker's StudyInputs (tokenizer, workloads), built once per study
 
 
-def predict_one(task: tuple) -> PointPrediction:
-    """One point's capacity in virtual time (a worker process's call)."""
-    import time
+def _inputs(study: Study):
     from .start import StudyInputs
+    if study.name not in _INPUTS:
+        _INPUTS[study.name] = StudyInputs(study)
+    return _INPUTS[study.name]
+
+
+def predict_one(task: tuple, stream: int = 0) -> PointPrediction:
+    """One point's capacity in virtual time, on one stream of draws (a worker process's call)."""
+    import time
     pid, plan, model, cache = task
-    inputs = _INPUTS.get(plan.study.name)
-    if inputs is None:
-        inputs = _INPUTS[plan.study.name] = StudyInputs(plan.study)
+    inputs = _inputs(plan.study)
     t0 = time.perf_counter()
     try:
         rec, _ = predict_capacity(plan, model, cache_config=cache, inputs=inputs,
                                   async_scheduling=plan.engine == "gpu", precision=FINE_PRECISION,
-                                  max_steps=FINE_STEPS)
+                                  max_steps=FINE_STEPS, stream=stream)
     except ValueError as e:   # vLLM's scheduler refused the point's settings: kept, with why
         return PointPrediction(point=pid, values=plan.point.values, verdict=f"{NOT_PREDICTED}: the simulation "
                                f"failed: {e}", sim_wall_s=time.perf_counter() - t0)
@@ -224,34 +256,77 @@ def predict_one(task: tuple) -> PointPrediction:
 
 
 def predict_all(todo: list[tuple], workers: int, on_ray: bool = False) -> list[PointPrediction]:
-    """Every task's prediction, on `workers` processes (one: in this process), or with
-    on_ray one Ray task of one CPU each over the cluster the sweep's ray executor joined
-    (ray.init: its address). Spawned, not forked: the sweep's threads and vLLM's imports
-    do not survive a fork cleanly."""
+    """Every task's prediction on the study seed's own stream of draws (simulate)."""
+    return simulate([(t, 0) for t in todo], workers, on_ray)
+
+
+def simulate(jobs: list[tuple[tuple, int]], workers: int, on_ray: bool = False) -> list[PointPrediction]:
+    """predict_one of each (task, stream), in order (spread: _spread_over)."""
+    return _spread_over(predict_one, jobs, workers, on_ray)
+
+
+def _spread_over(fn, jobs: list[tuple], workers: int, on_ray: bool = False) -> list:
+    """fn(*job) of each job, in order, on `workers` processes (one: in this process), or
+    with on_ray one Ray task of one CPU each over the cluster the sweep's ray executor
+    joined (ray.init: its address). Spawned, not forked: the sweep's threads and vLLM's
+    imports do not survive a fork cleanly."""
     if on_ray:
         import ray
         ray.init(ignore_reinit_error=True, log_to_driver=False)   # joined already under --executor ray
-        task = ray.remote(num_cpus=1, max_retries=0)(predict_one)
-        return ray.get([task.remote(t) for t in todo])
-    if workers <= 1 or len(todo) <= 1:
-        return [predict_one(t) for t in todo]
-    with ProcessPoolExecutor(min(workers, len(todo)), mp_context=get_context("spawn")) as pool:
-        return list(pool.map(predict_one, todo, chunksize=max(1, len(todo) // (4 * workers))))
+        task = ray.remote(num_cpus=1, max_retries=0)(fn)
+        return ray.get([task.remote(*job) for job in jobs])
+    if workers <= 1 or len(jobs) <= 1:
+        return [fn(*job) for job in jobs]
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+        return list(pool.map(fn, *zip(*jobs), chunksize=max(1, len(jobs) // (4 * workers))))
+
+
+_ORDER = {"above": 2, None: 1, "below": 0}   # a bound above hi outranks any value, one below the floor none
+
+
+def _key(p: PointPrediction) -> tuple:
+    return (_ORDER[p.censored], p.value)
+
+
+def combine(streams: list[PointPrediction]) -> PointPrediction:
+    """One point's predictions on several streams of draws as one: the median stream's
+    (the lower middle of an even count: the cautious one), with every stream's capacity
+    in `draws`. A stream the simulation refused makes the point's verdict that refusal."""
+    if len(streams) == 1:
+        return streams[0]
+    if bad := next((p for p in streams if not p.predicted), None):
+        return bad
+    ordered = sorted(streams, key=_key)
+    mid = ordered[(len(ordered) - 1) // 2].model_copy()
+    mid.draws = [(p.value, p.censored) for p in streams]
+    mid.sim_wall_s = sum(p.sim_wall_s or 0 for p in streams)
+    return mid
+
+
+def leading(points: list[PointPrediction], top: int) -> set[str]:
+    """The points drawn again on more streams: the `top` highest predicted on one stream
+    (a tie at the cut goes by grid order)."""
+    return {p.point for p in sorted((p for p in points if p.predicted), key=_key, reverse=True)[:top]}
 
 
 # -- the error, the intervals, the rank ---------------------------------------------------
+def replay_one(start_dir: Path, model: step_model.StepModel) -> list[dict]:
+    """A measured start's rounds replayed (replay_start; a worker process's call)."""
+    from ..records.results import PointFolder
+    return replay_start(start_dir, model, inputs=_inputs(PointFolder(start_dir.parent).plan().study))
+
+
 def end_to_end(run: RunFolder, study: Study, models: list[step_model.StepModel],
-               predicted: dict[str, PointPrediction]) -> EndToEnd:
-    """The end-to-end error on what was measured so far (EndToEnd)."""
-    from .start import StudyInputs
+               predicted: dict[str, PointPrediction], workers: int = 1, on_ray: bool = False) -> EndToEnd:
+    """The end-to-end error on what was measured so far (EndToEnd); the measured starts
+    replayed on `workers` processes or Ray tasks, as the points are predicted."""
     err = EndToEnd(capacity=capacity_errors(measured_capacities(run, study), predicted))
     slo = list(study.capacity.slo)
-    inputs, errs = StudyInputs(study), []
-    for pid, d, rec in measured_starts(run):
-        if rec.served_by or not (p := predicted.get(pid)) or not p.predicted:
-            continue
-        model = next(m for m in models if _fits(m, run, pid, rec))
-        for row in replay_start(d, model, inputs=inputs):
+    jobs = [(d, next(m for m in models if _fits(m, run, pid, rec))) for pid, d, rec in measured_starts(run)
+            if not rec.served_by and (p := predicted.get(pid)) and p.predicted]
+    errs = []
+    for rows in _spread_over(replay_one, jobs, workers, on_ray):
+        for row in rows:
             errs += [abs(row[f"predicted_{k}"] / row[f"measured_{k}"] - 1) for k in slo
                      if row.get(f"measured_{k}") and row.get(f"predicted_{k}") is not None]
     err.replay_rounds = len(errs)
@@ -284,8 +359,9 @@ def measured_capacities(run: RunFolder, study: Study) -> dict:
 
 
 def widen(p: PointPrediction, e: float | None) -> PointPrediction:
-    """The predicted value's interval: [value / (1 + e), value * (1 + e)]; a bound keeps
-    its open side; no error measured yet: no interval."""
+    """The predicted value's interval: [value / (1 + e), value * (1 + e)], stretched to
+    take in every stream's capacity where it was drawn on several; a bound keeps its open
+    side (and a stream's bound opens that side); no error measured yet: no interval."""
     if not p.predicted or e is None:
         return p
     if p.censored == "above":
@@ -294,14 +370,16 @@ def widen(p: PointPrediction, e: float | None) -> PointPrediction:
         p.low, p.high = None, p.value * (1 + e)
     else:
         p.low, p.high = p.value / (1 + e), p.value * (1 + e)
+    for v, censored in p.draws:   # and every stream's capacity: the draws' own spread
+        p.low = None if p.low is None or censored == "below" else min(p.low, v)
+        p.high = None if p.high is None or censored == "above" else max(p.high, v)
     return p
 
 
 def rank(points: list[PointPrediction]) -> list[PointPrediction]:
     """Predicted points numbered from the highest capacity (at or above hi first, below
     the floor last); the others are left unranked."""
-    order = {"above": 2, None: 1, "below": 0}
-    ranked = sorted((p for p in points if p.predicted), key=lambda p: (order[p.censored], p.value), reverse=True)
+    ranked = sorted((p for p in points if p.predicted), key=_key, reverse=True)
     for i, p in enumerate(ranked, 1):
         p.rank = i
     return ranked
@@ -316,12 +394,22 @@ def choose(points: list[PointPrediction], top: int, baseline: str) -> list[str]:
 
 # -- the stage ---------------------------------------------------------------------------
 def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bool = False) -> Predictions:
-    """Fit, predict every point, measure the error, widen, rank, choose (not saved)."""
+    """Fit, predict every point (its leaders on `draws` streams), measure the error,
+    widen, rank, choose (not saved)."""
     models, version = fit(run)
     todo, refused = tasks(run, models)
-    done = predict_all(todo, workers or study.predict.processes, on_ray)
-    by_id = {p.point: p for p in done}
-    err = end_to_end(run, study, models, by_id)
+    spec, workers = study.predict, workers or study.predict.processes
+    by_id = {p.point: p for p in predict_all(todo, workers, on_ray)}
+    spread = [t for t in todo if getattr(t[2], "spread", None)]   # without one every stream draws alike
+    if spec.draws > 1 and spread:
+        again = leading([by_id[t[0]] for t in spread], max(4 * spec.confirm_top, 12))
+        jobs = [(t, s) for t in spread if t[0] in again for s in range(1, spec.draws)]
+        drawn: dict[str, list[PointPrediction]] = {}
+        for (t, _), p in zip(jobs, simulate(jobs, workers, on_ray)):
+            drawn.setdefault(t[0], []).append(p)
+        for pid, more in drawn.items():
+            by_id[pid] = combine([by_id[pid], *more])
+    err = end_to_end(run, study, models, by_id, workers, on_ray)
     points = [by_id.get(pid) or next(r for r in refused if r.point == pid) for pid in run.manifest().points]
     for p in points:
         widen(p, err.widen)
@@ -332,12 +420,18 @@ def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bo
 
 
 def plan_confirmation(run: RunFolder, study: Study, workers: int | None = None, on_ray: bool = False) -> list[Unit]:
-    """Once the seeds are measured: predictions.json, and one shuffled block of a first
-    start of each chosen point not measured yet, appended to the manifest's order (so
-    --resume runs it). A run that has its predictions already gets nothing new."""
-    if read(run.path) is not None:
+    """The next pass, once the last one's starts are measured (the seeds' for the first):
+    the grid predicted (again), saved in predictions.json with the earlier passes, and one
+    shuffled block of a first start of each chosen point not measured yet, appended to the
+    manifest's order (so --resume runs it). Nothing new (and no pass) once `passes` are
+    made; nothing new where a pass chose only points measured already."""
+    before = read(run.path)
+    if before is not None and len(before.passes) >= study.predict.passes:
         return []
     pred = predict(run, study, workers, on_ray)
+    if before is not None:
+        pred.seeds, pred.refits = before.seeds, before.refits
+        pred.earlier = [*before.earlier, Pass(**{k: getattr(before, k) for k in Pass.model_fields})]
     pred.save(run)
     manifest = run.manifest()
     measured = {u.point for u in manifest.order} | {p for u in manifest.order for p in u.points}

@@ -53,6 +53,35 @@ def _predicted_words(p: predicted.PointPrediction) -> str:
     return f"{p.value:.3g}"
 
 
+def _when_chosen(pred: predicted.Predictions, point: str, m: ConfigCapacity) -> dict:
+    """The pass that first sent `point` to a real start and what it predicted then (before
+    any start of the point was in the model's fit): the prediction a user would have
+    acted on."""
+    k = None if point in pred.seeds else pred.chosen_in(point)   # a seed's starts came before any pass
+    then = pred.passes[k - 1].of(point) if k else None
+    if then is None or not then.predicted:
+        return {"chosen in pass": "seed" if point in pred.seeds else "", "predicted when chosen": "",
+                "error when chosen": "n/a"}
+    value = m.kind == "value" and not then.censored
+    return {"chosen in pass": str(k), "predicted when chosen": _predicted_words(then),
+            "error when chosen": f"{then.value / m.value - 1:+.0%}" if value else "n/a"}
+
+
+def _pass_lines(pred: predicted.Predictions, table: pd.DataFrame) -> list[str]:
+    """One line a pass (where there were several), and the error of the predictions made
+    before their points were measured."""
+    if len(pred.passes) < 2:
+        return []
+    lines = [f"pass {i}: fitted on {len(p.model.starts)} start(s), end-to-end error "
+             + (f"+-{p.error.widen:.0%}" if p.error.widen is not None else "not measured")
+             + f", chose {', '.join(p.chosen)}" for i, p in enumerate(pred.passes, 1)]
+    errs = [abs(float(e.rstrip("%")) / 100) for e in table.get("error when chosen", []) if e != "n/a"]
+    lines.append("the error of each prediction made before its config was measured (the pass that chose it): "
+                 + (f"median {np.median(errs):.0%}, max {max(errs):.0%} over {len(errs)} config(s)" if errs
+                    else "no config with both a value predicted then and a value measured"))
+    return lines
+
+
 @dataclass
 class Section:
     table: pd.DataFrame                  # one row a measured config with a prediction
@@ -89,6 +118,8 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
                      "starts": m.starts, "error": f"{p.value / m.value - 1:+.0%}" if p.point in errors else "n/a",
                      "OUTSIDE its measured interval": {True: "FLAGGED", False: "", None: "n/a"}[out],
                      "seed": "yes" if p.point in pred.seeds else ""})
+        if len(pred.passes) > 1:   # the prediction made before the point was measured, beside the latest
+            rows[-1].update(_when_chosen(pred, p.point, m))
     tau = tau_p = None
     if len(pairs) >= 2:
         t = stats.kendalltau([a for a, _ in pairs], [b for _, b in pairs])
@@ -97,7 +128,7 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
                   {p.point: p.verdict for p in pred.points if not p.predicted})
     last = pred.refits[-1] if pred.refits else pred.model
     n_pred = sum(p.predicted for p in pred.points)
-    sec.lines = [
+    sec.lines = _pass_lines(pred, sec.table) + [
         f"{n_pred} of {len(pred.points)} points predicted from the step records of {len(pred.model.starts)} seed "
         f"start(s) ({pred.model.steps} steps, {pred.model.rounds} round(s)); each predicted interval carries the "
         "end-to-end error measured then: "
