@@ -270,7 +270,6 @@ def test_each_pass_predicts_again_after_the_last_ones_starts_and_measures_only_i
 
 
 def test_a_pass_that_chooses_only_measured_points_adds_no_start(tmp_path, monkeypatch):
-    from vllm_study.define.study_file import load_study
     same = {"mbt=256": 3.0, "mbt=512": 3.0, "mbt=1024": 6.0, "mbt=2048": 2.0}
     run, predict = _passes_run(tmp_path, [same, same])
     monkeypatch.setattr(ps, "predict", predict)
