@@ -1,9 +1,10 @@
-"""End to end with servers of their own on loopback: a start's record and a server killed
-mid-round, and the prefix cache evicting under a small KV cache against what a
-never-evicting cache would hit (real vLLM CPU builds: what vLLM records and caches); a
-server killed before its warm-up and a port another process holds (the fake engine: the
-kit's own handling of a dead or unbound server).
-(A KV cache too small to start is in test_e2e_sweep, as a failed point of a sweep.)"""
+"""End to end with servers of their own on loopback: a start's record, its step records
+and a server killed mid-round, a KV cache too small for one request refused at start,
+and the prefix cache evicting under a small KV cache against what a never-evicting cache
+would hit (real vLLM CPU builds: what vLLM records, refuses and caches); a server killed
+before its warm-up and a port another process holds (the fake engine: the kit's own
+handling of a dead or unbound server). (A failed point within a sweep, resumed and
+reported: test_e2e_sweep, on the fake engine.)"""
 from __future__ import annotations
 
 import os
@@ -21,6 +22,7 @@ from vllm_study.measure import counters
 from vllm_study.define import models
 from vllm_study.measure.point import PointStart
 from vllm_study.launch.server import serve_command
+from vllm_study.prefix_budget import steps
 
 pytestmark = pytest.mark.e2e
 
@@ -48,10 +50,10 @@ def _kill_when_busy(url: str, pgid: int, sending: threading.Event, killed: threa
 
 
 def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path):
-    """One server start through the kit's steps: round 0 completes and is recorded; the
-    server is then SIGKILLed during round 1: that round is recorded as failed, round 0
-    stays, the start fails with the signal as its reason, and nothing runs on; also when
-    the round ends before the server's exit shows."""
+    """One server start through the kit's steps: round 0 completes and is recorded, with
+    vLLM's step records and its own TTFT; the server is then SIGKILLed during round 1: that
+    round is recorded as failed, round 0 stays, the start fails with the signal as its
+    reason, and nothing runs on; also when the round ends before the server's exit shows."""
     plan = plan_of(tiny(rounds=3, workload={**tiny()["workload"], "requests_per_round": 16, "output_tokens": 32}))
     run = PointStart(plan, tmp_path / "s1", 1)
     run.launch()
@@ -63,6 +65,11 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     assert run.record.gpus == [] and "no NVIDIA GPU" in run.record.no_gpu_reason  # said plainly on a CPU
     run.warmup()
     rounds.run_round(0)
+    _check_step_records(tmp_path / "s1", run, run.rounds[0])
+    m = run.rounds[0].metrics
+    # vLLM's own TTFT starts when the request reaches the server and ends before the
+    # token reaches the client: below the client's
+    assert 0 < m["server_ttft_mean_ms"] < m["ttft_mean_ms"], m
     pgid = server.proc.pid
     killed, sending, ended = threading.Event(), threading.Event(), threading.Event()
     prepare = rounds._prepare_round
@@ -92,7 +99,38 @@ def test_a_point_start_is_recorded_and_a_killed_server_keeps_its_rounds(tmp_path
     assert summary.estimates["ttft_p90_ms"].median == run.rounds[0].metrics["ttft_p90_ms"]
     assert len((tmp_path / "s1" / "rounds.jsonl").read_text().splitlines()) == 2  # both rounds on disk
     assert (tmp_path / "s1" / "server.log.gz").exists() and not (tmp_path / "s1" / "server.log").exists()
+    assert not (tmp_path / "s1" / "steps.raw").exists()  # the raw step records went with the server
     assert group_gone(pgid)
+
+
+def _check_step_records(start_dir, run: PointStart, rec) -> None:
+    """The engine's step records of round `rec`, as the kit's scheduler plugin wrote them
+    inside vLLM and the round cut them: every prompt token computed once less what the
+    cache held, one decode step per output token past the first (each prefill's last step
+    samples the first), every step inside the round's sending."""
+    launch = run.record.launch
+    assert "VLLM_STUDY_STEPS" in launch.kit_env and "--scheduler-cls" in launch.command
+    rows = steps.load_round(steps.round_path(start_dir, rec.round))
+    m = rec.metrics
+    assert m["completed"] == m["requests"] and rows["preempted"].sum() == 0
+    assert rows["prefill_tokens"].sum() + rows["cached_tokens"].sum() == m["prompt_tokens"]
+    assert rows["decode_tokens"].sum() == m["output_tokens"] - m["completed"]
+    assert rows["cached_tokens"].sum() > 0  # the shared system prompt, from the second request on
+    assert (rows["t_done"] > rows["t_scheduled"]).all() and (steps.cycles(rows) > 0).all()
+    assert rows["t_scheduled"][-1] - rows["t_scheduled"][0] <= m["duration_s"]
+
+
+def test_a_kv_cache_too_small_for_one_request_is_vllms_refusal_and_the_reason(tmp_path):
+    """A KV cache of 512 tokens for a max_model_len of 2,048: vLLM refuses to start, and
+    the start fails with the reason read from vLLM's own words (pinned in
+    test_unit_server.py; the fake engine prints them for the sweep's and the search's
+    failed points), its server gone."""
+    study = tiny()
+    study["engine_args"] = {**study["engine_args"], "kv_cache_memory_bytes": kv_bytes(512)}
+    run = PointStart(plan_of(study), tmp_path / "s1", 1)
+    run.launch()
+    assert run.failed and "max_model_len too large for the KV cache" in run.record.reason, run.record.reason
+    assert group_gone(run.launcher.server.proc.pid)
 
 
 @pytest.mark.fake_engine
