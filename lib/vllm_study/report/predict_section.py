@@ -129,10 +129,11 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
     last = pred.refits[-1] if pred.refits else pred.model
     n_pred = sum(p.predicted for p in pred.points)
     sec.lines = _pass_lines(pred, sec.table) + [
-        f"{n_pred} of {len(pred.points)} points predicted from the step records of {len(pred.model.starts)} seed "
-        f"start(s) ({pred.model.steps} steps, {pred.model.rounds} round(s)); each predicted interval carries the "
-        "end-to-end error measured then: "
-        + (f"+-{pred.error.widen:.0%} (capacity errors at the seeds "
+        f"{n_pred} of {len(pred.points)} points predicted from the step records of {len(pred.model.starts)} "
+        + ("seed " if len(pred.passes) == 1 else "") + f"start(s) ({pred.model.steps} steps, {pred.model.rounds} "
+        "round(s)); each predicted interval carries the end-to-end error measured then: "
+        + (f"+-{pred.error.widen:.0%} (capacity errors at the "
+           + ("seeds " if len(pred.passes) == 1 else "configs measured then ")
            + (", ".join(f"{k} {v:.0%}" for k, v in pred.error.capacity.items()) or "none")
            + f"; replay of {pred.error.replay_rounds} measured round(s), P90 error of the SLO's figures "
            + (f"{pred.error.replay_p90:.0%})" if pred.error.replay_p90 is not None else "n/a)")
