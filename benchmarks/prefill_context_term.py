@@ -11,8 +11,10 @@ chunk deep in a long prompt reads all of it. Printed per start: the full-chunk s
 count and time, the column's median and P90, Spearman's rho with the step's time, and
 the absolute relative residual (median, P90) of an ordinary least-squares fit on
 (1, decode requests, context tokens) against the same with `prefill_context_tokens`,
-with that term's coefficient. A fit over one start's full-chunk steps: a within-sample
-reading of what the term could explain, not a held-out error.
+with that term's coefficient; where the records have it, the same with
+`prefill_attention_pairs` (the chunks' causal query-key pairs) in its place. A fit over
+one start's full-chunk steps: a within-sample reading of what the term could explain,
+not a held-out error.
 
     python benchmarks/prefill_context_term.py results/<run> [--fill 0.9]
 """
@@ -77,6 +79,11 @@ def main() -> int:
             print(f"    residual without it: median {np.median(r0):.1%}, P90 {np.quantile(r0, 0.9):.1%}; "
                   f"with it: median {np.median(r1):.1%}, P90 {np.quantile(r1, 0.9):.1%} "
                   f"({b1[-1] * 1e3:.2f} us a context token)")
+            pairs = rows["prefill_attention_pairs"][full].astype(float)
+            if pairs.any():   # records from before the column read it as zeros
+                b2, r2 = residuals(np.column_stack([base, pairs]), t)
+                print(f"    with prefill_attention_pairs instead: median {np.median(r2):.1%}, P90 "
+                      f"{np.quantile(r2, 0.9):.1%} ({b2[-1] * 1e6:.3f} ns a query-key pair)")
     if not seen:
         raise SystemExit(f"{a.run}: no start has step records with prefill_context_tokens and 10 full-chunk steps")
     return 0

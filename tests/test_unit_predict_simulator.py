@@ -65,6 +65,9 @@ def test_chunking_splits_a_long_prompt(model_dir):
     assert rows["prefill_tokens"].tolist() == [64, 64, 64, 64, 44]
     assert rows["context_tokens"].tolist() == [0, 64, 128, 192, 256]
     assert rows["prefill_context_tokens"].tolist() == [0, 64, 128, 192, 256]  # all of it a prompt's
+    # each chunk's causal pairs: its tokens times the context, plus the triangle among themselves
+    assert rows["prefill_attention_pairs"].tolist() == [64 * c + 64 * 65 // 2 for c in (0, 64, 128, 192)] + [
+        44 * 256 + 44 * 45 // 2]
     assert rows["decode_reqs"].sum() == 0
     # each step starts where the previous ended
     assert np.allclose(rows["t_done"] - rows["t_scheduled"], DT)

@@ -116,10 +116,14 @@ def test_rows_count_prefill_cached_and_decode_work(parts, raw):
     assert rows["prefill_tokens"][:2].tolist() == [64, 36]
     assert rows["context_tokens"][1] == 64                   # A's second chunk reads the first's KV
     assert rows["prefill_context_tokens"][:2].tolist() == [0, 64]   # ... and that is a prefill's context
+    assert rows["prefill_attention_pairs"][:2].tolist() == [64 * 65 // 2, 36 * 64 + 36 * 37 // 2]
     # B's cached 64 tokens are its prompt's context where its tail is computed; C has none
     b_step = np.flatnonzero(rows["cached_tokens"] == cached)[0]
     assert rows["prefill_context_tokens"][b_step] == cached
     assert np.all(rows["prefill_context_tokens"][rows["prefill_reqs"] == 0] == 0)
+    # B's 20-token tail over its 64 cached, and C's whole 30-token prompt, in the same step
+    assert rows["prefill_attention_pairs"][b_step] == (20 * cached + 20 * 21 // 2) + 30 * 31 // 2
+    assert np.all(rows["prefill_attention_pairs"][rows["prefill_reqs"] == 0] == 0)
     # 4 tokens each: the first sampled by the prefill's last step, 3 decode steps after
     assert rows["decode_reqs"].sum() == 3 * 3 and rows["decode_tokens"].sum() == 3 * 3
     first_decode = np.flatnonzero(rows["decode_reqs"])[0]

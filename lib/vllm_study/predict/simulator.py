@@ -132,7 +132,7 @@ class VirtualEngine:
         pre = {d.req_id: d.num_computed_tokens for d in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         pre.update(zip(cached.req_ids, cached.num_computed_tokens))
-        prefill_tokens = prefill_reqs = decode_reqs = decode_tokens = context = prefill_context = 0
+        prefill_tokens = prefill_reqs = decode_reqs = decode_tokens = context = prefill_context = attention = 0
         sampled = []
         for rid, k in n.items():
             req = sched.requests[rid]
@@ -142,6 +142,7 @@ class VirtualEngine:
                 prefill_tokens += k
                 prefill_reqs += 1
                 prefill_context += p
+                attention += k * p + k * (k + 1) // 2   # the chunk's causal query-key pairs
             else:
                 decode_reqs += 1
                 decode_tokens += k
@@ -152,7 +153,7 @@ class VirtualEngine:
         counts = getattr(sched, "get_request_counts", None)  # 0.32: waiting includes KV-holding ones
         running, waiting = counts() if counts else (len(sched.running), len(sched.waiting))
         row = (self.now, 0.0, prefill_tokens, prefill_reqs, decode_reqs, decode_tokens, context, new_cached,
-               running, waiting, preempted, float(sched.kv_cache_manager.usage), prefill_context)
+               running, waiting, preempted, float(sched.kv_cache_manager.usage), prefill_context, attention)
         one = np.array([row], dtype=DTYPE)
         dt = float(self.step_time(one)[0])
         if self._jitter is not None:

@@ -41,6 +41,8 @@ COLUMNS = (
     ("kv_usage", "f4", "share of KV blocks in use after the step was scheduled"),
     ("prefill_context_tokens", "i8", "KV tokens the requests inside their prompt had computed before the "
      "step (what a chunk's attention reads besides itself: a chunk late in a long prompt costs more)"),
+    ("prefill_attention_pairs", "i8", "query-key pairs the prefill chunks' causal attention computes: for each "
+     "request inside its prompt, n x c + n (n + 1) / 2 for n tokens scheduled after c computed"),
 )
 DTYPE = np.dtype([(name, kind) for name, kind, _ in COLUMNS])
 ROUNDS_DIR = "steps"
