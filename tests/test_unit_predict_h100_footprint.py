@@ -28,7 +28,7 @@ def burst(t0: float, n: int, cycle: float = 0.01) -> list[tuple]:
     shapes += [(0, 0, n, n, 0)] * (OUT - 1 - (1 if n > 1 else 0))
     shapes += [(0, 0, n - 1, n - 1, 0)] if n > 1 else []  # the first request's last decode came a step earlier
     for p_tok, p_req, d_req, d_tok, cached in shapes:
-        rows.append((t, t + cycle, p_tok, p_req, d_req, d_tok, 0, cached, n, 0, 0, 0.0, 0))
+        rows.append((t, t + cycle, p_tok, p_req, d_req, d_tok, 0, cached, n, 0, 0, 0.0, 0, 0))
         t += cycle / 2
     return rows
 
