@@ -53,29 +53,28 @@ def _predicted_words(p: predicted.PointPrediction) -> str:
     return f"{p.value:.3g}"
 
 
-def _when_chosen(pred: predicted.Predictions, point: str, m: ConfigCapacity) -> dict:
+def _when_chosen(pred: predicted.Predictions, point: str, m: ConfigCapacity) -> tuple[dict, float | None]:
     """The pass that first sent `point` to a real start and what it predicted then (before
     any start of the point was in the model's fit): the prediction a user would have
-    acted on."""
+    acted on. Its columns, and predicted / measured - 1 where both are values."""
     k = None if point in pred.seeds else pred.chosen_in(point)   # a seed's starts came before any pass
     then = pred.passes[k - 1].of(point) if k else None
     if then is None or not then.predicted:
         return {"chosen in pass": "seed" if point in pred.seeds else "", "predicted when chosen": "",
-                "error when chosen": "n/a"}
-    value = m.kind == "value" and not then.censored
+                "error when chosen": "n/a"}, None
+    err = then.value / m.value - 1 if m.kind == "value" and not then.censored else None
     return {"chosen in pass": str(k), "predicted when chosen": _predicted_words(then),
-            "error when chosen": f"{then.value / m.value - 1:+.0%}" if value else "n/a"}
+            "error when chosen": "n/a" if err is None else f"{err:+.0%}"}, err
 
 
-def _pass_lines(pred: predicted.Predictions, table: pd.DataFrame) -> list[str]:
-    """One line a pass (where there were several), and the error of the predictions made
-    before their points were measured."""
+def _pass_lines(pred: predicted.Predictions, errs: list[float]) -> list[str]:
+    """One line a pass (where there were several), and the error (|predicted / measured -
+    1|, `errs`) of the predictions made before their points were measured."""
     if len(pred.passes) < 2:
         return []
     lines = [f"pass {i}: fitted on {len(p.model.starts)} start(s), end-to-end error "
              + (f"+-{p.error.widen:.0%}" if p.error.widen is not None else "not measured")
              + f", chose {', '.join(p.chosen)}" for i, p in enumerate(pred.passes, 1)]
-    errs = [abs(float(e.rstrip("%")) / 100) for e in table.get("error when chosen", []) if e != "n/a"]
     lines.append("the error of each prediction made before its config was measured (the pass that chose it): "
                  + (f"median {np.median(errs):.0%}, max {max(errs):.0%} over {len(errs)} config(s)" if errs
                     else "no config with both a value predicted then and a value measured"))
@@ -99,7 +98,7 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
     pred = predicted.read(run_path)
     if pred is None:
         return None
-    rows, pairs, errors, flagged = [], [], {}, []
+    rows, pairs, errors, flagged, errors_then = [], [], {}, [], []
     for p in pred.points:
         pc = capacities.get(p.point)
         if pc is None or not p.predicted:
@@ -119,7 +118,10 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
                      "OUTSIDE its measured interval": {True: "FLAGGED", False: "", None: "n/a"}[out],
                      "seed": "yes" if p.point in pred.seeds else ""})
         if len(pred.passes) > 1:   # the prediction made before the point was measured, beside the latest
-            rows[-1].update(_when_chosen(pred, p.point, m))
+            cols, err = _when_chosen(pred, p.point, m)
+            rows[-1].update(cols)
+            if err is not None:
+                errors_then.append(abs(err))
     tau = tau_p = None
     if len(pairs) >= 2:
         t = stats.kendalltau([a for a, _ in pairs], [b for _, b in pairs])
@@ -128,7 +130,7 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
                   {p.point: p.verdict for p in pred.points if not p.predicted})
     last = pred.refits[-1] if pred.refits else pred.model
     n_pred = sum(p.predicted for p in pred.points)
-    sec.lines = _pass_lines(pred, sec.table) + [
+    sec.lines = _pass_lines(pred, errors_then) + [
         f"{n_pred} of {len(pred.points)} points predicted from the step records of {len(pred.model.starts)} "
         + ("seed " if len(pred.passes) == 1 else "") + f"start(s) ({pred.model.steps} steps, {pred.model.rounds} "
         "round(s)); each predicted interval carries the end-to-end error measured then: "
