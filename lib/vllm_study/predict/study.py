@@ -255,30 +255,45 @@ def predict_one(task: tuple, stream: int = 0) -> PointPrediction:
                            censored=rec.censored, bracket=rec.bracket, sim_wall_s=time.perf_counter() - t0)
 
 
+class Workers:
+    """Where a prediction's simulations run: `n` processes (one: this process), or with
+    on_ray one Ray task of one CPU each over the cluster the sweep's ray executor joined
+    (ray.init: its address). Spawned, not forked: the sweep's threads and vLLM's imports
+    do not survive a fork cleanly. Within `with`, one pool serves every stage (the
+    screen, the draws, the replays): each spawned process imports vLLM and the
+    tokenizer once, seconds a process, not once a stage."""
+
+    def __init__(self, n: int, on_ray: bool = False):
+        self.n, self.on_ray, self._pool = max(1, n), on_ray, None
+
+    def __enter__(self) -> Workers:
+        if not self.on_ray and self.n > 1:
+            self._pool = ProcessPoolExecutor(self.n, mp_context=get_context("spawn"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+
+    def map(self, fn, jobs: list[tuple]) -> list:
+        """fn(*job) of each job, in order."""
+        if self.on_ray:
+            import ray
+            ray.init(ignore_reinit_error=True, log_to_driver=False)   # joined already under --executor ray
+            task = ray.remote(num_cpus=1, max_retries=0)(fn)
+            return ray.get([task.remote(*job) for job in jobs])
+        if self.n <= 1 or len(jobs) <= 1:
+            return [fn(*job) for job in jobs]
+        if self._pool is None:   # outside `with`: a pool for this map alone
+            with Workers(min(self.n, len(jobs))) as w:
+                return w.map(fn, jobs)
+        return list(self._pool.map(fn, *zip(*jobs), chunksize=max(1, len(jobs) // (4 * self.n))))
+
+
 def predict_all(todo: list[tuple], workers: int, on_ray: bool = False) -> list[PointPrediction]:
-    """Every task's prediction on the study seed's own stream of draws (simulate)."""
-    return simulate([(t, 0) for t in todo], workers, on_ray)
-
-
-def simulate(jobs: list[tuple[tuple, int]], workers: int, on_ray: bool = False) -> list[PointPrediction]:
-    """predict_one of each (task, stream), in order (spread: _spread_over)."""
-    return _spread_over(predict_one, jobs, workers, on_ray)
-
-
-def _spread_over(fn, jobs: list[tuple], workers: int, on_ray: bool = False) -> list:
-    """fn(*job) of each job, in order, on `workers` processes (one: in this process), or
-    with on_ray one Ray task of one CPU each over the cluster the sweep's ray executor
-    joined (ray.init: its address). Spawned, not forked: the sweep's threads and vLLM's
-    imports do not survive a fork cleanly."""
-    if on_ray:
-        import ray
-        ray.init(ignore_reinit_error=True, log_to_driver=False)   # joined already under --executor ray
-        task = ray.remote(num_cpus=1, max_retries=0)(fn)
-        return ray.get([task.remote(*job) for job in jobs])
-    if workers <= 1 or len(jobs) <= 1:
-        return [fn(*job) for job in jobs]
-    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
-        return list(pool.map(fn, *zip(*jobs), chunksize=max(1, len(jobs) // (4 * workers))))
+    """Every task's prediction on the study seed's own stream of draws."""
+    return Workers(workers, on_ray).map(predict_one, [(t, 0) for t in todo])
 
 
 _ORDER = {"above": 2, None: 1, "below": 0}   # a bound above hi outranks any value, one below the floor none
@@ -317,15 +332,15 @@ def replay_one(start_dir: Path, model: step_model.StepModel) -> list[dict]:
 
 
 def end_to_end(run: RunFolder, study: Study, models: list[step_model.StepModel],
-               predicted: dict[str, PointPrediction], workers: int = 1, on_ray: bool = False) -> EndToEnd:
+               predicted: dict[str, PointPrediction], workers: Workers | None = None) -> EndToEnd:
     """The end-to-end error on what was measured so far (EndToEnd); the measured starts
-    replayed on `workers` processes or Ray tasks, as the points are predicted."""
+    replayed on `workers` (default: in this process), as the points are predicted."""
     err = EndToEnd(capacity=capacity_errors(measured_capacities(run, study), predicted))
     slo = list(study.capacity.slo)
     jobs = [(d, next(m for m in models if _fits(m, run, pid, rec))) for pid, d, rec in measured_starts(run)
             if not rec.served_by and (p := predicted.get(pid)) and p.predicted]
     errs = []
-    for rows in _spread_over(replay_one, jobs, workers, on_ray):
+    for rows in (workers or Workers(1)).map(replay_one, jobs):
         for row in rows:
             errs += [abs(row[f"predicted_{k}"] / row[f"measured_{k}"] - 1) for k in slo
                      if row.get(f"measured_{k}") and row.get(f"predicted_{k}") is not None]
@@ -398,18 +413,19 @@ def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bo
     widen, rank, choose (not saved)."""
     models, version = fit(run)
     todo, refused = tasks(run, models)
-    spec, workers = study.predict, workers or study.predict.processes
-    by_id = {p.point: p for p in predict_all(todo, workers, on_ray)}
-    spread = [t for t in todo if getattr(t[2], "spread", None)]   # without one every stream draws alike
-    if spec.draws > 1 and spread:
-        again = leading([by_id[t[0]] for t in spread], max(4 * spec.confirm_top, 12))
-        jobs = [(t, s) for t in spread if t[0] in again for s in range(1, spec.draws)]
-        drawn: dict[str, list[PointPrediction]] = {}
-        for (t, _), p in zip(jobs, simulate(jobs, workers, on_ray)):
-            drawn.setdefault(t[0], []).append(p)
-        for pid, more in drawn.items():
-            by_id[pid] = combine([by_id[pid], *more])
-    err = end_to_end(run, study, models, by_id, workers, on_ray)
+    spec = study.predict
+    with Workers(workers or spec.processes, on_ray) as w:
+        by_id = {p.point: p for p in w.map(predict_one, [(t, 0) for t in todo])}
+        spread = [t for t in todo if getattr(t[2], "spread", None)]   # without one every stream draws alike
+        if spec.draws > 1 and spread:
+            again = leading([by_id[t[0]] for t in spread], max(4 * spec.confirm_top, 12))
+            jobs = [(t, s) for t in spread if t[0] in again for s in range(1, spec.draws)]
+            drawn: dict[str, list[PointPrediction]] = {}
+            for (t, _), p in zip(jobs, w.map(predict_one, jobs)):
+                drawn.setdefault(t[0], []).append(p)
+            for pid, more in drawn.items():
+                by_id[pid] = combine([by_id[pid], *more])
+        err = end_to_end(run, study, models, by_id, w)
     points = [by_id.get(pid) or next(r for r in refused if r.point == pid) for pid in run.manifest().points]
     for p in points:
         widen(p, err.widen)
