@@ -44,8 +44,12 @@ def start_rows(start_dir: Path) -> tuple[np.ndarray, np.ndarray] | None:
     """Every round's rows and cycles (seconds) of a start, or None where its records
     were written before the column (load_round reads a missing column as zeros)."""
     files = sorted((start_dir / "steps").glob("r*.npz"))
-    if not files or any("prefill_context_tokens" not in np.load(f).files for f in files):
+    if not files:
         return None
+    for f in files:
+        with np.load(f) as z:
+            if "prefill_context_tokens" not in z.files:
+                return None
     rounds = [steps.load_round(f) for f in files]
     return np.concatenate(rounds), np.concatenate([steps.cycles(r) for r in rounds])
 

@@ -300,13 +300,9 @@ def _predicted(run: RunFolder, study: Study, t0: float, max_minutes: float | Non
         v = predicted.refit(run, study)
         if v:
             tqdm.write(f"  predict: model refitted on {v.steps} steps of {len(v.starts)} start(s)")
-    while not outcome.stop_note:
-        before = predicted.read(run.path)
-        if before is not None and len(before.passes) >= study.predict.passes:
-            break
-        n = 1 if before is None else len(before.passes) + 1
+    while not outcome.stop_note and (n := predicted.next_pass(run, study)) is not None:
         print(f"predict: pass {n} of {study.predict.passes}: fitting the step model on "
-              + ("the seeds' steps" if before is None else "every measured start's steps")
+              + ("the seeds' steps" if n == 1 else "every measured start's steps")
               + f"; predicting {len(run.manifest().points)} points "
               + ("as Ray tasks" if on_ray else f"on {study.predict.processes} process(es)"))
         t = time.monotonic()

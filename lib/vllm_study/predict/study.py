@@ -414,7 +414,7 @@ def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bo
     models, version = fit(run)
     todo, refused = tasks(run, models)
     spec = study.predict
-    with Workers(workers or spec.processes, on_ray) as w:
+    with Workers(min(workers or spec.processes, max(1, len(todo))), on_ray) as w:   # no idle spawns
         by_id = {p.point: p for p in w.map(predict_one, [(t, 0) for t in todo])}
         spread = [t for t in todo if getattr(t[2], "spread", None)]   # without one every stream draws alike
         if spec.draws > 1 and spread:
@@ -435,15 +435,22 @@ def predict(run: RunFolder, study: Study, workers: int | None = None, on_ray: bo
                        chosen=choose(points, study.predict.confirm_top, study.baseline))
 
 
+def next_pass(run: RunFolder, study: Study) -> int | None:
+    """The 1-based number of the run's next pass, or None once `passes` are made."""
+    before = read(run.path)
+    n = 1 if before is None else len(before.passes) + 1
+    return n if n <= study.predict.passes else None
+
+
 def plan_confirmation(run: RunFolder, study: Study, workers: int | None = None, on_ray: bool = False) -> list[Unit]:
     """The next pass, once the last one's starts are measured (the seeds' for the first):
     the grid predicted (again), saved in predictions.json with the earlier passes, and one
     shuffled block of a first start of each chosen point not measured yet, appended to the
     manifest's order (so --resume runs it). Nothing new (and no pass) once `passes` are
     made; nothing new where a pass chose only points measured already."""
-    before = read(run.path)
-    if before is not None and len(before.passes) >= study.predict.passes:
+    if next_pass(run, study) is None:
         return []
+    before = read(run.path)
     pred = predict(run, study, workers, on_ray)
     if before is not None:
         pred.seeds, pred.refits = before.seeds, before.refits
