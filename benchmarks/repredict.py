@@ -10,6 +10,11 @@ point, end-to-end error, widen, rank), and the table is the report's
 
     nice -n 5 python benchmarks/repredict.py results/<run> --from seeds --workers 2 [--json out.json]
     nice -n 5 python benchmarks/repredict.py results/<run> --from all --workers 2
+    nice -n 5 python benchmarks/repredict.py results/<run> --from all --drop-column prefill_attention_pairs
+
+--drop-column removes a step-record column from the copy's starts, as a kit that did not
+record it would have left them: the step model then leaves out its term
+(step_model.RECORDED_LATER), so the same starts predict with and without it.
 """
 from __future__ import annotations
 
@@ -26,7 +31,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from vllm_study.define.study_file import load_study  # noqa: E402
+from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict import study as ps  # noqa: E402
+from vllm_study.prefix_budget import steps  # noqa: E402
 from vllm_study.records.results import RunFolder, git_state  # noqa: E402
 from vllm_study.report import predict_section  # noqa: E402
 
@@ -46,12 +53,26 @@ def keep_only(copy: Path, starts: set[str]) -> list[str]:
     return kept
 
 
+def drop_column(copy: Path, column: str) -> int:
+    """Rewrite every round's step records in the copied run without `column`; the rounds
+    rewritten."""
+    files = sorted(copy.glob(f"points/*/s*/{steps.ROUNDS_DIR}/r*.npz"))
+    for f in files:
+        with np.load(f) as z:
+            kept = {k: z[k] for k in z.files if k != column}
+        f.unlink()
+        np.savez_compressed(f, **kept)
+    return len(files)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path, help="a run folder of a `predict:` study (its predictions.json)")
     ap.add_argument("--from", dest="source", default="seeds",
                     help="'seeds' (the run's seed starts), 'all' (every measured start), or point#sN,...")
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--drop-column", choices=step_model.RECORDED_LATER, action="append", default=[],
+                    help="predict as if the starts had not recorded this step-record column (its term left out)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     a = ap.parse_args()
     commit = git_state(Path(__file__).resolve().parents[1])   # the code's, as the run starts
@@ -76,12 +97,17 @@ def main() -> int:
         copy = Path(shutil.copytree(a.run, Path(tmp) / a.run.name))
         (copy / ps.PREDICTIONS).unlink()
         kept = keep_only(copy, starts)
+        for column in a.drop_column:
+            drop_column(copy, column)
         t = time.monotonic()
         pred = ps.predict(RunFolder(copy), study, workers=a.workers)
         wall = time.monotonic() - t
         pred.save(RunFolder(copy))
         sec = predict_section.predicted_vs_measured(copy, capacities)
-    print(f"predicted again from {len(kept)} start(s): {', '.join(sorted(kept))}")
+    print(f"predicted again from {len(kept)} start(s): {', '.join(sorted(kept))}"
+          + (f"; without the step records' {', '.join(a.drop_column)}" if a.drop_column else ""))
+    if pred.model.left_out:
+        print("terms left out: " + "; ".join(f"{t}: {why}" for t, why in pred.model.left_out.items()))
     print(f"{sum(p.predicted for p in pred.points)} of {len(pred.points)} points in {wall:.0f} s on "
           f"{a.workers} process(es); model {pred.model.coef}")
     print(f"end-to-end error at the starts used: +-{pred.error.widen:.0%}" if pred.error.widen is not None
@@ -100,7 +126,7 @@ def main() -> int:
           f"{next((p.rank for p in pred.points if p.point == best_measured), None)}")
     if a.json:
         a.json.write_text(json.dumps({
-            "run": str(a.run), "from": sorted(kept), "wall_s": wall,
+            "run": str(a.run), "from": sorted(kept), "dropped_columns": a.drop_column, "wall_s": wall,
             "commit": commit.sha, "dirty": commit.dirty,
             "workers": a.workers, "model": pred.model.model_dump(), "widen": pred.error.widen,
             "points": [p.model_dump() for p in pred.points],

@@ -13,13 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 # the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
 # (each of its confirmation starts ~0.65 MB after lean_run, up to 5 more); 31 MiB with the
 # H100 predict-then-confirm run, whose step records the step model refits from and whose
-# requests its capacities rest on (3.8 MB after lean_run). A call carries the tree and one
-# part of the GPU bundle (~133 MiB): at 34 MiB of tree, parts of 30 MiB still fit the 64
-# MiB, so the bundle goes in 5 calls (make-bundle.sh sizes the parts to the tree)
-LIMIT_MIB = 34
+# requests its capacities rest on (3.8 MB after lean_run); 35.4 MiB with the H100 run of three
+# chunk sizes, whose step records hold the attention pairs the step model's term is fitted
+# from (2.8 MB). A call carries the tree and one part of the GPU bundle (~137 MiB): at 36 MiB
+# of tree, parts of 27.5 MiB still fit the 64 MiB, so the bundle goes in 5 calls
+# (make-bundle.sh sizes the parts to the tree)
+LIMIT_MIB = 36
 
 
-def test_the_tracked_tree_weighs_under_34_mib():
+def test_the_tracked_tree_weighs_under_36_mib():
     try:
         listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):

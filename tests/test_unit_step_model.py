@@ -8,13 +8,13 @@ from vllm_study.predict.step_model import Extrapolation, Scope, StepModel, fit
 from vllm_study.prefix_budget import steps
 
 TRUE = {"overhead_s": 0.012, "per_prefill_token_s": 22e-6, "per_prefill_req_s": 0.4e-3,
-        "per_decode_req_s": 40e-6, "per_context_token_s": 0.15e-6}
+        "per_decode_req_s": 40e-6, "per_context_token_s": 0.15e-6, "per_prefill_attention_pair_s": 0.5e-9}
 SCOPE = Scope(model="qwen2.5-7b", device="NVIDIA H100 80GB HBM3", dtype="bfloat16", vllm_version="0.26.0",
               engine="gpu", launch={"max_num_batched_tokens": 2048, "max_num_seqs": 256, "block_size": 16,
                                     "enforce_eager": False, "tensor_parallel_size": 1})
 
 
-def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool = False,
+def synthetic_round(seed: int, n: int = 800, noise: float = 0.03, overlap: bool = False,
                     lead_req_s: float = 0.0) -> np.ndarray:
     """Steps whose time is TRUE's linear form times (1 + noise); back to back with a small
     gap (sync), or overlapped as async scheduling does (each scheduled before the previous
@@ -29,6 +29,11 @@ def synthetic_round(seed: int, n: int = 400, noise: float = 0.03, overlap: bool 
     rows["decode_reqs"] = rng.integers(0, 64, n)
     rows["decode_tokens"] = rows["decode_reqs"]
     rows["context_tokens"] = rows["decode_reqs"] * rng.integers(200, 4000, n)
+    # one chunk a prefill step, late in its prompt or early: n x c + n (n + 1) / 2 pairs
+    before = np.where(prefill, rng.integers(0, 16000, n), 0)
+    tokens = rows["prefill_tokens"].astype(np.int64)
+    rows["prefill_context_tokens"] = before
+    rows["prefill_attention_pairs"] = tokens * before + tokens * (tokens + 1) // 2
     rows = rows[rows["prefill_tokens"] + rows["decode_tokens"] > 0]
     t = TRUE["overhead_s"] + sum(TRUE[f"per_{f.removesuffix('s')}_s"] * rows[f] for f in step_model.FEATURES)
     t = t * (1 + noise * rng.standard_normal(len(rows)))
@@ -189,3 +194,31 @@ def test_the_spread_of_each_kind_of_step_is_kept_and_drawn_from():
     assert np.quantile(f[rows["prefill_tokens"] == 0], 0.5) == pytest.approx(1.0, abs=0.02)
     # no spread (a model saved before it): every factor is 1
     assert np.all(m.model_copy(update={"spread": None}).jitter(rows, np.random.default_rng(0)) == 1)
+
+
+def test_the_attention_term_is_left_out_where_a_round_did_not_record_its_column():
+    rounds = [synthetic_round(k) for k in range(4)]
+    assert all(step_model.recorded(r, "prefill_attention_pairs") for r in rounds)
+    full = fit(rounds, SCOPE)
+    assert full.coef["per_prefill_attention_pair_s"] == pytest.approx(0.5e-9, rel=0.1)
+    assert not full.left_out and "prefill_attention_pairs" in full.ranges
+    old = rounds[0].copy()
+    old["prefill_attention_pairs"] = 0     # an older kit's round: the column reads 0
+    old["prefill_context_tokens"] = 0
+    assert not step_model.recorded(old, "prefill_attention_pairs")
+    mixed = fit([old] + rounds[1:], SCOPE)
+    assert mixed.coef["per_prefill_attention_pair_s"] == 0
+    assert mixed.left_out == {"per_prefill_attention_pair_s": "1 of 4 rounds were recorded by a kit that did not "
+                                                               "write prefill_attention_pairs"}
+    assert "prefill_attention_pairs" not in mixed.ranges
+    far = synthetic_round(9)
+    far["prefill_attention_pairs"] *= 100   # no range to keep to: the term is not in the model
+    mixed.check(SCOPE, far)
+    with pytest.raises(Extrapolation, match="prefill_attention_pairs up to"):
+        full.check(SCOPE, far)
+    # the term carries what a chunk late in a long prompt costs: the model without it misses those steps
+    test = synthetic_round(11, noise=0.0)
+    truth = TRUE["overhead_s"] + sum(TRUE[f"per_{f.removesuffix('s')}_s"] * test[f] for f in step_model.FEATURES)
+    late = test["prefill_attention_pairs"] > np.quantile(test["prefill_attention_pairs"], 0.9)
+    assert np.median(np.abs(full.predict(test[late]) / truth[late] - 1)) < 0.02
+    assert np.median(np.abs(mixed.predict(test[late]) / truth[late] - 1)) > 0.05

@@ -11,7 +11,7 @@ virtual clock by.
 The form: a step's cycle (steps.cycles: output to output while busy) is
 
     c0 + c1 * prefill_tokens + c2 * prefill_reqs + c3 * decode_reqs + c4 * context_tokens
-       + c5 * next_prefill_tokens + c6 * next_prefill_reqs
+       + c5 * prefill_attention_pairs + c6 * next_prefill_tokens + c7 * next_prefill_reqs
 
 with every c >= 0. A forward pass costs a fixed overhead (kernel launches, the
 scheduler, sampling setup, the output's way back) plus work linear in the tokens it
@@ -20,7 +20,19 @@ a sampled token each) and in the KV it reads (attention over the context). Nonne
 terms keep it physical where it extrapolates a little (more tokens never cost less);
 an unconstrained fit can buy a better residual with a negative term that turns
 predictions negative past the data. Decode tokens are decode requests without
-speculative decoding, so they are not a separate term. Fitted by least squares on the
+speculative decoding, so they are not a separate term.
+
+The attention term (c5) is what a prefill chunk's causal attention computes: n x c +
+n (n + 1) / 2 query-key pairs for n tokens scheduled after c computed. A chunk late in
+a long prompt reads all the KV before it, so at equal tokens its step costs more, and
+more so the larger the chunk: within starts on one H100 the prefill chunks' context cut
+the full-chunk steps' residual from 11.5% to 2.3-2.7% at chunk 2048, and its cost per
+context token was 1.15 us at 2048 against 3.07 us at 8192, a product of chunk and
+context (benchmarks/prefill_context_term.py). Kits before the column wrote 0 there; a
+prefill row with 0 pairs cannot be (a chunk of n >= 1 tokens has n (n + 1) / 2 >= 1),
+so a round is known to lack it, and the term is fitted only where every round of the
+fit recorded it (left out, with why, otherwise: a term fitted on rows that hold 0 for
+an unrecorded value would be biased toward 0). Fitted by least squares on the
 seconds themselves (scipy.optimize.lsq_linear, bounds at 0): the simulator sums step
 times, so an error that keeps the sum right beats one that keeps each ratio right.
 
@@ -66,7 +78,8 @@ from ..prefix_budget import steps
 from . import front_end as fe
 from .front_end import Extrapolation, FrontEnd
 
-FEATURES = ("prefill_tokens", "prefill_reqs", "decode_reqs", "context_tokens")
+FEATURES = ("prefill_tokens", "prefill_reqs", "decode_reqs", "context_tokens", "prefill_attention_pairs")
+RECORDED_LATER = ("prefill_attention_pairs",)   # step records from older kits hold 0 there
 LEAD = ("prefill_tokens", "prefill_reqs")   # the next step's, charged to the step in flight (async)
 TERMS = (("overhead_s",) + tuple(f"per_{f.removesuffix('s')}_s" for f in FEATURES)
          + tuple(f"per_next_{f.removesuffix('s')}_s" for f in LEAD))
@@ -105,13 +118,14 @@ class StepModel(BaseModel):
     scope: Scope
     launches: list[dict[str, int | bool | None]]   # every launch the records came from
     coef: dict[str, float]                         # TERMS, in seconds
-    ranges: dict[str, tuple[float, float]]         # each feature's observed [min, max]
+    ranges: dict[str, tuple[float, float]]         # each fitted feature's observed [min, max]
     rounds: int
     steps: int
     held_out: HeldOut | None = None
     held_out_why_not: str | None = None
     front_end: FrontEnd | None = None
     front_end_why_not: str | None = None
+    left_out: dict[str, str] = {}                  # a term held at 0: why (its column not recorded)
     # "prefill" (steps computing prompt tokens) and "decode": SPREAD_LEVELS quantiles of
     # measured / predicted, held out where folds allow (None: a model saved before it)
     spread: dict[str, list[float]] | None = None
@@ -170,8 +184,7 @@ class StepModel(BaseModel):
             why.append(f"its front end's vLLM {self.front_end.scope.vllm_version!r} (the configuration's "
                        f"{scope.vllm_version!r})")
         if rows is not None and len(rows):
-            for f in FEATURES:
-                lo, hi = self.ranges[f]
+            for f, (lo, hi) in self.ranges.items():   # a term left out is no range to keep to
                 top = float(rows[f].max())
                 if top > RANGE_MARGIN * hi:
                     why.append(f"{f} up to {top:g} (fitted on {lo:g}..{hi:g}; up to {RANGE_MARGIN:g} x "
@@ -252,6 +265,13 @@ def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = No
     X = _design(rows)
     if not lead:
         X[:, 1 + len(FEATURES):] = 0
+    left_out = {}
+    for f in RECORDED_LATER:
+        lacking = sum(not recorded(r, f) for r, _ in parts)
+        if lacking:
+            X[:, 1 + FEATURES.index(f)] = 0
+            left_out[f"per_{f.removesuffix('s')}_s"] = (
+                f"{lacking} of {len(parts)} rounds were recorded by a kit that did not write {f}")
     coef = _solve(X, y)
     k = min(folds, len(parts))
     held, why_not = None, None
@@ -265,9 +285,17 @@ def fit(rounds: list[np.ndarray], scope: Scope, launches: list[dict] | None = No
     else:
         why_not = "one round: no round to hold out"
     spread = _spread(rows, y, guess)
+    fitted = [f for f in FEATURES if f"per_{f.removesuffix('s')}_s" not in left_out]
     return StepModel(scope=scope, launches=launches or [scope.launch], coef=dict(zip(TERMS, map(float, coef))),
-                     ranges={f: (float(rows[f].min()), float(rows[f].max())) for f in FEATURES},
-                     rounds=len(parts), steps=len(y), held_out=held, held_out_why_not=why_not, spread=spread)
+                     ranges={f: (float(rows[f].min()), float(rows[f].max())) for f in fitted},
+                     rounds=len(parts), steps=len(y), held_out=held, held_out_why_not=why_not, spread=spread,
+                     left_out=left_out)
+
+
+def recorded(rows: np.ndarray, feature: str) -> bool:
+    """Whether a round's rows hold `feature` (one of RECORDED_LATER): no prefill row has 0
+    there, which a recorded prefill chunk cannot have."""
+    return not np.any((rows["prefill_tokens"] > 0) & (rows[feature] == 0))
 
 
 def _spread(rows: np.ndarray, y: np.ndarray, guess: np.ndarray) -> dict[str, list[float]]:

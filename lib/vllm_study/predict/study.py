@@ -56,6 +56,7 @@ class ModelVersion(BaseModel):
     held_out_median: float | None = None
     held_out_p90: float | None = None
     coef: dict[str, float] = {}
+    left_out: dict[str, str] = {}     # a term held at 0, and why (StepModel.left_out)
     # after a real start: |predicted / measured - 1| of each measured point's capacity then
     errors: dict[str, float] = {}
 
@@ -153,7 +154,8 @@ def fit(run: RunFolder) -> tuple[list[step_model.StepModel], ModelVersion]:
     h = main.held_out
     return models, ModelVersion(starts=starts, rounds=sum(m.rounds for m in models),
                                 steps=sum(m.steps for m in models), held_out_median=h.median if h else None,
-                                held_out_p90=h.p90 if h else None, coef=main.coef)
+                                held_out_p90=h.p90 if h else None, coef=main.coef,
+                                left_out=main.left_out)
 
 
 def refit(run: RunFolder, study: Study | None = None) -> ModelVersion | None:
