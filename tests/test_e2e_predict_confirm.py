@@ -47,6 +47,8 @@ def test_predict_then_confirm_measures_the_seed_the_top_and_the_baseline_and_rep
         assert all(q.predicted and q.value > 0 and q.rank for q in p.points), [q.verdict for q in p.points]
         top = min((q for q in p.points if q.point != pred.seeds[0]), key=lambda q: q.rank)
         assert p.chosen == [top.point, "pc=on__lpt=0"]
+    # vLLM's real scheduler recorded the prefill chunks' attention pairs, so the model has the term
+    assert not first.model.left_out and "per_prefill_attention_pair_s" in first.model.coef
     # the second pass was fitted on the first's starts too
     assert set(first.model.starts) < set(second.model.starts) and second.model.steps > first.model.steps
     # the end-to-end error was measured on the seed's replayed rounds, and the intervals carry it
