@@ -43,7 +43,7 @@ dry-run: env
 test: env
 	$(BIN)/ruff check .
 	rm -rf $(NBVAL_COPY) && mkdir $(NBVAL_COPY) && git ls-files -z results | xargs -0 -r cp --parents -t $(NBVAL_COPY)
-	$(BIN)/python -m pytest -v -rs --durations=15 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests \
+	$(BIN)/python -m pytest -v -rs --durations=40 --basetemp=.pytest-tmp -n 2 --dist loadfile $(NBVAL) tests \
 		$(addprefix $(NBVAL_COPY)/,$(REF_REPORTS))
 
 # Unit tests only: no vLLM server is started.
