@@ -64,7 +64,8 @@ def errors(model: step_model.StepModel, rounds: list[np.ndarray], chunk: int, fi
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run", type=Path)
-    ap.add_argument("--fit-chunks", required=True, help="chunk sizes whose starts the model is fitted on, e.g. 2048,8192")
+    ap.add_argument("--fit-chunks", required=True,
+                    help="chunk sizes whose starts the model is fitted on, e.g. 2048,8192")
     ap.add_argument("--fill", type=float, default=0.9, help="a full-chunk step's prefill share of the chunk")
     a = ap.parse_args()
     by_chunk = rounds_by_chunk(a.run)
@@ -80,7 +81,8 @@ def main() -> int:
         m = step_model.fit(rounds, scope)
         print(f"{form}: fitted on chunk {a.fit_chunks} ({m.rounds} rounds, {m.steps} busy steps); "
               + ", ".join(f"{t} {v * 1e6:.4g} us" for t, v in m.coef.items() if v)
-              + (f"; held-out by round: median {m.held_out.median:.1%}, P90 {m.held_out.p90:.1%}" if m.held_out else ""))
+              + (f"; held-out by round: median {m.held_out.median:.1%}, P90 {m.held_out.p90:.1%}"
+                 if m.held_out else ""))
         for chunk in sorted(set(by_chunk) - set(fit_chunks)):
             test = by_chunk[chunk] if form.startswith("with ") else [without(r) for r in by_chunk[chunk]]
             print(f"    on chunk {chunk} ({len(test)} rounds, not fitted): {errors(m, test, chunk, a.fill)}")
