@@ -79,7 +79,7 @@ from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
 from vllm_study.measure.rounds import _send_to_finish
-from vllm_study.prefix_budget import steps
+from vllm_study.scheduler_plugin import steps
 from vllm_study.records.results import git_state
 from vllm_study.workload.build_workload import make_workload
 from vllm_study.workload.trace_workload import TraceWorkload

@@ -40,7 +40,7 @@ from vllm_study.launch.machine import cpu_info  # noqa: E402
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict.replay import predict_capacity, replay_start  # noqa: E402
 from vllm_study.predict.start import SimulatedStart, StudyInputs  # noqa: E402
-from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import RunFolder, StartRecord  # noqa: E402
 from vllm_study.records.results import git_state
 

@@ -29,7 +29,7 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import RunFolder  # noqa: E402
 
 

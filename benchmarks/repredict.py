@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 from vllm_study.define.study_file import load_study  # noqa: E402
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict import study as ps  # noqa: E402
-from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import RunFolder, git_state  # noqa: E402
 from vllm_study.report import predict_section  # noqa: E402
 

@@ -34,7 +34,7 @@ def build(model: str, records: Path | None, batch: int, cls):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from vllm_study.prefix_budget import steps
+    from vllm_study.scheduler_plugin import steps
     if records:
         os.environ[steps.STEPS_ENV] = str(records)
     else:
@@ -125,8 +125,8 @@ def main() -> None:
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import init_none_hash
 
-    from vllm_study.prefix_budget import steps
-    from vllm_study.prefix_budget.step_records import StepRecordsMixin
+    from vllm_study.scheduler_plugin import steps
+    from vllm_study.scheduler_plugin.step_records import StepRecordsMixin
 
     tmp = Path(tempfile.mkdtemp())
     (tmp / "config.json").write_text(json.dumps({

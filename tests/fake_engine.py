@@ -25,7 +25,7 @@ What it models, as vLLM 0.32's v1 engine does it:
   the KV cache size, the serving line), hidden as vLLM hides them
   (VLLM_CONFIGURE_LOGGING=0, VLLM_LOGGING_LEVEL);
 - live limits: with --scheduler-cls ...LiveLimitsScheduler the scheduler runs the kit's
-  own vllm_study.prefix_budget.live.LiveLimitsMixin, so the control file and its answer
+  own vllm_study.scheduler_plugin.live_limits.LiveLimitsMixin, so the control file and its answer
   in the counters file are the plugin's code, not a copy.
 vLLM flags it does not model are accepted and ignored (they appear in the non-default
 args line). What it does not model: sampling, EOS, output-token blocks in the prefix
@@ -54,11 +54,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))  # the kit's live-limits plugin
-from vllm_study.prefix_budget.live import LiveLimitsMixin  # noqa: E402
+from vllm_study.scheduler_plugin.live_limits import LiveLimitsMixin  # noqa: E402
 
 VERSION = "0.32.0"  # the vLLM release whose behaviour this follows
-LIVE_SCHEDULERS = ("vllm_study.prefix_budget.LiveLimitsScheduler",
-                   "vllm_study.prefix_budget.scheduler.LiveLimitsScheduler")
+LIVE_SCHEDULERS = ("vllm_study.scheduler_plugin.LiveLimitsScheduler",
+                   "vllm_study.scheduler_plugin.scheduler.LiveLimitsScheduler")
 STEP_S = float(os.environ.get("FAKE_ENGINE_STEP_S", "0.004"))     # a step's fixed cost
 TOKEN_S = float(os.environ.get("FAKE_ENGINE_TOKEN_S", "0.00002"))  # and per scheduled token
 INIT_S = float(os.environ.get("FAKE_ENGINE_INIT_S", "0.3"))  # engine-init line to healthy, at least
@@ -592,7 +592,7 @@ def info_visible() -> bool:
 
 
 class _VllmFormat(logging.Formatter):
-    """The plugin's own log lines (live.py logs through `logging`) in vLLM's format."""
+    """The plugin's own log lines (live_limits.py logs through `logging`) in vLLM's format."""
 
     def format(self, record: logging.LogRecord) -> str:
         stamp = time.strftime("%m-%d %H:%M:%S", time.localtime(record.created))

@@ -22,7 +22,7 @@ from vllm_study.measure import counters
 from vllm_study.define import models
 from vllm_study.measure.point import PointStart
 from vllm_study.launch.server import serve_command
-from vllm_study.prefix_budget import steps
+from vllm_study.scheduler_plugin import steps
 
 pytestmark = pytest.mark.e2e
 

@@ -40,7 +40,7 @@ def test_one_start_serves_four_points_under_the_limits_each_round_recorded(tmp_p
     assert starts[lead].serves == unit.serves and starts[lead].launch.startup_s > 0
     cmd = starts[lead].launch.command
     assert cmd[cmd.index("--max-num-batched-tokens") + 1] == "512" and cmd[cmd.index("--max-num-seqs") + 1] == "4"
-    assert "vllm_study.prefix_budget.LiveLimitsScheduler" in cmd
+    assert "vllm_study.scheduler_plugin.LiveLimitsScheduler" in cmd
     assert group_gone(starts[lead].launch.server_pgid)
     for p, s in starts.items():
         if p != lead:

@@ -36,7 +36,7 @@ def test_a_model_with_a_mistral_template_runs_end_to_end(tmp_path):
     assert rnd.metrics["prefix_cache_hit_rate"] > 0.5
     assert rnd.metrics["prefix_cache_hit_rate"] <= rnd.metrics["expected_prefix_hit_rate"] + 0.01
     (start,) = run.point(s.point).starts()
-    assert "vllm_study.prefix_budget.PrefixBudgetScheduler" in start.launch.command
+    assert "vllm_study.scheduler_plugin.PrefixBudgetScheduler" in start.launch.command
     assert rnd.metrics["pb_deferred"] >= 0 and rnd.metrics["pb_admitted_by_age"] >= 0  # the plugin's counters
 
 

@@ -26,7 +26,7 @@ from e2e_support import serve_on_a_free_port
 from procs import group_gone
 from vllm_study.measure import client, counters
 from vllm_study.define.models import build_model_dir
-from vllm_study.prefix_budget import read_stats, stats_delta
+from vllm_study.scheduler_plugin import read_stats, stats_delta
 from vllm_study.launch.server import serve_command
 
 pytestmark = pytest.mark.e2e
@@ -79,7 +79,7 @@ def servers(tmp_path_factory):
     model = str(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("model")))
     logs = tmp_path_factory.mktemp("servers")
     stats_path = logs / "prefix_budget.json"
-    plugin_args = ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler",
+    plugin_args = ["--scheduler-cls", "vllm_study.scheduler_plugin.PrefixBudgetScheduler",
                    "--additional-config", json.dumps({"prefix_budget": {
                        "min_reuse_ratio": MIN_RATIO, "max_defer_ms": MAX_DEFER_MS,
                        "stats_path": str(stats_path)}})]
@@ -114,7 +114,7 @@ def test_plugin_loads_on_the_base_the_engine_config_asks_for(servers):
                            "stats_path": str(stats_path)}
     assert s["counters"]["steps"] > 0 and s["counters"]["lookups"] > 0  # it ran in the engine
     log = srvs["plugin"].log_path.read_text()
-    assert "custom scheduler class vllm_study.prefix_budget.PrefixBudgetScheduler" in log
+    assert "custom scheduler class vllm_study.scheduler_plugin.PrefixBudgetScheduler" in log
     assert "PrefixBudgetScheduler" not in srvs["default"].log_path.read_text()
 
 

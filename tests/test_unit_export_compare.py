@@ -61,7 +61,7 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     assert "custom-histogram-buckets" not in cfg and "load-format" not in cfg and "scheduler-cls" not in cfg
     assert "the launch a start of this point recorded" in note.read_text()
     # the Prefix Reuse Budget's scheduler is the point's admission rule: it stays
-    budget = command[:-1] + ["vllm_study.prefix_budget.PrefixBudgetScheduler"]
+    budget = command[:-1] + ["vllm_study.scheduler_plugin.PrefixBudgetScheduler"]
     argv, env, _ = export.launch(report.Run.load(RunFolder(run.path), None), B, {})
     assert "--scheduler-cls" not in argv and "VLLM_STUDY_STEPS" not in env
     for st in folder.starts():
@@ -69,7 +69,7 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
         st.save(folder.start_dir(st.start) / "start.json")
     summarize(folder, plan)
     argv, _, _ = export.launch(report.Run.load(RunFolder(run.path), None), B, {})
-    assert argv[argv.index("--scheduler-cls") + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
+    assert argv[argv.index("--scheduler-cls") + 1] == "vllm_study.scheduler_plugin.PrefixBudgetScheduler"
 
 
 def test_export_of_a_run_made_elsewhere_points_at_this_machines_interpreter_and_card_folder(tmp_path):

@@ -18,7 +18,7 @@ from procs import group_gone
 from vllm_study.define import models
 from vllm_study.launch.server import ServerStartError
 from vllm_study.measure import client, counters, live_knobs
-from vllm_study.prefix_budget import Refused
+from vllm_study.scheduler_plugin import Refused
 from vllm_study.workload.workload import Request
 
 FAKE = Path(__file__).with_name("fake_engine.py")

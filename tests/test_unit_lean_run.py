@@ -17,7 +17,7 @@ from PIL import Image
 
 from synthetic_run import make_run
 
-from vllm_study.prefix_budget import steps
+from vllm_study.scheduler_plugin import steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

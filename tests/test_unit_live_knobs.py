@@ -13,8 +13,8 @@ import pytest
 # vllm_parts is the prefix-budget tests' fixture (a real scheduler's configs), shared here
 from test_unit_prefix_budget import _req, admitted, make_scheduler, vllm_parts  # noqa: F401
 from vllm_study.measure import live_knobs
-from vllm_study.prefix_budget import CONTROL_ENV, Limits, Refused, check_message, read_stats
-from vllm_study.prefix_budget.counters_file import STATS_ENV
+from vllm_study.scheduler_plugin import CONTROL_ENV, Limits, Refused, check_message, read_stats
+from vllm_study.scheduler_plugin.counters_file import STATS_ENV
 
 LAUNCH = Limits(max_num_batched_tokens=512, max_num_seqs=8, long_prefill_token_threshold=0)
 
@@ -69,7 +69,7 @@ def test_without_chunked_prefill_the_token_budget_stays():
 
 # -- inside vLLM's real scheduler -------------------------------------------------------
 def _live(vllm_parts, tmp_path, monkeypatch, budget=False, **kw):
-    from vllm_study.prefix_budget import LiveLimitsScheduler
+    from vllm_study.scheduler_plugin import LiveLimitsScheduler
     monkeypatch.setenv(CONTROL_ENV, str(tmp_path / "control.json"))
     monkeypatch.setenv(STATS_ENV, str(tmp_path / "stats.json"))
     return make_scheduler(vllm_parts, {"min_reuse_ratio": 0.0} if budget else None,
@@ -201,7 +201,7 @@ def test_without_a_control_file_nothing_changes(vllm_parts, tmp_path, monkeypatc
 
 
 def test_live_limits_need_a_counters_file(vllm_parts, tmp_path, monkeypatch):
-    from vllm_study.prefix_budget import LiveLimitsScheduler
+    from vllm_study.scheduler_plugin import LiveLimitsScheduler
     monkeypatch.setenv(CONTROL_ENV, str(tmp_path / "control.json"))
     monkeypatch.delenv(STATS_ENV, raising=False)
     with pytest.raises(ValueError, match=f"{CONTROL_ENV} is set but .* set {STATS_ENV}"):
@@ -244,7 +244,7 @@ def test_set_limits_returns_what_the_engine_put_in_force(vllm_parts, tmp_path, m
 
 
 def test_set_limits_refuses_a_wrong_value_before_writing(tmp_path):
-    from vllm_study.prefix_budget import StatsRecorder
+    from vllm_study.scheduler_plugin import StatsRecorder
     rec = StatsRecorder(tmp_path / "stats.json", {}, interval_s=3600)
     rec.set_section("knobs", {"launch": LAUNCH.to_dict(), "seq": 0})
     rec.close()
@@ -265,7 +265,7 @@ def test_no_message_while_the_server_holds_requests(tmp_path, metrics_server):
     gauges["waiting"].set(0)
     live_knobs.wait_drained(url, timeout_s=0.3)
     # /metrics at 0 but the engine holds requests without stepping (paused): not drained
-    from vllm_study.prefix_budget import StatsRecorder
+    from vllm_study.scheduler_plugin import StatsRecorder
     rec = StatsRecorder(tmp_path / "stats.json", {}, interval_s=3600)
     rec.set_section("knobs", {"requests": 2})
     rec.flush()
@@ -277,7 +277,7 @@ def test_no_message_while_the_server_holds_requests(tmp_path, metrics_server):
 
 
 def test_a_server_without_the_channel_is_named(tmp_path):
-    from vllm_study.prefix_budget import StatsRecorder
+    from vllm_study.scheduler_plugin import StatsRecorder
     StatsRecorder(tmp_path / "pb.json", {}, interval_s=3600).close()
     with pytest.raises(live_knobs.KnobsError, match=f"no live-limits section.*{CONTROL_ENV}"):
         live_knobs.knobs_state(tmp_path / "pb.json")

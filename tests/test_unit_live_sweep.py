@@ -152,7 +152,7 @@ def test_a_round_whose_limits_the_engine_refuses_is_not_run(tmp_path):
     from e2e_support import plan_of
     from vllm_study.measure.point import PointStart
     from vllm_study.measure.rounds import RoundProtocol
-    from vllm_study.prefix_budget import StatsRecorder
+    from vllm_study.scheduler_plugin import StatsRecorder
     rec = StatsRecorder(tmp_path / "stats.json", {}, interval_s=3600)
     rec.set_section("knobs", {"launch": {"max_num_batched_tokens": 256, "max_num_seqs": 4,
                                          "long_prefill_token_threshold": 0}, "seq": 0})
@@ -231,7 +231,7 @@ def test_export_leaves_out_the_live_limits_scheduler_and_its_control_file(tmp_pa
     from synthetic_run import make_run
     from vllm_study.launch import server
     from vllm_study.measure.point import summarize
-    from vllm_study.prefix_budget.knobs import CONTROL_ENV
+    from vllm_study.scheduler_plugin.knobs import CONTROL_ENV
     from vllm_study.report import export
     point = "mbt=512__kv=16MiB"
     run = make_run(tmp_path / "r", {p: {"output_throughput": 100.0, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0,

@@ -683,12 +683,12 @@ def test_a_point_with_the_budget_launches_the_plugin(tmp_path):
     flags_on = PointStart(PointPlan(study=s, point=on, engine="cpu"), tmp_path / "a").launcher.measurement_flags()
     flags_off = PointStart(PointPlan(study=s, point=off, engine="cpu"), tmp_path / "b").launcher.measurement_flags()
     i = flags_on.index("--scheduler-cls")
-    assert flags_on[i + 1] == "vllm_study.prefix_budget.PrefixBudgetScheduler"
+    assert flags_on[i + 1] == "vllm_study.scheduler_plugin.PrefixBudgetScheduler"
     cfg = json.loads(flags_on[flags_on.index("--additional-config") + 1])
     # no path: it would key the compile cache
     assert cfg == {"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 250}}
     # without the budget: the step-records scheduler (vLLM's own scheduling, each step recorded)
-    assert flags_off[flags_off.index("--scheduler-cls") + 1] == "vllm_study.prefix_budget.StepRecordsScheduler"
+    assert flags_off[flags_off.index("--scheduler-cls") + 1] == "vllm_study.scheduler_plugin.StepRecordsScheduler"
     s = study_from_dict(_study(scheduler={"min_reuse_ratio": ["off", 0.8]}, server={"step_records": False}))
     off, on = expand(s, "cpu")[:2]
     assert "--scheduler-cls" not in PointStart(PointPlan(study=s, point=off, engine="cpu"),

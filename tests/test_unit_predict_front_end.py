@@ -152,7 +152,7 @@ def test_a_run_folders_rounds_give_the_step_models_their_front_end(tmp_path, mod
     from synthetic_run import make_run
 
     from vllm_study.predict import step_model
-    from vllm_study.prefix_budget import steps
+    from vllm_study.scheduler_plugin import steps
     from vllm_study.records.results import REQUESTS, request_line
     run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p50_ms": 100.0}, "mbt=512__kv=16MiB": {"ttft_p50_ms": 90.0}})
     conc = run.point(run.point_ids()[0]).plan().study.workload.concurrency
@@ -181,7 +181,7 @@ def test_a_run_without_request_records_has_no_front_end_and_says_why(tmp_path):
     from test_unit_step_model import synthetic_round
 
     from vllm_study.predict import step_model
-    from vllm_study.prefix_budget import steps
+    from vllm_study.scheduler_plugin import steps
     run = make_run(tmp_path, {"mbt=256__kv=16MiB": {"ttft_p50_ms": 100.0}})
     for pid in run.point_ids():
         folder = run.point(pid)

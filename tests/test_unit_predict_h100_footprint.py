@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_study.prefix_budget.steps import DTYPE
+from vllm_study.scheduler_plugin.steps import DTYPE
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "predict_h100_footprint.py"
 _spec = importlib.util.spec_from_file_location("predict_h100_footprint", SCRIPT)

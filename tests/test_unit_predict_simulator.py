@@ -15,7 +15,7 @@ from vllm_study.measure import stats  # noqa: E402
 from vllm_study.predict.engine import EngineSpec  # noqa: E402
 from vllm_study.predict.simulator import VirtualEngine  # noqa: E402
 from vllm_study.predict.traffic import closed_loop, open_loop  # noqa: E402
-from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.workload.workload import Request  # noqa: E402
 
 DT = 0.01  # every step: 10 ms

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from vllm_study.prefix_budget import (Decision, Params, StatsRecorder, decide, params_from_config,
+from vllm_study.scheduler_plugin import (Decision, Params, StatsRecorder, decide, params_from_config,
                                       passes_alone, percentile, read_stats, stats_delta)
 
 R, MAXD = 0.8, 500.0
@@ -181,7 +181,7 @@ def test_recorder_final_write_at_close(tmp_path):
 
 
 def test_read_stats_explains_a_missing_file(tmp_path):
-    with pytest.raises(FileNotFoundError, match="--scheduler-cls vllm_study.prefix_budget"):
+    with pytest.raises(FileNotFoundError, match="--scheduler-cls vllm_study.scheduler_plugin"):
         read_stats(tmp_path / "none.json")
     (tmp_path / "old.json").write_text(json.dumps({"schema": 99}))
     with pytest.raises(ValueError, match="schema 99"):
@@ -222,7 +222,7 @@ def make_scheduler(vllm_parts, pb: dict | None, *, async_scheduling: bool | None
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from vllm_study.prefix_budget import PrefixBudgetScheduler
+    from vllm_study.scheduler_plugin import PrefixBudgetScheduler
 
     model, kv_config, _ = vllm_parts
     vc = VllmConfig(

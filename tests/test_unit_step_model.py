@@ -5,7 +5,7 @@ import pytest
 
 from vllm_study.predict import step_model
 from vllm_study.predict.step_model import Extrapolation, Scope, StepModel, fit
-from vllm_study.prefix_budget import steps
+from vllm_study.scheduler_plugin import steps
 
 TRUE = {"overhead_s": 0.012, "per_prefill_token_s": 22e-6, "per_prefill_req_s": 0.4e-3,
         "per_decode_req_s": 40e-6, "per_context_token_s": 0.15e-6, "per_prefill_attention_pair_s": 0.5e-9}

@@ -1,8 +1,8 @@
-"""Step records' file format (prefix_budget/steps.py): the raw file the engine appends
+"""Step records' file format (scheduler_plugin/steps.py): the raw file the engine appends
 to, read while it writes, cut into a round and saved column-wise."""
 import numpy as np
 
-from vllm_study.prefix_budget import steps
+from vllm_study.scheduler_plugin import steps
 
 
 def _rows(times):

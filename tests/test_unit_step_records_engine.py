@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from vllm_study.prefix_budget import StepRecordsScheduler, scheduler_class, step_records, steps
+from vllm_study.scheduler_plugin import StepRecordsScheduler, scheduler_class, step_records, steps
 
 BS = 16
 PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks

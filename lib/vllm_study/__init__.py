@@ -9,7 +9,7 @@ modules the notebooks import).
 __version__ = "0.1.0"
 
 LAYERS = (
-    ("vocab", "prefix_budget"),  # names, units, saving a figure; the scheduler plugin vLLM loads by its path
+    ("vocab", "scheduler_plugin"),  # names, units, saving a figure; the scheduler plugin vLLM loads by its path
     ("launch", "capacity"),      # a vLLM server process; the load bracket a start's capacity comes from
     ("define",),                 # the study file, its grid of points, the models and traces it names
     ("records", "workload"),     # what a run folder holds; the requests a round sends

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from ..vocab import axes
 from ..vocab.axes import SCHEDULER_AXIS
 from ..launch.machine import cpu_dtype
-from ..prefix_budget.knobs import KNOBS as LIVE_AXES
+from ..scheduler_plugin.knobs import KNOBS as LIVE_AXES
 from . import grid_spec
 from .schema import EngineArgs, StudyError
 from ..launch.flags import Flags

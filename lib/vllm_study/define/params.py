@@ -405,7 +405,7 @@ SLO = Annotated[dict[str, Annotated[float, Field(gt=0)]], BeforeValidator(_drop_
 
 
 class Scheduler(Strict):
-    """The Prefix Reuse Budget scheduler (vllm_study.prefix_budget, loaded through vLLM's
+    """The Prefix Reuse Budget scheduler (vllm_study.scheduler_plugin, loaded through vLLM's
     --scheduler-cls): a waiting request whose cached share of the prompt is below
     `min_reuse_ratio` waits, up to `max_defer_ms`, while requests that reuse the cache go
     first. A list of ratios is a grid axis ("off" = vLLM's own scheduler)."""

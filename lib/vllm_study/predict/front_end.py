@@ -91,7 +91,7 @@ class FrontEnd(BaseModel):
 @dataclass
 class RoundSample:
     """What one measured round says of its front end."""
-    rows: np.ndarray                    # its step records (prefix_budget.steps.DTYPE), in schedule order
+    rows: np.ndarray                    # its step records (scheduler_plugin.steps.DTYPE), in schedule order
     prompt_tokens: list[int]            # its requests' prompt lengths, in the order they were sent
     client_ttft_p50_s: float
     burst: int | None = None            # a closed loop's concurrency (sent at once when the round began)
@@ -221,7 +221,7 @@ def samples_of_run(run_dir) -> tuple[list[RoundSample], FrontEndScope | None]:
     import gzip
     import json
 
-    from ..prefix_budget import steps
+    from ..scheduler_plugin import steps
     from ..records.results import REQUESTS, RunFolder, read_rounds
 
     run = RunFolder(run_dir)

@@ -11,7 +11,7 @@ is back (at most two in flight), and a step starts when the previous one ends. A
 model with next-step terms (step_model: admission_s) charges the step it schedules'
 admission work to the step in flight, as the real engine pays it there.
 
-Each step leaves a row of prefix_budget.steps.DTYPE, the columns a real start's step
+Each step leaves a row of scheduler_plugin.steps.DTYPE, the columns a real start's step
 records have, so a simulated round and a measured one compare column for column.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..prefix_budget.steps import DTYPE
+from ..scheduler_plugin.steps import DTYPE
 from .engine import EngineSpec, build_scheduler, request_factory
 
 StepTime = Callable[[np.ndarray], np.ndarray]  # rows of steps.DTYPE -> seconds each (or a model with .predict)

@@ -1,5 +1,5 @@
 """The step-time model: how long one engine step takes, fitted from the step records of
-the kit's real starts (prefix_budget/steps.py), for the simulator to advance its
+the kit's real starts (scheduler_plugin/steps.py), for the simulator to advance its
 virtual clock by.
 
     rounds = collect(run_dir)                       # [(rows, scope), ...], one a round
@@ -74,7 +74,7 @@ import numpy as np
 from pydantic import BaseModel
 from scipy.optimize import lsq_linear
 
-from ..prefix_budget import steps
+from ..scheduler_plugin import steps
 from . import front_end as fe
 from .front_end import Extrapolation, FrontEnd
 

@@ -205,7 +205,7 @@ _add(
            "--custom-histogram-buckets, those above long_prefill_edge_tokens)"),
     Metric("long_prefill_edge_tokens", "prefill edge counted from", "tok", ".0f", None, "server",
            "the histogram bound prefills were counted above: max_num_batched_tokens when exact", exact=True),
-    # the Prefix Reuse Budget scheduler (vllm_study.prefix_budget), where a point uses it
+    # the Prefix Reuse Budget scheduler (vllm_study.scheduler_plugin), where a point uses it
     Metric("pb_deferred", "requests deferred", "", ".0f", None, "server",
            "requests the Prefix Reuse Budget held back at least once (cached share below min_reuse_ratio)"),
     Metric("pb_admitted_by_age", "admitted by the age bound", "", ".0f", None, "server",

@@ -18,7 +18,7 @@ File layout (``schema`` 1):
                             that released it and the step before, i.e. one engine step
     admit_wait_ms: [...]    parallel to defer_ms: release -> admission by vLLM (its own
                             FCFS queueing, not the plugin's; usually 0)
-    knobs: {...}            only with live limits on (live.py): the limits in force and
+    knobs: {...}            only with live limits on (live_limits.py): the limits in force and
                             the last control message handled
 Every deferred request's durations are kept (append-only), so a delta's percentiles
 are exact; the file grows by ~3 numbers per deferred request.
@@ -47,7 +47,7 @@ class StatsRecorder:
         self.interval_s = interval_s
         self.counters = {k: 0 for k in COUNTERS}
         self.series: dict[str, list[float]] = {k: [] for k in SERIES}
-        self.sections: dict[str, dict] = {}  # e.g. "knobs" (live.py): written as top-level keys
+        self.sections: dict[str, dict] = {}  # e.g. "knobs" (live_limits.py): written as top-level keys
         now = time.time()
         self.meta = {"schema": SCHEMA, "run_id": f"{os.getpid()}-{now:.6f}", "pid": os.getpid(),
                      "started_at": now, **meta}
@@ -146,7 +146,7 @@ def read_stats(path: str | os.PathLike) -> dict:
     except FileNotFoundError:
         raise FileNotFoundError(
             f"no prefix-budget stats at {p}: is the server running with --scheduler-cls "
-            "vllm_study.prefix_budget.PrefixBudgetScheduler and this stats_path in "
+            "vllm_study.scheduler_plugin.PrefixBudgetScheduler and this stats_path in "
             "--additional-config?") from None
     if data.get("schema") != SCHEMA:
         raise ValueError(f"{p}: stats schema {data.get('schema')!r}, this kit reads {SCHEMA}")

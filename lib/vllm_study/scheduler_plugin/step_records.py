@@ -66,7 +66,7 @@ import numpy as np
 
 from .steps import DTYPE, STEPS_ENV
 
-log = logging.getLogger("vllm.plugins.vllm_study.prefix_budget.steps")
+log = logging.getLogger(f"vllm.plugins.{__name__}")  # under vLLM's "vllm" logger: its handlers and format
 FLUSH_S = 0.5
 
 

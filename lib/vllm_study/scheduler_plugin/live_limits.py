@@ -40,7 +40,7 @@ from pathlib import Path
 from .counters_file import StatsRecorder, stats_path_for
 from .knobs import CONTROL_ENV, Limits, Refused, check_message, message_seq, parse_control
 
-log = logging.getLogger("vllm.plugins.vllm_study.prefix_budget.live")
+log = logging.getLogger(f"vllm.plugins.{__name__}")  # under vLLM's "vllm" logger: its handlers and format
 POLL_S = 0.05
 
 
@@ -98,7 +98,7 @@ class LiveLimitsMixin:
         if getattr(self, "_pb_stats", None) is not None:
             rec, own = self._pb_stats, False
         else:
-            from .policy import params_from_config
+            from .prefix_budget import params_from_config
             params = params_from_config(getattr(self.vllm_config, "additional_config", {}))
             base = next((c.__name__ for c in type(self).__mro__
                          if c.__module__.startswith("vllm.v1.core.sched")), "unknown")

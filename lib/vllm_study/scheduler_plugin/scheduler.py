@@ -2,7 +2,7 @@
 
 Load it with
 
-    --scheduler-cls vllm_study.prefix_budget.PrefixBudgetScheduler
+    --scheduler-cls vllm_study.scheduler_plugin.PrefixBudgetScheduler
     --additional-config '{"prefix_budget": {"min_reuse_ratio": 0.8, "max_defer_ms": 500,
                                             "stats_path": "/tmp/pb.json"}}'
 
@@ -74,14 +74,14 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from .policy import Decision, decide, params_from_config, passes_alone
+from .prefix_budget import Decision, decide, params_from_config, passes_alone
 from .counters_file import STATS_ENV, StatsRecorder, stats_path_for  # noqa: F401 (STATS_ENV: point.py)
-from .live import LiveLimitsMixin
+from .live_limits import LiveLimitsMixin
 from .step_records import StepRecordsMixin
 
 # Under the "vllm" logger: vLLM's logging config gives that tree its handler in the
 # EngineCore process, where a logger of our own would print nothing.
-log = logging.getLogger("vllm.plugins.vllm_study.prefix_budget")
+log = logging.getLogger(f"vllm.plugins.{__name__}")  # under vLLM's "vllm" logger: its handlers and format
 
 
 @dataclass
@@ -269,7 +269,7 @@ class PrefixBudgetMixin:
 
 # The kit's scheduler kinds: (class-name stem, the mixins before vLLM's base). Every
 # kind records steps (step_records.py; nothing without VLLM_STUDY_STEPS) and takes live
-# limits (live.py; nothing without VLLM_STUDY_KNOBS_CONTROL).
+# limits (live_limits.py; nothing without VLLM_STUDY_KNOBS_CONTROL).
 KINDS = {"budget": ("PrefixBudget", (StepRecordsMixin, LiveLimitsMixin, PrefixBudgetMixin)),
          "live": ("LiveLimits", (StepRecordsMixin, LiveLimitsMixin)),
          "steps": ("StepRecords", (StepRecordsMixin,))}
@@ -303,15 +303,15 @@ def _build(args, kwargs, budget: bool | str):
 class PrefixBudgetScheduler:
     """The class to name in --scheduler-cls: builds the variant that matches the
     engine's async_scheduling setting (see the module docstring for why). With
-    VLLM_STUDY_KNOBS_CONTROL set it also takes live limits (live.py)."""
+    VLLM_STUDY_KNOBS_CONTROL set it also takes live limits (live_limits.py)."""
 
     def __new__(cls, *args, **kwargs):
         return _build(args, kwargs, budget=True)
 
 
 class LiveLimitsScheduler:
-    """vLLM's own scheduling with live limits only (live.py), async or sync as the
-    engine's config asks: `--scheduler-cls vllm_study.prefix_budget.LiveLimitsScheduler`."""
+    """vLLM's own scheduling with live limits only (live_limits.py), async or sync as the
+    engine's config asks: `--scheduler-cls vllm_study.scheduler_plugin.LiveLimitsScheduler`."""
 
     def __new__(cls, *args, **kwargs):
         return _build(args, kwargs, budget=False)
@@ -320,14 +320,14 @@ class LiveLimitsScheduler:
 class StepRecordsScheduler:
     """vLLM's own scheduling, recording each engine step to VLLM_STUDY_STEPS
     (step_records.py), async or sync as the engine's config asks:
-    `--scheduler-cls vllm_study.prefix_budget.StepRecordsScheduler`."""
+    `--scheduler-cls vllm_study.scheduler_plugin.StepRecordsScheduler`."""
 
     def __new__(cls, *args, **kwargs):
         return _build(args, kwargs, budget="steps")
 
 
 def __getattr__(name: str):
-    # `--scheduler-cls vllm_study.prefix_budget.scheduler.PrefixBudgetAsyncScheduler`
+    # `--scheduler-cls vllm_study.scheduler_plugin.scheduler.PrefixBudgetAsyncScheduler`
     # (or ...SyncScheduler, LiveLimits..., StepRecords...) picks a variant explicitly.
     for kind, (stem, _) in KINDS.items():
         for async_scheduling, variant in ((True, "Async"), (False, "Sync")):
