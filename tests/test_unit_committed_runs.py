@@ -3,6 +3,7 @@ validates as today's Study (runs made on other machines and by older kits), and 
 report's axes are the points' axes."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from vllm_study.report import binding, capacity_section
 from vllm_study import notebook_support as ns
 from vllm_study.define.params import Study
 from vllm_study.define import grid_spec
+from vllm_study.records.results import RunFolder
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/manifest.json"))
@@ -33,6 +35,38 @@ def test_a_committed_run_loads_with_its_typed_study(folder):
     if folder.name == BUDGET_RUN:  # its min_reuse_ratio values make the scheduler an axis: heatmaps chunk x ratio
         assert r.axes == ["max_num_batched_tokens", "min_reuse_ratio"]
         assert binding.scheduler_axis(r) == "min_reuse_ratio"
+
+
+def test_every_kit_scheduler_a_committed_run_launched_is_known_by_the_path_it_recorded():
+    """Runs made before the plugin's package was renamed record its old class paths
+    (vllm_study.prefix_budget.X); a reader of a recorded launch (export) knows each one
+    through KIT_SCHEDULER_PATHS."""
+    from vllm_study.launch.flags import Flags
+    from vllm_study.measure.launcher import KIT_SCHEDULER_PATHS
+    recorded = set()
+    for f in RESULTS.rglob("start.json"):
+        command = (json.loads(f.read_text()).get("launch") or {}).get("command") or []
+        recorded.add(Flags.parse(command).get("scheduler-cls"))
+    kit = {c for c in recorded if c and c.startswith("vllm_study.")}
+    assert {"vllm_study.prefix_budget.PrefixBudgetScheduler", "vllm_study.prefix_budget.StepRecordsScheduler"} <= kit
+    assert kit <= {path for paths in KIT_SCHEDULER_PATHS for path in paths}
+
+
+@pytest.mark.parametrize("run, point, scheduler", [
+    ("20261207T095858Z-h100-mooncake-chunk-attention-ec68ca4", "mbt=2048__mns=64__pc=on__lpt=0", None),
+    (BUDGET_RUN, "mbt=256__mrr=0.50", "vllm_study.scheduler_plugin.PrefixBudgetScheduler")])
+def test_a_committed_run_that_recorded_the_plugins_old_path_exports_todays_command(run, point, scheduler):
+    """The step-records scheduler (measurement) is left out of the exported command; the
+    Prefix Reuse Budget's (the point's admission rule) stays, under the path that loads."""
+    from vllm_study.report import export
+    r = report.Run.load(RunFolder(RESULTS / run), None)
+    recorded = next(s for s in r.summaries if s.point == point).launch.command
+    assert any(t.startswith("vllm_study.prefix_budget.") for t in recorded)
+    argv, _, source = export.launch(r, point, export.serve_config(r, point))
+    assert not any("vllm_study.prefix_budget" in t for t in argv)
+    assert (argv[argv.index("--scheduler-cls") + 1] if "--scheduler-cls" in argv else None) == scheduler
+    said = "--scheduler-cls vllm_study.prefix_budget.PrefixBudgetScheduler is where the kit's plugin lived"
+    assert (said in source) == bool(scheduler)
 
 
 SEARCH_RUN = "20261202T122846Z-h200-mooncake-search-6581d2b"

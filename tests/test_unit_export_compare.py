@@ -72,6 +72,37 @@ def test_export_prints_the_recorded_launch_with_model_folder_load_format_and_kit
     assert argv[argv.index("--scheduler-cls") + 1] == "vllm_study.scheduler_plugin.PrefixBudgetScheduler"
 
 
+def test_export_of_a_run_that_recorded_the_plugins_old_path_drops_or_renames_the_kits_scheduler(tmp_path):
+    """A run made before the plugin's package was renamed recorded the old class paths
+    (committed runs' start.json): its exported command still leaves out the kit's
+    measuring schedulers, and keeps the Prefix Reuse Budget's under the path that loads."""
+    run = make_run(tmp_path / "r", _values([A, B, C, D]), {"server": {"extra_cli_args": UNI}})
+    folder = run.point(B)
+    plan = folder.plan()
+    (tmp_path / "tiny-qwen2").mkdir()
+    base = server.serve_command(str(tmp_path / "tiny-qwen2"), 40123, plan.point.engine_args.cli(), "tiny", True, UNI)
+
+    def exported(*scheduler: str) -> tuple[list[str], str]:
+        for st in folder.starts():
+            st.launch = st.launch.model_copy(update={"command": base + list(scheduler), "kit_env": {}})
+            st.save(folder.start_dir(st.start) / "start.json")
+        summarize(folder, plan)
+        argv, _, source = export.launch(report.Run.load(RunFolder(run.path), None), B, {})
+        return argv, source
+
+    for old in ("vllm_study.prefix_budget.StepRecordsScheduler", "vllm_study.prefix_budget.LiveLimitsScheduler"):
+        argv, source = exported("--scheduler-cls", old)
+        assert "--scheduler-cls" not in argv and old not in argv and "prefix_budget" not in source
+        argv, _ = exported(f"--scheduler-cls={old}")
+        assert not any("scheduler" in t for t in argv)
+    old = "vllm_study.prefix_budget.PrefixBudgetScheduler"
+    argv, source = exported("--scheduler-cls", old)
+    assert argv[argv.index("--scheduler-cls") + 1] == "vllm_study.scheduler_plugin.PrefixBudgetScheduler"
+    assert old not in argv and f"its --scheduler-cls {old}" in source
+    argv, _ = exported(f"--scheduler-cls={old}")
+    assert "--scheduler-cls=vllm_study.scheduler_plugin.PrefixBudgetScheduler" in argv
+
+
 def test_export_of_a_run_made_elsewhere_points_at_this_machines_interpreter_and_card_folder(tmp_path):
     """A committed run's launch names the interpreter and card folder of the machine it ran
     on; the printed command must start here."""

@@ -46,7 +46,17 @@ def _non_default_args(log_text: str) -> dict | None:
 # out (export.py).
 PLACE_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "VLLM_CACHE_ROOT", PB_STATS_ENV, CONTROL_ENV, STEPS_ENV,
                        "VLLM_ENGINE_READY_TIMEOUT_S"})
+BUDGET_SCHEDULER_CLS = "vllm_study.scheduler_plugin.PrefixBudgetScheduler"
 STEPS_SCHEDULER_CLS = "vllm_study.scheduler_plugin.StepRecordsScheduler"
+# The kit's scheduler classes as --scheduler-cls names them: (today's path, the path it had
+# before the plugin's package was renamed from vllm_study.prefix_budget). Runs made before
+# the rename record the old paths (start.json's and summary.json's launch.command), so code
+# that reads a committed run's command matches both (report/export.py).
+KIT_SCHEDULER_PATHS = (
+    (BUDGET_SCHEDULER_CLS, "vllm_study.prefix_budget.PrefixBudgetScheduler"),
+    (LIVE_SCHEDULER_CLS, "vllm_study.prefix_budget.LiveLimitsScheduler"),
+    (STEPS_SCHEDULER_CLS, "vllm_study.prefix_budget.StepRecordsScheduler"),
+)
 
 
 @dataclass
@@ -303,7 +313,7 @@ def measurement_flags(plan, live: bool, served_chunks: tuple[int, ...] = ()) -> 
     flags = []
     pb = plan.point.prefix_budget
     if pb:
-        flags += ["--scheduler-cls", "vllm_study.scheduler_plugin.PrefixBudgetScheduler", "--additional-config",
+        flags += ["--scheduler-cls", BUDGET_SCHEDULER_CLS, "--additional-config",
                   json.dumps({"prefix_budget": {"min_reuse_ratio": pb.min_reuse_ratio,
                                                 "max_defer_ms": pb.max_defer_ms}})]
     elif live:  # the Prefix Reuse Budget scheduler above takes the control file too

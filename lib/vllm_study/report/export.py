@@ -31,7 +31,7 @@ from ..launch import server
 from ..define.params import Load, ModelSpec
 from ..launch.deployment import MEASUREMENT_ONLY, PER_START, VllmServe
 from ..launch.flags import Flags
-from ..measure.launcher import PLACE_ENV, STEPS_SCHEDULER_CLS
+from ..measure.launcher import KIT_SCHEDULER_PATHS, PLACE_ENV, STEPS_SCHEDULER_CLS
 from ..measure.live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from ..records.results import RunFolder
 
@@ -39,6 +39,13 @@ from ..records.results import RunFolder
 CARD_MODELS = {"qwen2.5-0.5b": "Qwen/Qwen2.5-0.5B-Instruct", "qwen2.5-1.5b": "Qwen/Qwen2.5-1.5B-Instruct",
                "qwen2.5-7b": "Qwen/Qwen2.5-7B-Instruct", "qwen2.5-14b": "Qwen/Qwen2.5-14B-Instruct",
                "qwen2.5-32b": "Qwen/Qwen2.5-32B-Instruct", "qwen2.5-72b": "Qwen/Qwen2.5-72B-Instruct"}
+# The kit's schedulers that only measured (the live-limits one let the kit lower limits
+# between rounds, the step-records one recorded steps), by every path a run recorded them
+# under; and today's path of each old one (a run made before the rename names a module
+# that no longer exists).
+MEASURING_SCHEDULERS = frozenset(path for today, old in KIT_SCHEDULER_PATHS
+                                 if today in (LIVE_SCHEDULER_CLS, STEPS_SCHEDULER_CLS) for path in (today, old))
+TODAYS_SCHEDULER = {old: today for today, old in KIT_SCHEDULER_PATHS}
 # what the printed command leaves out of the one that ran (_drop_flags), said in the evidence
 DROPPED = "less its port (pick one with --port) and the flags the config holds"
 
@@ -117,11 +124,27 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
         env = {**study_env, **server.cpu_uni_env(cmd, study_env)}
         source = f"rebuilt by this kit, here (no start of this point recorded its launch), {DROPPED}"
     argv = _drop_flags(cmd, PER_START | MEASUREMENT_ONLY | set(cfg)
-                       # the live-limits scheduler only let the kit lower limits between rounds, the
-                       # step-records one only recorded steps: measurement, as --enable-mfu-metrics is.
+                       # the kit's measuring schedulers are measurement, as --enable-mfu-metrics is.
                        # The Prefix Reuse Budget's stays: it is the point's admission rule.
-                       | ({"scheduler-cls"} if {LIVE_SCHEDULER_CLS, STEPS_SCHEDULER_CLS} & set(cmd) else set()))
+                       | ({"scheduler-cls"} if Flags.parse(cmd).get("scheduler-cls") in MEASURING_SCHEDULERS
+                          else set()))
+    argv, renamed = _todays_scheduler(argv)
+    source += "".join(f"; {what}" for what in renamed)
     return argv, {k: v for k, v in env.items() if k not in PLACE_ENV}, source
+
+
+def _todays_scheduler(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv with a kit scheduler class named by its path before the plugin's package was
+    renamed (KIT_SCHEDULER_PATHS) named by today's, and what was replaced, said."""
+    out, said = [], []
+    for tok in argv:
+        flag, eq, value = tok.rpartition("=")  # `path` or `--scheduler-cls=path`
+        if value in TODAYS_SCHEDULER:
+            said.append(f"its --scheduler-cls {value} is where the kit's plugin lived when the run was made: "
+                        f"{TODAYS_SCHEDULER[value]}, the same class today, stands in")
+            tok = flag + eq + TODAYS_SCHEDULER[value]
+        out.append(tok)
+    return out, said
 
 
 def _here(cmd: list[str], model: ModelSpec) -> tuple[list[str], list[str]]:
