@@ -115,6 +115,8 @@ def test_plugin_loads_on_the_base_the_engine_config_asks_for(servers):
     assert s["counters"]["steps"] > 0 and s["counters"]["lookups"] > 0  # it ran in the engine
     log = srvs["plugin"].log_path.read_text()
     assert "custom scheduler class vllm_study.scheduler_plugin.PrefixBudgetScheduler" in log
+    # the plugin's own logger sits under vLLM's "vllm" logger: its lines reach the server's log
+    assert f"prefix_budget: Params(min_reuse_ratio={MIN_RATIO}" in log
     assert "PrefixBudgetScheduler" not in srvs["default"].log_path.read_text()
 
 
