@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict.start import SimulatedStart  # noqa: E402
-from vllm_study.prefix_budget import steps  # noqa: E402
+from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import RunFolder, StartRecord, read_rounds  # noqa: E402
 
 
