@@ -142,7 +142,7 @@ def add_capacity_start(run: RunFolder, point: str, k: int, cap: float, bound_ms:
         ttft = bound_ms * load / cap
         m = {"requests": 16.0, "completed": 16.0, "failed": 0.0, "ttft_p90_ms": ttft,
              "tpot_p50_ms": 20.0, "output_throughput": 16.0 * load, "request_throughput": load}
-        met, why = capacity.judge(m, s.capacity.slo, None)
+        met, why = capacity.meets_slo(m, s.capacity.slo, None)
         rec = RoundRecord(point=point, start=k, round=len(rounds), block=k, status="ok",
                           utc="2026-01-01T00:00:00", metrics=m, load=load, slo_met=met, slo_why=why)
         rounds.append(rec)

@@ -92,7 +92,7 @@ def test_every_step_records_each_bounds_margin():
     values = {"requests": 10, "completed": 10, "failed": 0, "ttft_p90_ms": 900.0, "ttft_sched_p90_ms": 2500.0,
               "itl_p99_ms": 75.0}
     assert capacity.margins(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150}) == \
-        {"ttft_p90_ms": 1.25, "itl_p99_ms": 0.5}  # judged from the schedule, as judge() does
+        {"ttft_p90_ms": 1.25, "itl_p99_ms": 0.5}  # judged from the schedule, as meets_slo() does
     assert capacity.margins({"ttft_p90_ms": 10.0}, {"tpot_p50_ms": 20}) == {}  # not measured: no margin
     log: list[float] = []
     measure = _measure(3.0, log)
@@ -136,13 +136,13 @@ def test_a_failed_step_is_a_miss_and_the_search_goes_on_below_it():
 def test_judge_uses_latency_from_the_schedule_where_the_round_had_one():
     values = {"requests": 10, "completed": 10, "failed": 0, "ttft_p90_ms": 900.0, "ttft_sched_p90_ms": 2500.0,
               "itl_p99_ms": 100.0}
-    met, why = capacity.judge(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150})
+    met, why = capacity.meets_slo(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150})
     assert not met and "ttft_sched_p90_ms 2500 > 2000" in why
     closed = {k: v for k, v in values.items() if "sched" not in k}
-    assert capacity.judge(closed, {"ttft_p90_ms": 2000, "itl_p99_ms": 150}) == (True, "")
-    assert capacity.judge({**closed, "failed": 2}, {"ttft_p90_ms": 2000})[0] is False
-    assert capacity.judge(closed, {"ttft_p90_ms": 2000}, "the server died") == (False, "the server died")
-    met, why = capacity.judge(closed, {"tpot_p50_ms": 20})
+    assert capacity.meets_slo(closed, {"ttft_p90_ms": 2000, "itl_p99_ms": 150}) == (True, "")
+    assert capacity.meets_slo({**closed, "failed": 2}, {"ttft_p90_ms": 2000})[0] is False
+    assert capacity.meets_slo(closed, {"ttft_p90_ms": 2000}, "the server died") == (False, "the server died")
+    met, why = capacity.meets_slo(closed, {"tpot_p50_ms": 20})
     assert not met and "not measured" in why
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from vllm_study.capacity import fit
-from vllm_study.capacity.bracket import judge, margins
+from vllm_study.capacity.bracket import meets_slo, margins
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.client import RequestResult
 from vllm_study.measure.stats import request_value_ms, round_metrics
@@ -60,10 +60,10 @@ def test_a_stall_bound_is_a_study_slo_and_each_request_meets_it_by_its_own_longe
     slo = {"stall_p90_ms": 200}
     m = round_metrics(_round(10, 0.250), duration_s=10.0, slo=slo)
     assert m["slo_attainment"] == pytest.approx(0.5)          # the ten stalled requests missed
-    ok, why = judge(m, slo)
+    ok, why = meets_slo(m, slo)
     assert not ok and "stall_p90_ms 250 > 200" in why
     assert margins(m, slo) == {"stall_p90_ms": pytest.approx(1.25)}
-    assert judge(m, {"itl_p99_ms": 50})[0]                      # the pooled bound sees nothing
+    assert meets_slo(m, {"itl_p99_ms": 50})[0]                      # the pooled bound sees nothing
 
 
 def test_capacity_fits_a_stall_bound_over_requests_not_over_pooled_gaps():

@@ -475,7 +475,7 @@ def confirm_until_resolved(run: RunFolder, study: Study, outcome: SweepOutcome, 
         if bad:
             rec.stop = f"{confirmation.FAILED}: {', '.join(bad)} (--resume --retry-failed starts it again)"
             break
-        v = confirming.judge(run, study, last)
+        v = confirming.block_verdict(run, study, last)
         rec.record(v)
         over = [(v.baseline, v.over_baseline)] + ([(v.runner_up, v.over_runner_up)] if v.runner_up != v.baseline
                                                     else [])   # the runner-up is the baseline: said once

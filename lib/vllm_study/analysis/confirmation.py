@@ -16,7 +16,7 @@ from ..records.point_capacity import point_capacities
 from ..records.results import RunFolder
 
 
-def judge(run: RunFolder, study: Study, block: int) -> Verdict:
+def block_verdict(run: RunFolder, study: Study, block: int) -> Verdict:
     """Every point's capacity over all its completed starts (as the report reads a grid
     run), ranked: the best is the highest (a bound where it met at the highest load), the
     runner-up the next; each gain as capacity.estimate.gain states it."""
@@ -88,7 +88,7 @@ def current(run: RunFolder, study: Study, rec: ConfirmRecord) -> Verdict | None:
     last_block = max(u.block for u in run.manifest().order)
     if rec.last is None or rec.last.block == last_block:
         return rec.last
-    return judge(run, study, last_block)
+    return block_verdict(run, study, last_block)
 
 
 def next_block(run: RunFolder, study: Study, v: Verdict) -> list[Unit] | str:

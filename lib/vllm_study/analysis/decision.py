@@ -121,27 +121,27 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
             raise ValueError("a capacity study is ranked by capacity.estimate's estimates, not by the rounds' "
                              "per-start figures: pass capacities=run.capacities (report.Run)")
         return by_capacity(rounds, capacities, left_out)
-    judge = "goodput" if slo and goodput_counts and "goodput" in measured else "output_throughput"
-    data = MetricData.from_rounds(rounds, judge)
-    none = lambda reason: Recommendation(None, judge, None, None, None, [], None, "", reason,  # noqa: E731
+    metric = "goodput" if slo and goodput_counts and "goodput" in measured else "output_throughput"
+    data = MetricData.from_rounds(rounds, metric)
+    none = lambda reason: Recommendation(None, metric, None, None, None, [], None, "", reason,  # noqa: E731
                                          [f"{p} ({st})" for p, st in left_out.items()])
     if data is None:
         return none("nothing was measured")
     candidates = [p for p in data.starts if p not in left_out]
     if not candidates:
         return none(NOT_COMPLETE)
-    if judge == "output_throughput" and _open_loop(rounds):
+    if metric == "output_throughput" and _open_loop(rounds):
         return none("no recommendation by output tokens/s: under open-loop load (requests arrive at a set rate) "
                     "the arrival rate fixes it until a point saturates. Rank by goodput with an `slo:`, or "
                     "search each point's capacity within the SLO with `capacity:`")
-    what = {"goodput": "goodput"}.get(judge, "output throughput")
+    what = {"goodput": "goodput"}.get(metric, "output throughput")
     failing = failed_requests(rounds)
     reason = f"the highest {what}; no SLO is set"
     if slo:
         verdicts = slo_table(intervals, slo, left_out, failing)
         meets = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "meets"]
         maybe = [p for p in candidates if p in verdicts.index and verdicts.at[p, "SLO"] == "not resolved"]
-        if judge != "goodput":
+        if metric != "goodput":
             what += (" (goodput was counted under the study's own SLO, not this one)" if "goodput" in measured
                      else " (goodput was not measured under this SLO)")
         if meets:
@@ -150,7 +150,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
             candidates, reason = maybe, (f"the highest {what} among the points that may meet the SLO: none meets "
                                          "it with certainty")
         else:
-            return Recommendation(None, judge, None, None, None, [], None, "",
+            return Recommendation(None, metric, None, None, None, [], None, "",
                                   "no point meets the SLO: relax a bound, lower the load, or widen the grid")
     centers = {p: data.center(p) for p in candidates}
     best = max(centers, key=centers.get)
@@ -168,7 +168,7 @@ def recommend(rounds: pd.DataFrame, intervals: pd.DataFrame, slo: dict[str, floa
         (others if d.resolved else tied).append((centers[p], p))
     rest = sorted(tied + others, reverse=True)
     runner = rest[0][1] if rest else None
-    return Recommendation(best, judge, float(data.back(centers[best])),
+    return Recommendation(best, metric, float(data.back(centers[best])),
                           float(data.back(centers[best] - half)) if np.isfinite(half) else None,
                           float(data.back(centers[best] + half)) if np.isfinite(half) else None,
                           [p for _, p in sorted(tied, reverse=True)], runner,
@@ -193,31 +193,31 @@ def by_capacity(rounds: pd.DataFrame, capacities: dict[str, PointCapacity | None
     is below its lowest load is never a tie, and nothing is recommended when every one is."""
     gone = [f"{p} ({st})" for p, st in left_out.items()]
     found = {p: pc for p, pc in capacities.items() if pc is not None and p not in left_out}
-    judge = "capacity_rps"
+    metric = "capacity_rps"
     if not found:
-        return Recommendation(None, judge, None, None, None, [], None, "",
+        return Recommendation(None, metric, None, None, None, [], None, "",
                               NOT_COMPLETE if left_out else "nothing was measured", gone)
     ranked = sorted(found, key=lambda p: _rank(found[p]), reverse=True)
     top = found[ranked[0]]
     c = top.config
     if c.kind == "below":
-        return Recommendation(None, judge, None, None, None, [], None, "",
+        return Recommendation(None, metric, None, None, None, [], None, "",
                               "every point's capacity is below its lowest load: the SLO was missed at every load "
                               "measured; lower capacity.lo (or capacity.floor)", gone)
     if c.kind == "unresolved":
-        return Recommendation(None, judge, None, None, None, [], None, "",
+        return Recommendation(None, metric, None, None, None, [], None, "",
                               "no point's capacity is resolved: each one's starts disagree (some below the lowest "
                               "load, some at or above the highest); run more starts", gone)
     unit = "rps" if top.rps_per_load else "load"
     scale = top.rps if top.rps_per_load else (lambda v: v)  # noqa: E731
     if not top.rps_per_load:  # the load fixes no rate: the capacity is in the search's own unit
-        judge = "capacity_load"
+        metric = "capacity_load"
     low, high = (c.low, c.high) if c.kind == "value" else (c.value, None)
     tied = [p for p in ranked[1:] if found[p].config.kind != "below" and not told_apart(top, found[p]).resolved]
     runner = ranked[1] if len(ranked) > 1 else None
     reason = "the highest capacity within the SLO" + (
         "; a lower bound: it met the SLO at the highest load measured" if c.kind == "at_least" else "")
-    return Recommendation(ranked[0], judge, scale(c.value), None if low is None else scale(low),
+    return Recommendation(ranked[0], metric, scale(c.value), None if low is None else scale(low),
                           None if high is None else scale(high), tied, runner,
                           trade(rounds, runner, ranked[0], capacities) if runner else "", reason, gone,
                           shown=top.cell(unit))

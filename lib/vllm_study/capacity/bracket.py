@@ -154,7 +154,7 @@ class Bracket:
         """lo missed: halve the load until a step meets the SLO or the floor misses (a
         bound: "below floor"), then bisect between that pass and the miss above it with the
         steps the halving left (module docstring)."""
-        budget = self.max_steps + halvings(self.lo, self.floor, self.integer)
+        step_budget = self.max_steps + halvings(self.lo, self.floor, self.integer)
         hi, load = self.lo, self.lo
         while load > self.floor:
             load = max(math.floor(load / 2) if self.integer else load / 2, self.floor)
@@ -164,13 +164,13 @@ class Bracket:
             hi = load
         else:
             return self._record(None, (0.0, self.floor), "below")
-        best, lo, hi = self._bisect(measure, s, load, hi, budget)
+        best, lo, hi = self._bisect(measure, s, load, hi, step_budget)
         return self._record(best, (lo, hi), None)
 
-    def _bisect(self, measure, best: Step | None, lo: float, hi: float, budget: int):
+    def _bisect(self, measure, best: Step | None, lo: float, hi: float, step_budget: int):
         """Bisect between lo and a miss at hi until the bracket is precise or the search
-        has taken `budget` steps; while nothing has passed, one step is kept back for lo."""
-        while len(self.steps) < budget - (best is None) and not self._done(lo, hi):
+        has taken `step_budget` steps; while nothing has passed, one step is kept back for lo."""
+        while len(self.steps) < step_budget - (best is None) and not self._done(lo, hi):
             mid = self._mid(lo, hi)
             if mid is None:
                 break
@@ -247,7 +247,7 @@ def margins(values: dict, slo: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def judge(values: dict, slo: dict[str, float], failed_reason: str | None = None) -> tuple[bool, str]:
+def meets_slo(values: dict, slo: dict[str, float], failed_reason: str | None = None) -> tuple[bool, str]:
     """Did a round meet every bound? Failed requests or a failed round are a miss."""
     if failed_reason:
         return False, failed_reason

@@ -115,7 +115,7 @@ def request_ms(r: dict, bound: str, sched: bool) -> np.ndarray | float | None:
 
 def step_from_requests(step: dict, reqs: list[dict], bounds: list[fit.Bound], values: dict) -> fit.StepData | None:
     """One step's requests as fit.StepData; a step with a failed request is a miss, as
-    the round's verdict (bracket.judge) makes it. None: a bound's values are missing."""
+    the round's verdict (bracket.meets_slo) makes it. None: a bound's values are missing."""
     if not reqs or any(r.get("error") for r in reqs):
         return fit.StepData(load=step["load"], failed=True)
     lat: dict[str, list] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from ..capacity.bracket import Bracket, CapacityRecord, Step, Stopped, judge, margins, trace_speed
+from ..capacity.bracket import Bracket, CapacityRecord, Step, Stopped, meets_slo, margins, trace_speed
 from . import client, counters, stats
 from ..launch import machine
 from ..workload import loads
@@ -168,7 +168,7 @@ class RoundProtocol:
             rec.window, rec.window_first, rec.window_last = k + 1, w.start, w.stop - 1
         if load is not None:
             why = None if ok else "the server died" if died else lost or "round failed"
-            rec.slo_met, rec.slo_why = judge(values, self.study.capacity.slo, why)
+            rec.slo_met, rec.slo_why = meets_slo(values, self.study.capacity.slo, why)
         self.rounds.append(rec)
         self._last_results = results  # a windowed capacity step pools its rounds' requests
         append_round(log.dir, rec, results)
@@ -301,7 +301,7 @@ def _pooled_step(load: float, recs: list[RoundRecord], results: list[dict], slo:
     pooled; any failed round is a miss. Its round is the first window's."""
     values = stats.round_metrics(results, sum(r.metrics.get("duration_s") or 0.0 for r in recs), slo)
     bad = next((r for r in recs if r.status != "ok"), None)
-    ok, why = judge(values, slo, f"window {bad.window}'s round failed" if bad else None)
+    ok, why = meets_slo(values, slo, f"window {bad.window}'s round failed" if bad else None)
     return Step(load, ok, why, recs[0].round, margins(values, slo))
 
 

@@ -62,7 +62,7 @@ def predict_capacity(plan, step_time: StepTime, *, cache_config: dict | None = N
                      num_blocks: int | None = None, inputs: StudyInputs | None = None,
                      async_scheduling: bool = False, precision: float | None = None,
                      max_steps: int | None = None, stream: int = 0) -> tuple[CapacityRecord, SimulatedStart]:
-    """The study's capacity bracket (capacity.Bracket + judge) over simulated rounds of
+    """The study's capacity bracket (capacity.Bracket + meets_slo) over simulated rounds of
     `plan`'s point with the KV pool of `cache_config` (a start's) or `num_blocks`; the
     record and the simulated start (its rounds: the steps the bracket took). precision,
     max_steps: a finer bracket than the study's. stream: the draws' stream (SimulatedStart)."""

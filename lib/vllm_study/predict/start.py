@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from ..capacity.bracket import Bracket, CapacityRecord, Step, judge, margins, trace_speed
+from ..capacity.bracket import Bracket, CapacityRecord, Step, meets_slo, margins, trace_speed
 from ..define import models
 from ..define.grid import PointPlan
 from ..measure import stats
@@ -199,7 +199,7 @@ class SimulatedStart:
 
     # -- a capacity search ----------------------------------------------------------------
     def capacity(self, precision: float | None = None, max_steps: int | None = None) -> CapacityRecord:
-        """The study's capacity bracket (Bracket and judge, as search_capacity runs
+        """The study's capacity bracket (Bracket and meets_slo, as search_capacity runs
         them) over simulated rounds; with trace.windows a step pools its windows' rounds.
         precision, max_steps: a finer bracket than the study's (a simulated step costs a
         second, not a round of the server's time)."""
@@ -213,11 +213,11 @@ class SimulatedStart:
             rounds = [self.run_round(len(self.rounds), load)
                       for _ in range(len(self.workloads) if self.windows else 1)]
             if len(rounds) == 1:
-                ok, why = judge(rounds[0].values, c.slo)
+                ok, why = meets_slo(rounds[0].values, c.slo)
                 return Step(load, ok, why, rounds[0].index, margins(rounds[0].values, c.slo))
             pooled = [r for x in rounds for r in x.results]
             values = stats.round_metrics(pooled, sum(x.values.get("duration_s") or 0.0 for x in rounds), c.slo)
-            ok, why = judge(values, c.slo)
+            ok, why = meets_slo(values, c.slo)
             return Step(load, ok, why, rounds[0].index, margins(values, c.slo))
         result = bracket.run(measure)
         if result.load is not None and c.over == "speed":
