@@ -14,6 +14,10 @@ same with the model's spread drawn (one stream, seed 0). Each round is simulated
 fresh simulated start, at the round's own load; its ITL P99 and TTFT P50 / P90 close each
 block, beside the measured ones.
 
+Then the round's TTFT by prompt length (median over the requests of each band,
+measured / simulated): which requests the simulated schedule serves sooner or later than
+the server did.
+
 --send-order adds a second simulated round a round: each request sent as late after its
 due time as the client sent it in the measured round. A trace's requests often share an
 arrival instant (the Mooncake trace's timestamps are whole seconds); the simulator sends
@@ -74,6 +78,23 @@ def sent_as_measured(late: dict[int, float]):
         simulated_start.open_loop = orig
 
 
+BANDS = (0, 2000, 8000, 16000, 1 << 30)   # prompt tokens: one chunk or less, to several
+
+
+def ttft_by_length(measured: list[dict], simulated: list[dict]) -> str:
+    """Median TTFT by prompt-length band, measured / simulated, the same requests (by index)."""
+    sim = {r["index"]: r for r in simulated}
+    out = []
+    for lo, hi in zip(BANDS, BANDS[1:]):
+        pairs = [(r["ttft_s"], sim[r["index"]]["ttft_s"]) for r in measured
+                 if lo <= r["prompt_tokens"] < hi and r["index"] in sim and r.get("ttft_s") is not None
+                 and sim[r["index"]].get("ttft_s") is not None]
+        if pairs:
+            m, s_ = np.median(np.array(pairs), axis=0) * 1e3
+            out.append(f"{lo}-{hi if hi < BANDS[-1] else ''} tokens ({len(pairs)}) {m:.0f} / {s_:.0f} ms")
+    return "; ".join(out)
+
+
 def figures(values: dict) -> str:
     return ", ".join(f"{k} {values[k]:.1f} ms" for k in ("itl_p99_ms", "ttft_p50_ms", "ttft_p90_ms"))
 
@@ -112,6 +133,8 @@ def main() -> int:
         out = sim.run_round(rnd.round, load=load)
         srows, scyc = step_model.busy(out.steps)
         print(f"    simulated: {describe(srows, scyc, chunk, a.fill)}; {figures(out.values)}")
+        print("    TTFT by prompt length, measured / simulated: "
+              + ttft_by_length([r for r in sent if r["round"] == rnd.round], out.results))
         if a.send_order:
             late = {r["index"]: r["send_time"] - r["due_time"] for r in sent
                     if r["round"] == rnd.round and r.get("due_time") is not None}
