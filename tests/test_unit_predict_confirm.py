@@ -133,6 +133,19 @@ def test_the_section_sets_predicted_beside_measured_flags_the_outside_one_and_ra
     assert sec.tau == pytest.approx(1.0)                             # both orders agree
     assert sec.errors["mbt=256"] == pytest.approx(9.0 / r.capacities["mbt=256"].config.value - 1)
     assert any("1 prediction(s) outside the measured interval: mbt=256" in line for line in sec.lines)
+    assert not any("left out" in line for line in sec.lines)          # every term fitted
+
+
+def test_the_section_says_which_term_the_model_left_out_and_why(tmp_path):
+    run = _predicted_run(tmp_path)
+    pred = ps.read(run.path)
+    why = "3 of 3 rounds were recorded by a kit that did not write prefill_attention_pairs"
+    pred.model.left_out = {"per_prefill_attention_pair_s": why}
+    pred.save(run)
+    from vllm_study.report import report
+    sec = predict_section.predicted_vs_measured(run.path, report.Run.load(run).capacities)
+    assert any(line.startswith("the model now:") and f"per_prefill_attention_pair_s left out: {why}" in line
+               for line in sec.lines)
 
 
 def test_export_refuses_a_config_that_was_only_predicted(tmp_path):

@@ -151,7 +151,8 @@ def predicted_vs_measured(run_path: str | Path, capacities: dict) -> Section | N
         f"the model now: {last.steps} steps of {last.rounds} rounds from {len(last.starts)} start(s) (refitted "
         f"after each real start: {len(pred.refits)} refit(s))"
         + (f"; its held-out per-step error median {last.held_out_median:.0%}, P90 {last.held_out_p90:.0%}"
-           if last.held_out_median is not None else ""),
+           if last.held_out_median is not None else "")
+        + "".join(f"; {term} left out: {why}" for term, why in last.left_out.items()),
         "Export takes measured configs only: a config with a prediction and no measured start is never exported.",
     ]
     return sec
