@@ -24,21 +24,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
 from vllm_study.predict import step_model  # noqa: E402
-from vllm_study.scheduler_plugin import steps  # noqa: E402
-from vllm_study.records.results import RunFolder  # noqa: E402
 
 COLUMN = "prefill_attention_pairs"
 
 
 def rounds_by_chunk(run_dir: Path) -> dict[int, list[np.ndarray]]:
-    """Every round's step records of the run, by the chunk size of the start it ran in."""
-    run, out = RunFolder(run_dir), {}
-    for pid in run.point_ids():
-        folder = run.point(pid)
-        chunk = folder.plan().point.engine_args.max_num_batched_tokens
-        for rec in folder.starts():
-            for f in sorted((folder.start_dir(rec.start) / steps.ROUNDS_DIR).glob("r*.npz")):
-                out.setdefault(chunk, []).append(steps.load_round(f))
+    """Every round's step records of the run (step_model.collect), by the chunk size of
+    the start it ran in."""
+    out: dict[int, list[np.ndarray]] = {}
+    for rows, scope in step_model.collect(run_dir):
+        out.setdefault(scope.launch["max_num_batched_tokens"], []).append(rows)
     return out
 
 

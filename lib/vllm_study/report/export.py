@@ -30,7 +30,7 @@ from . import answer, capacity_section, run as report_run
 from ..launch import server
 from ..define.params import Load, ModelSpec
 from ..launch.deployment import MEASUREMENT_ONLY, PER_START, VllmServe
-from ..launch.flags import Flags
+from ..launch.flags import Flag, Flags
 from ..measure.launcher import KIT_SCHEDULER_PATHS, PLACE_ENV, STEPS_SCHEDULER_CLS
 from ..measure.live_knobs import SCHEDULER_CLS as LIVE_SCHEDULER_CLS
 from ..records.results import RunFolder
@@ -135,16 +135,17 @@ def launch(r: report.Run, point: str, cfg: dict) -> tuple[list[str], dict[str, s
 
 def _todays_scheduler(argv: list[str]) -> tuple[list[str], list[str]]:
     """argv with a kit scheduler class named by its path before the plugin's package was
-    renamed (KIT_SCHEDULER_PATHS) named by today's, and what was replaced, said."""
-    out, said = [], []
-    for tok in argv:
-        flag, eq, value = tok.rpartition("=")  # `path` or `--scheduler-cls=path`
-        if value in TODAYS_SCHEDULER:
-            said.append(f"its --scheduler-cls {value} is where the kit's plugin lived when the run was made: "
-                        f"{TODAYS_SCHEDULER[value]}, the same class today, stands in")
-            tok = flag + eq + TODAYS_SCHEDULER[value]
-        out.append(tok)
-    return out, said
+    renamed (KIT_SCHEDULER_PATHS) named by today's, and what was replaced, said. The
+    codec reads the flag in either form (`--scheduler-cls path`, `--scheduler-cls=path`)."""
+    entries, said = [], []
+    for e in Flags.parse(argv).entries:
+        if e.name == "scheduler-cls" and e.value in TODAYS_SCHEDULER:
+            today = TODAYS_SCHEDULER[e.value]
+            said.append(f"its --scheduler-cls {e.value} is where the kit's plugin lived when the run was made: "
+                        f"{today}, the same class today, stands in")
+            e = Flag(e.name, today, tuple(t.replace(e.value, today) for t in e.tokens))
+        entries.append(e)
+    return Flags(entries).argv(), said
 
 
 def _here(cmd: list[str], model: ModelSpec) -> tuple[list[str], list[str]]:
