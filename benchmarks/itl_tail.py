@@ -29,8 +29,6 @@ replays the measured order instead.
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import sys
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,7 +41,7 @@ from vllm_study.predict import start as simulated_start  # noqa: E402
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.predict.start import SimulatedStart  # noqa: E402
 from vllm_study.scheduler_plugin import steps  # noqa: E402
-from vllm_study.records.results import RunFolder, StartRecord, read_rounds  # noqa: E402
+from vllm_study.records.results import RunFolder, StartRecord, read_requests, read_rounds  # noqa: E402
 
 
 def weighted_p99(cycles: np.ndarray, weights: np.ndarray) -> float:
@@ -115,8 +113,7 @@ def main() -> int:
     record = StartRecord.load_if(start_dir / "start.json")
     model = max(step_model.fit_run(a.run), key=lambda m: m.steps)
     rng = np.random.default_rng(0)
-    with gzip.open(start_dir / "requests.jsonl.gz", "rt") as f:
-        sent = [json.loads(line) for line in f]
+    sent = read_requests(start_dir) or {}
     for rnd in read_rounds(start_dir / "rounds.jsonl"):
         path = steps.round_path(start_dir, rnd.round)
         if rnd.status != "ok" or not path.exists():
@@ -134,10 +131,10 @@ def main() -> int:
         srows, scyc = step_model.busy(out.steps)
         print(f"    simulated: {describe(srows, scyc, chunk, a.fill)}; {figures(out.values)}")
         print("    TTFT by prompt length, measured / simulated: "
-              + ttft_by_length([r for r in sent if r["round"] == rnd.round], out.results))
+              + ttft_by_length(sent.get(rnd.round, []), out.results))
         if a.send_order:
-            late = {r["index"]: r["send_time"] - r["due_time"] for r in sent
-                    if r["round"] == rnd.round and r.get("due_time") is not None}
+            late = {r["index"]: r["send_time"] - r["due_time"] for r in sent.get(rnd.round, [])
+                    if r.get("due_time") is not None}
             with sent_as_measured(late):
                 out = SimulatedStart(plan, model, record=record, async_scheduling=plan.engine == "gpu").run_round(
                     rnd.round, load=load)

@@ -17,7 +17,6 @@ would.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import numpy as np
 from scipy import stats as sps
 
 from vllm_study.analysis.intervals import one_start_note
-from vllm_study.records.results import REQUESTS, RunFolder, read_rounds
+from vllm_study.records.results import RunFolder, read_requests, read_rounds
 from vllm_study.define.study_file import load_study
 from vllm_study.workload import prefix_cache_model as pcm, windows
 
@@ -41,12 +40,12 @@ def _rounds(run: RunFolder) -> dict[int, tuple]:
     successful requests)."""
     out = {}
     for d in _start_dirs(run):
-        reqs = [json.loads(line) for line in gzip.open(d / REQUESTS, "rt")]
+        by_round = read_requests(d) or {}
         for rec in read_rounds(d / "rounds.jsonl"):
             if rec.status != "ok" or rec.window is None:
                 continue
-            ttft = {r["index"]: r["ttft_s"] * 1000 for r in reqs
-                    if r["round"] == rec.round and r["start"] == rec.start and r["error"] is None}
+            ttft = {r["index"]: r["ttft_s"] * 1000 for r in by_round.get(rec.round, ())
+                    if r["start"] == rec.start and r["error"] is None}
             out[rec.window] = (rec, ttft)
     return out
 

@@ -13,7 +13,6 @@ that point's start 2.
 """
 from __future__ import annotations
 
-import gzip
 import json
 import shutil
 import sys
@@ -26,7 +25,8 @@ from vllm_study.vocab.metrics import REGISTRY
 from vllm_study.define.study_file import load_study
 from vllm_study.measure.point import summarize
 from vllm_study.records.results import (LOG, NOTEBOOK, REQUESTS, ROUNDS, START, GitState, Launch, Manifest, Resume,
-                                        RoundRecord, RunFolder, StartRecord, compress_log, write_atomic)
+                                        RoundRecord, RunFolder, StartRecord, compress_log, read_requests,
+                                        write_atomic)
 
 SERVER_KEYS = [k for k, m in REGISTRY.items() if m.source in ("server", "nvml")]
 
@@ -58,13 +58,12 @@ def convert_start(old_dir: Path, new_dir: Path, study, start: int, block: int | 
         if (old_dir / name).exists():
             shutil.move(str(old_dir / name), new_dir / name)
     compress_log(new_dir)
-    with gzip.open(new_dir / REQUESTS, "rt") as f:
-        requests = [json.loads(line) for line in f if line.strip()]
+    by_round = read_requests(new_dir) or {}
     old_rounds = [json.loads(line) for line in (old_dir / ROUNDS).read_text().splitlines() if line.strip()]
     expected = (old.get("workload") or {}).get("expected_prefix_hit_rate")
     records = []
     for row in old_rounds:
-        res = [r for r in requests if r["round"] == row["round"]]
+        res = by_round.get(row["round"], [])
         ends = [r["send_time"] + r["e2e_s"] for r in res if r.get("e2e_s") is not None]
         duration = max(ends) - min(r["send_time"] for r in res) if ends else None
         values = stats.round_metrics(res, duration, study.slo)

@@ -218,11 +218,8 @@ class Handoff:
 def samples_of_run(run_dir) -> tuple[list[RoundSample], FrontEndScope | None]:
     """Every ok round with step records in a kit run folder (rounds.jsonl, requests.jsonl.gz,
     steps/r<k>.npz), its requests in the order sent, and the run's front-end scope."""
-    import gzip
-    import json
-
     from ..scheduler_plugin import steps
-    from ..records.results import REQUESTS, RunFolder, read_rounds
+    from ..records.results import RunFolder, read_requests, read_rounds
 
     run = RunFolder(run_dir)
     manifest = run.manifest()
@@ -233,13 +230,9 @@ def samples_of_run(run_dir) -> tuple[list[RoundSample], FrontEndScope | None]:
         w = plan.study.workload
         for start in folder.starts():
             d = folder.start_dir(start.start)
-            if start.served_by or not (d / REQUESTS).exists() or not any((d / steps.ROUNDS_DIR).glob("r*.npz")):
+            by_round = None if start.served_by else read_requests(d)
+            if by_round is None or not any((d / steps.ROUNDS_DIR).glob("r*.npz")):
                 continue
-            by_round: dict[int, list[dict]] = {}
-            with gzip.open(d / REQUESTS, "rt") as f:
-                for line in f:
-                    r = json.loads(line)
-                    by_round.setdefault(r["round"], []).append(r)
             for rec in read_rounds(d / "rounds.jsonl"):
                 reqs = sorted(by_round.get(rec.round, []), key=lambda r: r["send_time"])
                 path = steps.round_path(d, rec.round)

@@ -4,7 +4,6 @@ starts live there), and a capacity study's summary.csv.
 """
 from __future__ import annotations
 
-import gzip
 import json
 from functools import lru_cache
 from pathlib import Path
@@ -13,7 +12,7 @@ from ..capacity import estimate, fit
 from ..capacity.bracket import CapacityRecord
 from ..capacity.estimate import PointCapacity
 from ..define.study_file import study_from_dict
-from .results import REQUESTS, PointFolder, RunFolder, StartRecord, read_rounds
+from .results import PointFolder, RunFolder, StartRecord, read_requests, read_rounds
 
 
 def rps_per_load(rec: CapacityRecord, start: StartRecord) -> float | None:
@@ -29,18 +28,6 @@ def rps_per_load(rec: CapacityRecord, start: StartRecord) -> float | None:
     return None
 
 
-def _read_requests(start_dir: Path) -> dict[int, list[dict]] | None:
-    path = Path(start_dir) / REQUESTS
-    if not path.exists():
-        return None
-    by_round: dict[int, list[dict]] = {}
-    with gzip.open(path, "rt") as f:
-        for line in f:
-            r = json.loads(line)
-            by_round.setdefault(r["round"], []).append(r)
-    return by_round
-
-
 def start_capacity(start_dir: Path, rec: CapacityRecord, slo: dict[str, float], floor: float,
                    seed: int = 0) -> tuple[fit.StartCapacity, str]:
     """One start's capacity and the capacity.estimate.STATISTICS key it was judged by."""
@@ -52,7 +39,7 @@ def _start_capacity(start_dir: str, rec_json: str, slo_json: str, floor: float,
                     seed: int) -> tuple[fit.StartCapacity, str]:
     rec = CapacityRecord.model_validate_json(rec_json)
     per_step = rec.step_rounds(read_rounds(Path(start_dir) / "rounds.jsonl")) if rec.steps else []
-    return estimate.start_capacity(rec, per_step, _read_requests(Path(start_dir)), json.loads(slo_json), floor, seed)
+    return estimate.start_capacity(rec, per_step, read_requests(Path(start_dir)), json.loads(slo_json), floor, seed)
 
 
 def start_figures(st: StartRecord, start_dir: Path, slo: dict[str, float], floor: float) -> dict:

@@ -494,6 +494,21 @@ def append_round(start_dir: Path, record: RoundRecord, requests: list[dict]) -> 
             f.write(request_line(r, record.start, record.round))
 
 
+def read_requests(start_dir: Path) -> dict[int, list[dict]] | None:
+    """A start's requests.jsonl.gz by round (each request as request_line wrote it), or
+    None where the start kept no requests file (a lean run, or one that never served)."""
+    path = Path(start_dir) / REQUESTS
+    if not path.exists():
+        return None
+    by_round: dict[int, list[dict]] = {}
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                by_round.setdefault(r["round"], []).append(r)
+    return by_round
+
+
 def compress_log(start_dir: Path) -> None:
     """server.log -> server.log.gz once the server has stopped (logs are most of a run's size)."""
     log = Path(start_dir) / LOG
