@@ -74,7 +74,7 @@ from vllm_study.define import models
 from vllm_study.define.grid import expand
 from vllm_study.define.study_file import load_study, study_from_dict
 from vllm_study.define.traces import read_trace
-from vllm_study.launch.machine import NvmlProbe, resolve_engine
+from vllm_study.launch.machine import NvmlProbe, cpu_info, resolve_engine
 from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
@@ -175,7 +175,8 @@ def summary(starts: list[dict], values: list[int]) -> dict:
         need = {"value": v, "metric": m, "low": x["low"], "high": x["high"], "pairs": n,
                 "more": max(0, n - x["pairs"])}
     passes = bool(rows) and all(x["verdict"] in ("equal", "not resolved") for _, _, x in rows)
-    return {"by_value": by_value, "passes": passes, "widest": need,
+    devices = sorted({st["device"] for st in starts if st.get("device")})
+    return {"by_value": by_value, "passes": passes, "widest": need, "devices": devices,
             "method": "mean log ratio over pairs, 95% t interval (scipy.stats.ttest_1samp)"}
 
 
@@ -330,7 +331,8 @@ def report(plan: dict, s: dict) -> str:
     head = (f"{plan['knob']} {plan['launch']}: the kit's server as a sweep launches it (its measuring) over "
             f"plain vLLM starts" if footprint(plan) else
             f"{plan['knob']}: launched at {plan['launch']}{kit} and lowered live, over {fresh}")
-    lines = [f"{head}; {s['method']}; rounds a value {plan['rounds']}",
+    on = f"on {', '.join(s['devices'])}" if s.get("devices") else "device not recorded"
+    lines = [f"{head}; {on}; {s['method']}; rounds a value {plan['rounds']}",
              f"{'value':>7}  {'metric':<18} {'lowered':>10} {'fresh':>10} {'ratio':>7}  {'95% interval':<18} "
              f"pairs  verdict"]
     for v, ms in s["by_value"].items():
@@ -401,6 +403,26 @@ def check_plan(out: Path, plan: dict) -> None:
     f.write_text(json.dumps(plan, indent=1))
 
 
+def this_device() -> str:
+    """What measures here, as a start records it: the GPUs' names as NVML gives them (the
+    first device's, with the count where there are several), else the CPU's model."""
+    gpus = NvmlProbe().describe()
+    if gpus:
+        return gpus[0].name + (f" x{len(gpus)}" if len(gpus) > 1 else "")
+    return f"CPU: {cpu_info().model}"
+
+
+def check_device(starts: list[dict], device: str) -> None:
+    """A resumed run goes on only on the device its starts ran on: pairs from two kinds of
+    GPU (an H100 and an H200) are not samples of one difference. Starts recorded before
+    starts held their device are not checked."""
+    seen = {s["device"] for s in starts if s.get("device")}
+    if seen and seen != {device}:
+        raise SystemExit(f"this run's starts ran on {', '.join(sorted(seen))}; this machine is {device}: "
+                         "pairs from other hardware would be pooled with them. Resume it on that hardware, "
+                         "or give a new --out for a run on this one")
+
+
 def parse_values(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -414,8 +436,8 @@ def parse_values(text: str) -> list[int]:
 # ------------------------------------------------------------------ measuring
 
 class Bench:
-    def __init__(self, a, plan: dict):
-        self.a, self.plan = a, plan
+    def __init__(self, a, plan: dict, device: str):
+        self.a, self.plan, self.device = a, plan, device
         s = load_study(a.params)
         if s.workload.kind == "multi_turn" or s.workload.load.kind != "closed" or s.targets or s.search \
                 or s.scheduler.ratios != ["off"]:
@@ -471,7 +493,8 @@ class Bench:
         cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
                             self.dummy, extra)
         t0 = time.perf_counter()
-        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "rounds": [], "extra_cli_args": extra,
+        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "device": self.device, "rounds": [],
+               "extra_cli_args": extra,
                "commit": git_state(KIT_ROOT).model_dump(),  # a copy without .git: VLLM_STUDY_GIT_SHA names it
                "sampling_s": counters.RoundSampler.PERIOD_S if measuring else None}
         with VllmServer(cmd, port, work / "server.log", env=env, startup_timeout_s=s.server.startup_timeout_s) as srv:
@@ -561,7 +584,9 @@ def run(a) -> None:
     check_plan(a.out, plan)
     starts = read_starts(a.out)
     left = todo(starts, a.pairs, values, a.launch, a.seed)
-    bench = Bench(a, plan) if left else None
+    device = this_device()
+    check_device(starts, device)
+    bench = Bench(a, plan, device) if left else None
     for pair, way, vals in left:
         if not fits(starts, len(vals) * a.rounds, time.monotonic() - t_begin, a.minutes):
             print(f"stopping before {a.minutes:g} minutes: {len(left)} starts left; rerun with the same --out "

@@ -154,6 +154,21 @@ def test_plan_file_refuses_another_measurement_but_takes_more_pairs(tmp_path):
         eq.check_plan(tmp_path, {**plan, "values": [16, 8]})
 
 
+def test_a_resumed_run_refuses_other_hardware_and_its_report_names_the_device():
+    h100 = [{**_start(p, w, 8192 if w == "lowered" else 2048, {2048: [_metrics(100)]}),
+             "device": "NVIDIA H100 80GB HBM3"} for p in range(2) for w in ("fresh", "lowered")]
+    eq.check_device(h100, "NVIDIA H100 80GB HBM3")
+    eq.check_device([{k: v for k, v in st.items() if k != "device"} for st in h100], "NVIDIA H200")  # not recorded
+    with pytest.raises(SystemExit, match="ran on NVIDIA H100 80GB HBM3; this machine is NVIDIA H200.*new --out"):
+        eq.check_device(h100, "NVIDIA H200")
+    s = eq.summary(h100, [2048])
+    assert s["devices"] == ["NVIDIA H100 80GB HBM3"]
+    assert "on NVIDIA H100 80GB HBM3;" in eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, s)
+    assert "device not recorded" in eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1},
+                                              {**s, "devices": []})
+    assert eq.this_device()  # this machine: a GPU's NVML name, else its CPU model
+
+
 @pytest.mark.parametrize("text", ["", "2048,x", "512,512", "0,4"])
 def test_bad_values_are_refused_with_the_fix(text):
     with pytest.raises(SystemExit, match="--values"):
