@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from scheduler_support import config_only_model
 from vllm_study.scheduler_plugin import (Decision, Params, StatsRecorder, decide, params_from_config,
                                       passes_alone, percentile, read_stats, stats_delta)
 
@@ -197,24 +198,15 @@ PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks
 def vllm_parts(tmp_path_factory):
     """Configs for a real vLLM scheduler over a 2-layer Qwen2 config (nothing loaded)."""
     import torch
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    model = tmp_path_factory.mktemp("model")
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-        "hidden_act": "silu", "torch_dtype": "float32"}))
-    init_none_hash(sha256)
+    model, hasher = config_only_model(tmp_path_factory.mktemp("model"), BS)
 
     def kv_config(num_blocks):
         return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=1,
                                                           dtype=torch.float32))])
-    return str(model), kv_config, get_request_block_hasher(BS, sha256)
+    return model, kv_config, hasher
 
 
 def make_scheduler(vllm_parts, pb: dict | None, *, async_scheduling: bool | None = None,

@@ -1,11 +1,10 @@
 """Step records from inside vLLM's real scheduler (in-process, no model, no server): the
 kit's schedulers driven by schedule() / update_from_output() as EngineCore drives them,
 the rows read back from the raw file."""
-import json
-
 import numpy as np
 import pytest
 
+from scheduler_support import config_only_model
 from vllm_study.scheduler_plugin import StepRecordsScheduler, scheduler_class, step_records, steps
 
 BS = 16
@@ -15,18 +14,7 @@ PREFIX = list(range(1000, 1064))  # 64 tokens: 4 full blocks
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     """A 2-layer Qwen2 config folder (nothing loaded) and a block hasher."""
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-    model = tmp_path_factory.mktemp("model")
-    (model / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64,
-        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "vocab_size": 151936, "max_position_embeddings": 4096,
-        "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": True,
-        "hidden_act": "silu", "torch_dtype": "float32"}))
-    init_none_hash(sha256)
-    return str(model), get_request_block_hasher(BS, sha256)
+    return config_only_model(tmp_path_factory.mktemp("model"), BS)
 
 
 def make(parts, cls=StepRecordsScheduler, *, async_scheduling=False, mbt=64, num_blocks=400, max_num_seqs=64):
