@@ -349,7 +349,13 @@ def report(plan: dict, s: dict) -> str:
     elif any(x["verdict"] == "too few pairs" for ms in s["by_value"].values() for x in ms.values()):
         lines.append(rule + "not decided: every value needs at least 2 complete pairs")
     else:
-        lines.append(rule + "does NOT pass: the kit restarts for this knob on this engine")
+        # "differs" fails the rule whatever more pairs show; "too wide" only until they narrow it
+        differs = [f"{m} at {v}" for v, ms in s["by_value"].items() for m, x in ms.items() if x["verdict"] == "differs"]
+        wide = [f"{m} at {v}" for v, ms in s["by_value"].items() for m, x in ms.items() if x["verdict"] == "too wide"]
+        lines.append(rule + (f"does NOT pass ({', '.join(differs)} differs): the kit restarts for this knob on "
+                             "this engine" if differs else
+                             f"not decided yet ({', '.join(wide)} too wide; more pairs may settle it): until then "
+                             "the kit restarts for this knob on this engine"))
     w = s["widest"]
     if w:
         lines.append(f"widest interval: {w['metric']} at {w['value']}, [{pct(w['low'])}, {pct(w['high'])}]: about "

@@ -119,7 +119,13 @@ def test_summary_fails_on_preemptions_one_way_and_leaves_out_failed_rounds():
     assert s["by_value"][512]["ttft_p50_ms"]["effect"] == 0.0  # the failed round (completed 0) is not counted
     assert s["by_value"][512]["preemptions"]["verdict"] == "differs" and not s["passes"]
     text = eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, s)
-    assert "does NOT pass" in text and "preemptions" in text
+    assert "does NOT pass (preemptions at 512 differs)" in text
+    # too wide and nothing differing: not decided, and the kit still restarts until it is
+    wide = {**s, "by_value": {512: {m: {**x, "verdict": "too wide" if m == "ttft_p90_ms" else "equal"}
+                                    for m, x in s["by_value"][512].items()}}}
+    text = eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, wide)
+    assert "not decided yet (ttft_p90_ms at 512 too wide; more pairs may settle it)" in text
+    assert "does NOT pass" not in text and "the kit restarts" in text
 
 
 def test_pair_plan_alternates_shuffles_and_extends_without_reordering():
