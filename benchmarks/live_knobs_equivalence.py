@@ -420,8 +420,8 @@ def this_device() -> str:
 
 def check_device(starts: list[dict], device: str) -> None:
     """A resumed run goes on only on the device its starts ran on: pairs from two kinds of
-    GPU (an H100 and an H200) are not samples of one difference. Starts recorded before
-    starts held their device are not checked."""
+    GPU (an H100 and an H200) are not samples of one difference. Starts written before
+    starts recorded their device are not checked."""
     seen = {s["device"] for s in starts if s.get("device")}
     if seen and seen != {device}:
         raise SystemExit(f"this run's starts ran on {', '.join(sorted(seen))}; this machine is {device}: "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 
-from vllm_study.records.results import REQUESTS, RoundRecord, append_round
+from vllm_study.records.results import REQUESTS, RoundRecord, append_round, read_requests
 
 
 def test_times_are_kept_to_the_microsecond_and_the_rest_unchanged(tmp_path):
@@ -27,3 +27,14 @@ def test_times_are_kept_to_the_microsecond_and_the_rest_unchanged(tmp_path):
     assert got["tags"] == {"class": "shared", "weight": 0.123456789}
     assert got["prompt_tokens"] == 6758 and got["index"] == 3
     assert (got["start"], got["round"]) == (2, 1)
+
+
+def test_read_requests_gives_each_rounds_requests_in_the_order_written(tmp_path):
+    assert read_requests(tmp_path) is None  # no file: a lean run's start, or one that never served
+    for rnd, indices in ((0, (0, 1)), (1, (5, 2, 7))):
+        record = RoundRecord(point="p", start=1, round=rnd, status="ok", utc="2026-12-07T00:00:00Z", metrics={})
+        append_round(tmp_path, record, [{"index": i, "send_time": 0.5 * i} for i in indices])
+    by_round = read_requests(tmp_path)
+    assert sorted(by_round) == [0, 1]
+    assert [r["index"] for r in by_round[0]] == [0, 1] and [r["index"] for r in by_round[1]] == [5, 2, 7]
+    assert all(r["start"] == 1 and r["round"] == rnd for rnd, rs in by_round.items() for r in rs)
