@@ -230,8 +230,10 @@ def samples_of_run(run_dir) -> tuple[list[RoundSample], FrontEndScope | None]:
         w = plan.study.workload
         for start in folder.starts():
             d = folder.start_dir(start.start)
-            by_round = None if start.served_by else read_requests(d)
-            if by_round is None or not any((d / steps.ROUNDS_DIR).glob("r*.npz")):
+            if start.served_by or not any((d / steps.ROUNDS_DIR).glob("r*.npz")):
+                continue
+            by_round = read_requests(d)  # read only where step records make it of use
+            if by_round is None:
                 continue
             for rec in read_rounds(d / "rounds.jsonl"):
                 reqs = sorted(by_round.get(rec.round, []), key=lambda r: r["send_time"])
