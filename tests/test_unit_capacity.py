@@ -133,7 +133,7 @@ def test_a_failed_step_is_a_miss_and_the_search_goes_on_below_it():
     assert any("failed" in s["why"] for s in rec.steps)
 
 
-def test_judge_uses_latency_from_the_schedule_where_the_round_had_one():
+def test_meets_slo_uses_latency_from_the_schedule_where_the_round_had_one():
     values = {"requests": 10, "completed": 10, "failed": 0, "ttft_p90_ms": 900.0, "ttft_sched_p90_ms": 2500.0,
               "itl_p99_ms": 100.0}
     met, why = capacity.meets_slo(values, {"ttft_p90_ms": 2000, "itl_p99_ms": 150})
