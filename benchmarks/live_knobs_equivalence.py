@@ -141,6 +141,30 @@ def pairs_needed(sd: float, half: float = math.log1p(EQUAL), most: int = 10_000)
     return n
 
 
+LEFT_OUT = "left_out.json"  # {pair index: why}: pairs a run's folder declares unpaired
+
+
+def unpaired(starts: list[dict], declared: dict[int, str] | None = None) -> dict[int, str]:
+    """{pair index: why} for the pairs the summary leaves out: those whose two starts ran on
+    two GPUs (their `gpus`, NVML's UUIDs, differ: a machine's own speed would be read as the
+    difference), and those `declared` in the run's left_out.json (starts written before
+    they recorded their GPUs)."""
+    out = {int(k): v for k, v in (declared or {}).items()}
+    seen: dict[int, set] = {}
+    for s in starts:
+        if s.get("gpus"):
+            seen.setdefault(s["pair"], set()).add(tuple(s["gpus"]))
+    for p, gpus in seen.items():
+        if len(gpus) > 1 and p not in out:
+            out[p] = "its starts ran on two GPUs (" + " and ".join(",".join(g) for g in sorted(gpus)) + ")"
+    return out
+
+
+def read_left_out(out: Path) -> dict[int, str]:
+    f = out / LEFT_OUT
+    return {int(k): v for k, v in json.loads(f.read_text()).items()} if f.exists() else {}
+
+
 def paired(starts: list[dict], values: list[int]) -> dict:
     """{value: {metric: interval + verdict}} over the pairs that have both ways of it."""
     med: dict = {}  # (pair, value, way) -> {metric: median over rounds}
@@ -164,8 +188,10 @@ def paired(starts: list[dict], values: list[int]) -> dict:
     return out
 
 
-def summary(starts: list[dict], values: list[int]) -> dict:
-    by_value = paired(starts, values)
+def summary(starts: list[dict], values: list[int], declared: dict[int, str] | None = None) -> dict:
+    """The verdict over the pairs; those `unpaired` names are left out, and listed."""
+    left_out = unpaired(starts, declared)
+    by_value = paired([s for s in starts if s["pair"] not in left_out], values)
     rows = [(v, m, x) for v, ms in by_value.items() for m, x in ms.items()]
     widest = max((r for r in rows if r[2]["sd"] is not None), key=lambda r: r[2]["sd"], default=None)
     need = None
@@ -177,6 +203,7 @@ def summary(starts: list[dict], values: list[int]) -> dict:
     passes = bool(rows) and all(x["verdict"] in ("equal", "not resolved") for _, _, x in rows)
     devices = sorted({st["device"] for st in starts if st.get("device")})
     return {"by_value": by_value, "passes": passes, "widest": need, "devices": devices,
+            "left_out": {str(p): why for p, why in sorted(left_out.items())},
             "method": "mean log ratio over pairs, 95% t interval (scipy.stats.ttest_1samp)"}
 
 
@@ -356,6 +383,8 @@ def report(plan: dict, s: dict) -> str:
                              "this engine" if differs else
                              f"not decided yet ({', '.join(wide)} too wide; more pairs may settle it): until then "
                              "the kit restarts for this knob on this engine"))
+    for p, why in s.get("left_out", {}).items():
+        lines.append(f"left out: pair {int(p) + 1}, {why}")
     w = s["widest"]
     if w:
         lines.append(f"widest interval: {w['metric']} at {w['value']}, [{pct(w['low'])}, {pct(w['high'])}]: about "
@@ -409,13 +438,14 @@ def check_plan(out: Path, plan: dict) -> None:
     f.write_text(json.dumps(plan, indent=1))
 
 
-def this_device() -> str:
+def this_device() -> tuple[str, list[str]]:
     """What measures here, as a start records it: the GPUs' names as NVML gives them (the
-    first device's, with the count where there are several), else the CPU's model."""
+    first device's, with the count where there are several), else the CPU's model; and the
+    GPUs' UUIDs (which physical cards: two machines of one kind differ in speed)."""
     gpus = NvmlProbe().describe()
     if gpus:
-        return gpus[0].name + (f" x{len(gpus)}" if len(gpus) > 1 else "")
-    return f"CPU: {cpu_info().model}"
+        return gpus[0].name + (f" x{len(gpus)}" if len(gpus) > 1 else ""), [g.uuid for g in gpus]
+    return f"CPU: {cpu_info().model}", []
 
 
 def check_device(starts: list[dict], device: str) -> None:
@@ -442,8 +472,8 @@ def parse_values(text: str) -> list[int]:
 # ------------------------------------------------------------------ measuring
 
 class Bench:
-    def __init__(self, a, plan: dict, device: str):
-        self.a, self.plan, self.device = a, plan, device
+    def __init__(self, a, plan: dict, device: str, gpus: list[str]):
+        self.a, self.plan, self.device, self.gpus = a, plan, device, gpus
         s = load_study(a.params)
         if s.workload.kind == "multi_turn" or s.workload.load.kind != "closed" or s.targets or s.search \
                 or s.scheduler.ratios != ["off"]:
@@ -499,7 +529,8 @@ class Bench:
         cmd = serve_command(self.model, port, self.points[launch].engine_args.cli(), s.model.served_name,
                             self.dummy, extra)
         t0 = time.perf_counter()
-        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "device": self.device, "rounds": [],
+        rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "device": self.device, "gpus": self.gpus,
+               "rounds": [],
                "extra_cli_args": extra,
                "commit": git_state(KIT_ROOT).model_dump(),  # a copy without .git: VLLM_STUDY_GIT_SHA names it
                "sampling_s": counters.RoundSampler.PERIOD_S if measuring else None}
@@ -590,9 +621,9 @@ def run(a) -> None:
     check_plan(a.out, plan)
     starts = read_starts(a.out)
     left = todo(starts, a.pairs, values, a.launch, a.seed)
-    device = this_device()
+    device, gpus = this_device()
     check_device(starts, device)
-    bench = Bench(a, plan, device) if left else None
+    bench = Bench(a, plan, device, gpus) if left else None
     for pair, way, vals in left:
         if not fits(starts, len(vals) * a.rounds, time.monotonic() - t_begin, a.minutes):
             print(f"stopping before {a.minutes:g} minutes: {len(left)} starts left; rerun with the same --out "
@@ -611,7 +642,7 @@ def run(a) -> None:
 def summarize(out: Path) -> int:
     plan = json.loads((out / "plan.json").read_text())
     starts = read_starts(out)
-    s = summary(starts, plan["values"])
+    s = summary(starts, plan["values"], read_left_out(out))
     (out / "summary.json").write_text(json.dumps({"plan": plan, **s}, indent=1))
     print(f"\n{len(starts)} starts in {out}")
     print(report(plan, s))
@@ -648,9 +679,12 @@ def main() -> int:
         return summarize(a.summarize)
     if a.plan:
         plan = json.loads((a.plan / "plan.json").read_text())
+        starts = read_starts(a.plan)
+        left_out = unpaired(starts, read_left_out(a.plan))  # a machine's own speed is no start-to-start spread
         try:
             for v in plan["values"]:
-                print(plan_report(verdict_plan(read_starts(a.plan), v, a.metric, a.within, a.requests,
+                print(plan_report(verdict_plan([s for s in starts if s["pair"] not in left_out], v, a.metric,
+                                               a.within, a.requests,
                                                values=len(plan["values"]))))
         except ValueError as e:   # too little measured to plan from
             raise SystemExit(f"{a.plan}: {e}") from None

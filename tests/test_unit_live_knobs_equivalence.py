@@ -172,7 +172,28 @@ def test_a_resumed_run_refuses_other_hardware_and_its_report_names_the_device():
     assert "on NVIDIA H100 80GB HBM3;" in eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, s)
     assert "device not recorded" in eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1},
                                               {**s, "devices": []})
-    assert eq.this_device()  # this machine: a GPU's NVML name, else its CPU model
+    name, gpus = eq.this_device()  # this machine: a GPU's NVML name and UUIDs, else its CPU model and none
+    assert name and (gpus if not name.startswith("CPU: ") else gpus == [])
+
+
+def test_a_pair_across_two_gpus_or_declared_unpaired_is_left_out_and_named(tmp_path):
+    """A machine's own speed is not the lowering's: a pair whose starts ran on two physical
+    GPUs (their UUIDs) is left out, as is one the run's left_out.json declares (starts that
+    predate the UUIDs); the report names each."""
+    def pair(p, k, fresh_gpu="GPU-a", lowered_gpu="GPU-a"):
+        return [{**_start(p, "fresh", 2048, {2048: [_metrics(100)]}), "gpus": [fresh_gpu]},
+                {**_start(p, "lowered", 8192, {2048: [_metrics(100 * k)]}), "gpus": [lowered_gpu]}]
+    starts = pair(0, 1.00) + pair(1, 1.01) + pair(2, 0.99) + pair(3, 1.60, lowered_gpu="GPU-b")
+    s = eq.summary(starts, [2048])
+    assert s["left_out"] == {"3": "its starts ran on two GPUs (GPU-a and GPU-b)"}
+    assert s["by_value"][2048]["ttft_p90_ms"]["pairs"] == 3 and s["passes"]
+    (tmp_path / eq.LEFT_OUT).write_text(json.dumps({"1": "its lowered start ran on an earlier machine"}))
+    declared = eq.summary(starts, [2048], eq.read_left_out(tmp_path))
+    assert set(declared["left_out"]) == {"1", "3"} and declared["by_value"][2048]["ttft_p90_ms"]["pairs"] == 2
+    text = eq.report({"knob": "max_num_batched_tokens", "launch": 8192, "rounds": 1}, declared)
+    assert "left out: pair 2, its lowered start ran on an earlier machine" in text
+    assert "left out: pair 4, its starts ran on two GPUs" in text
+    assert eq.read_left_out(tmp_path / "none") == {}
 
 
 @pytest.mark.parametrize("text", ["", "2048,x", "512,512", "0,4"])
