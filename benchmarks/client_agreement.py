@@ -36,6 +36,7 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+from vllm_study.define.tokenizer import load as load_tokenizer
 from vllm_study.analysis.intervals import one_start_note  # noqa: E402
 from vllm_study.measure import client, counters, stats  # noqa: E402
 from vllm_study.workload import loads  # noqa: E402
@@ -128,8 +129,7 @@ def main() -> int:
     w, served = study.workload, study.model.served_name
     n = a.requests or w.requests_per_round
     model, dummy = models.resolve(study.model)
-    from transformers import AutoTokenizer
-    wl = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api="completions",
+    wl = SharedPrefixWorkload(load_tokenizer(model), api="completions",
                               system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
                               output_tokens=w.output_tokens, seed=w.seed)
     requests = wl.requests(n)

@@ -70,6 +70,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from vllm_study.define.tokenizer import load as load_tokenizer
 from vllm_study.define import models
 from vllm_study.define.grid import expand
 from vllm_study.define.study_file import load_study, study_from_dict
@@ -490,8 +491,7 @@ class Bench:
         self.engine = resolve_engine(self.study.server.engine)
         self.points = {p.values[a.knob]: p for p in expand(self.study, self.engine)}
         self.model, self.dummy = models.resolve(self.study.model)
-        from transformers import AutoTokenizer
-        tok, w = AutoTokenizer.from_pretrained(self.model), self.study.workload
+        tok, w = load_tokenizer(self.model), self.study.workload
         if w.kind == "trace":
             limit = self.points[a.launch].engine_args.max_model_len or models.max_positions(self.study.model)
             trace, dropped = read_trace(w.trace).fit(limit) if limit else (read_trace(w.trace), 0)

@@ -44,6 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
+from vllm_study.define.tokenizer import load as load_tokenizer
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import git_state
@@ -210,11 +211,9 @@ def main() -> int:
     params = Path(__file__).resolve().parents[1] / plan["params"]
     study, point, pplan = study_and_point(params, plan["knob"], plan["launch"])
     w = study.workload
-    from transformers import AutoTokenizer
-
     from vllm_study.define import models
     from vllm_study.workload.build_workload import make_workload
-    tok = AutoTokenizer.from_pretrained(models.resolve(study.model)[0])
+    tok = load_tokenizer(models.resolve(study.model)[0])
     wl = make_workload(tok, w)
     lengths = {r.prompt_tokens for r in wl.requests(w.requests_per_round)}
     if len(lengths) != 1:

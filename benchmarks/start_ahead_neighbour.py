@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats as sps
 
+from vllm_study.define.tokenizer import load as load_tokenizer
 from vllm_study.analysis.intervals import one_start_note
 from vllm_study.measure import client, counters, stats
 from vllm_study.define import models
@@ -121,8 +122,7 @@ def main() -> int:
     point = points[a.point] if a.point else list(points.values())[-1]
     w, served = study.workload, study.model.served_name
     model, dummy = models.resolve(study.model)
-    from transformers import AutoTokenizer
-    wl = SharedPrefixWorkload(AutoTokenizer.from_pretrained(model), api=w.api,
+    wl = SharedPrefixWorkload(load_tokenizer(model), api=w.api,
                               system_prompt_tokens=w.system_prompt_tokens, question_tokens=w.question_tokens,
                               output_tokens=w.output_tokens, seed=w.seed)
     requests = wl.requests(a.requests or w.requests_per_round)

@@ -53,6 +53,7 @@ import numpy as np
 import pandas as pd
 
 from client_agreement import bench_command, write_prompts  # benchmarks/: this script's folder
+from vllm_study.define.tokenizer import load as load_tokenizer
 from vllm_study.define import models
 from vllm_study.launch import startup_log
 from vllm_study.workload.build_workload import make_workload
@@ -400,8 +401,7 @@ def main() -> int:
     (a.out / "bench").mkdir(parents=True, exist_ok=True)
     prompts = a.out / "bench" / "prompts.jsonl"
     if not prompts.exists():  # a resumed invocation sends the prompts the finished tool sent
-        from transformers import AutoTokenizer
-        write_prompts(make_workload(AutoTokenizer.from_pretrained(model), study.workload).requests(
+        write_prompts(make_workload(load_tokenizer(model), study.workload).requests(
             study.workload.requests_per_round), prompts)
     scratch = Path(tempfile.mkdtemp(prefix="sweep-speed-"))
     try:

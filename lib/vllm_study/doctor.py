@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .define import models
+from .define import models, tokenizer
 from .launch import net
 from .launch.machine import NvmlProbe, cpu_dtype, cpu_info, resolve_engine, vllm_distribution
 from .define.grid import cpu_kv_default
@@ -117,8 +117,7 @@ def model_findings(study) -> list[Finding]:
         return [Finding(FAIL, "model", why, "fix model.path in the study")]
     try:
         model, dummy = models.resolve(study.model)
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(model)
+        tok = tokenizer.load(model)
     except Exception as e:
         return [Finding(FAIL, "model", f"cannot prepare the model or its tokenizer: {type(e).__name__}: {e}",
                         "check model.card / model.path in the study")]

@@ -1,10 +1,10 @@
 """What a start's rounds send, built by its launch while the server starts (10-15 s of
-CPU: transformers' import, the tokenizer, the word pieces, a round's prompts): the
+CPU: the tokenizer, the word pieces, a round's prompts): the
 tokenizer, the workload and, with trace.windows, the trace's windows; and what a cache
 that never evicts would hit on it."""
 from __future__ import annotations
 
-from ..define import models
+from ..define import models, tokenizer
 from ..records.results import StartRecord
 from ..workload import windows as trace_windows
 from ..workload.build_workload import make_workload
@@ -23,8 +23,7 @@ class StartWorkload:
     def build(self, model: str, record: StartRecord) -> None:
         """The tokenizer of `model` and the workload; a trace's record (its rows, the
         requests left out) into `record`."""
-        from transformers import AutoTokenizer
-        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        self.tokenizer = tokenizer.load(model)
         w = self.study.workload
         if w.kind == "trace":
             self.workload = self.trace_workload(record)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..capacity.bracket import Bracket, CapacityRecord, Step, meets_slo, margins, trace_speed
 from ..define import models
+from ..define.tokenizer import load as load_tokenizer
 from ..define.grid import PointPlan
 from ..measure import stats
 from ..measure.primer import Primer
@@ -51,8 +52,7 @@ class StudyInputs:
     def __init__(self, study, tokenizer=None):
         self.study = study
         if tokenizer is None:
-            from transformers import AutoTokenizer
-            tokenizer = AutoTokenizer.from_pretrained(models.resolve(study.model)[0])
+            tokenizer = load_tokenizer(models.resolve(study.model)[0])
         self.tokenizer = tokenizer
         self._workloads: dict = {}
         self._primers: dict = {}
