@@ -36,7 +36,7 @@ from scipy import stats as sps
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study.define.tokenizer import load as load_tokenizer
+from vllm_study.define.tokenizer import load as load_tokenizer  # noqa: E402
 from vllm_study.analysis.intervals import one_start_note  # noqa: E402
 from vllm_study.measure import client, counters, stats  # noqa: E402
 from vllm_study.workload import loads  # noqa: E402

@@ -44,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
 
-from vllm_study.define.tokenizer import load as load_tokenizer
+from vllm_study.define.tokenizer import load as load_tokenizer  # noqa: E402
 from vllm_study.predict import step_model  # noqa: E402
 from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.records.results import git_state
