@@ -272,6 +272,18 @@ def test_multi_turn_resends_the_history(tok):
     assert w.turn(1, 0, []).messages[1] != t1.messages[1]  # another conversation, other questions
 
 
+def test_word_pieces_through_the_rust_decoder_are_batch_decodes(tok, pieces):
+    """The Rust decoder's batch (the kit's path for a tokenizer that cleans up nothing) finds
+    the same pieces as transformers' batch_decode: the prompts of every committed run stay."""
+    class Plain:  # the tokenizer without its backend: word_pieces takes batch_decode
+        all_special_ids = tok.all_special_ids
+        __len__ = lambda self: len(tok)  # noqa: E731
+        batch_decode = staticmethod(tok.batch_decode)
+        encode = staticmethod(tok.encode)
+        __call__ = lambda self, *a, **kw: tok(*a, **kw)  # noqa: E731
+    assert tok.clean_up_tokenization_spaces is False and word_pieces(Plain()) == pieces
+
+
 # ---------------------------------------------------------------- word pieces on any tokenizer
 
 class _Greedy:
