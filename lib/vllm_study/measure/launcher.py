@@ -100,8 +100,8 @@ class Launcher:
         """Start this point's vLLM, or, for an endpoint target, check that it answers.
         Under the sweep it first takes its slot (the previous server there has stopped),
         or, started ahead (server.start_ahead), spawns at once and is held at its engine's
-        init until it has the slot. The tokenizer and the workload (10-15 s of CPU:
-        transformers' import, the tokenizer, the word pieces, a round's prompts) are built
+        init until it has the slot. The tokenizer and the workload (seconds of CPU:
+        the tokenizer, the word pieces, a round's prompts) are built
         while vLLM starts."""
         model, dummy = models.resolve(self.study.model)  # also the tokenizer that sizes prompts for targets
         planned_kv_block = self.point.effective.block_size if self.point.effective else None

@@ -1,7 +1,7 @@
-"""What a start's rounds send, built by its launch while the server starts (10-15 s of
-CPU: the tokenizer, the word pieces, a round's prompts): the
-tokenizer, the workload and, with trace.windows, the trace's windows; and what a cache
-that never evicts would hit on it."""
+"""What a start's rounds send, built by its launch while the server starts (seconds of
+CPU: the tokenizer, the word pieces, a round's prompts): the tokenizer, the workload
+and, with trace.windows, the trace's windows; and what a cache that never evicts would
+hit on it."""
 from __future__ import annotations
 
 from ..define import models, tokenizer
