@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import sys
+import subprocess
 import textwrap
 import time
 import urllib.request
@@ -371,6 +372,39 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored(tmp_path, started):
     assert s.proc.returncode == -signal.SIGKILL
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)
+
+
+def test_stop_signals_only_its_own_group_once_its_leader_is_reaped_and_never_again(tmp_path, started,
+                                                                                    monkeypatch):
+    """Once the leader is reaped its pid may be any process's or thread's (pid_max is 32768
+    on some hosts): stop() signals the group it made, not the group of whoever holds that
+    pid now, and a second stop() (the kernel's atexit) signals nothing at all."""
+    cmd, port, _ = _health_server(tmp_path)
+    s = VllmServer(cmd, port=port, log_path=tmp_path / "server.log", startup_timeout_s=60)
+    started.append(s)
+    s.start()
+    pgid = s.proc.pid
+    os.killpg(pgid, signal.SIGKILL)
+    s.proc.wait()  # reaped: the pid number is free for anything now
+    real_killpg, signalled = os.killpg, []
+
+    def killpg(group: int, sig: int) -> None:
+        signalled.append((group, sig))
+        real_killpg(group, sig)
+
+    # the pid taken by a process of another group, as a reused pid would be
+    bystander = subprocess.Popen(["sleep", "120"], start_new_session=True)
+    try:
+        monkeypatch.setattr(os, "getpgid", lambda pid: bystander.pid)
+        monkeypatch.setattr(os, "killpg", killpg)
+        s.stop(grace_s=1)
+        assert signalled and {g for g, _ in signalled} == {pgid}
+        first = len(signalled)
+        s.stop(grace_s=1)
+        assert len(signalled) == first and bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
 
 
 def test_context_manager_stops_on_exit(tmp_path, started):

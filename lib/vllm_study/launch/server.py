@@ -293,6 +293,7 @@ class VllmServer:
         self.hold_missed = False             # healthy before ENGINE_INIT_LINE was seen
         self.ahead_cpus: list[int] | None = None     # where a server started ahead imported
         self.priority_restored: bool | None = None  # its normal priority back once released
+        self._stopped = False                  # stop() saw its group gone
 
     @staticmethod
     def ahead_env(env: dict[str, str]) -> dict[str, str]:
@@ -400,12 +401,12 @@ class VllmServer:
 
     def stop(self, grace_s: float = 30) -> None:
         """SIGTERM the process group, then SIGKILL what is left after grace_s."""
-        if self.proc is None:
+        if self.proc is None or self._stopped:
             return
-        try:
-            pgid = os.getpgid(self.proc.pid)
-        except ProcessLookupError:
-            pgid = self.proc.pid  # leader gone; its group id is still its pid
+        # The group's id is the leader's pid (spawned with start_new_session), never asked of
+        # the pid now: once the leader is reaped, that pid may be any process's or thread's
+        # (pid_max is 32768 on some hosts), and its group someone else's server.
+        pgid = self.pgid
         for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10)):
             try:
                 os.killpg(pgid, sig)
@@ -427,6 +428,9 @@ class VllmServer:
         self.proc.poll()
         if not _group_alive(pgid):
             self.pgid_file.unlink(missing_ok=True)
+            # a later call (the kernel's atexit) must not signal the id again: a new
+            # session may lead a group of that number by then
+            self._stopped = True
 
     def __enter__(self):
         return self.start()
