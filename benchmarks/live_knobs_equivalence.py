@@ -46,7 +46,10 @@ knobs pass on this engine only where every metric is equal or not resolved.
 
 --plan: from a run's own starts, the pairs x rounds (x requests a round) whose 95%
 interval on --metric would lie within +-(--within), and the device minutes they take at
-the run's start and round times (verdict_plan says how).
+the run's start and round times (verdict_plan says how); a round's offset that every start
+shares (a first round still warming up) is printed and left out of the round-to-round
+spread, and where the run reads a difference, the pairs that would put zero outside the
+interval if it stays.
 
 --minutes: no start begins that would not end (at the longest start-up and round so
 far) before that many minutes; a rerun with the same --out continues where it stopped
@@ -226,29 +229,61 @@ MOST_PAIRS = 100_000   # pairs_needed's answer where no count up to it is enough
 
 def variance_parts(starts: list[dict], value: int, metric: str) -> dict:
     """The log `metric`'s variance components at `value` (above): var_round (df_round),
-    var_pair (df_pair: pairs - 1), var_start, the run's rounds a start and requests a round."""
-    logs: dict = {}  # (pair, way) -> log metric of each completed round at value
+    var_pair (df_pair: pairs - 1), var_start, the run's rounds a start and requests a round,
+    and round_effects: each round's index's offset from the start's level.
+
+    var_round is what is left of the rounds once each start's level and each round index's
+    offset are taken out (an additive fit, numpy's least squares): a first round that runs
+    slower in every start (a warm-up the start's own did not finish) is the same in both
+    starts of a pair and cancels in their difference, so it is not noise to average away."""
+    logs: dict = {}  # (pair, way) -> {round index: log metric} of each completed round at value
     requests = []
     for st in starts:
-        rows = [r["metrics"] for r in st["rounds"] if r["value"] == value and r["metrics"].get("completed")
+        rows = [r for r in st["rounds"] if r["value"] == value and r["metrics"].get("completed")
                 and (r["metrics"].get(metric) or 0) > 0]
         if rows:
-            logs[(st["pair"], st["way"])] = np.log([r[metric] for r in rows])
-            requests += [r["completed"] + r.get("failed", 0) for r in rows]
-    within = [x for x in logs.values() if len(x) > 1]
-    df_round = sum(len(x) - 1 for x in within)
-    if not df_round:
-        raise ValueError(f"{metric} at {value}: no start has 2 rounds: the round-to-round spread is not measured")
-    var_round = sum(float(((x - x.mean()) ** 2).sum()) for x in within) / df_round
+            logs[(st["pair"], st["way"])] = {r.get("round", i): math.log(r["metrics"][metric])
+                                             for i, r in enumerate(rows)}
+            requests += [r["metrics"]["completed"] + r["metrics"].get("failed", 0) for r in rows]
+    var_round, df_round, effects = _round_variance(logs, f"{metric} at {value}")
     pairs = sorted(p for p, w in logs if w == "fresh" and (p, "lowered") in logs)
     if len(pairs) < 2:
         raise ValueError(f"{metric} at {value}: {len(pairs)} complete pair(s): the spread over pairs needs 2 or more")
-    d = np.array([logs[(p, "lowered")].mean() - logs[(p, "fresh")].mean() for p in pairs])
+    mean = lambda x: float(np.mean(list(x.values())))  # noqa: E731
+    d = np.array([mean(logs[(p, "lowered")]) - mean(logs[(p, "fresh")]) for p in pairs])
     r0 = len(pairs) * 2 / sum(1 / len(logs[(p, w)]) for p in pairs for w in ("fresh", "lowered"))  # harmonic
     var_pair = float(d.var(ddof=1))
     return {"var_round": var_round, "df_round": df_round, "var_pair": var_pair, "df_pair": len(pairs) - 1,
-            "var_start": max(0.0, var_pair - 2 * var_round / r0), "rounds": r0,
+            "var_start": max(0.0, var_pair - 2 * var_round / r0), "rounds": r0, "round_effects": effects,
             "requests": float(np.median(requests)), "mean_diff": float(d.mean())}
+
+
+def _round_variance(logs: dict, what: str) -> tuple[float, int, dict[int, float]]:
+    """(var_round, df_round, {round index: offset}) from {start: {round index: log value}}:
+    the residual variance of log value = start level + round index offset (offsets centred
+    on zero over the rounds seen), least squares over the starts with two rounds or more."""
+    within = {k: x for k, x in logs.items() if len(x) > 1}
+    index = sorted({i for x in within.values() for i in x})
+    cells = [(k, i, y) for k, x in within.items() for i, y in x.items()]
+    df = len(cells) - len(within) - (len(index) - 1)
+    if not within:
+        raise ValueError(f"{what}: no start has 2 rounds: the round-to-round spread is not measured")
+    if df < 1:
+        raise ValueError(f"{what}: {len(cells)} rounds in {len(within)} starts leave no degree of freedom for the "
+                         "round-to-round spread once each start's level and each round's offset are taken out")
+    col = {k: j for j, k in enumerate(within)}
+    design = np.zeros((len(cells), len(within) + len(index) - 1))
+    for row, (k, i, _) in enumerate(cells):
+        design[row, col[k]] = 1.0
+        if i != index[0]:  # the first index is the baseline of the offsets
+            design[row, len(within) + index.index(i) - 1] = 1.0
+    y = np.array([c[2] for c in cells])
+    fit, *_ = np.linalg.lstsq(design, y, rcond=None)
+    resid = y - design @ fit
+    offsets = np.concatenate([[0.0], fit[len(within):]])
+    counts = np.array([sum(1 for c in cells if c[1] == i) for i in index])
+    offsets -= np.average(offsets, weights=counts)
+    return float(resid @ resid) / df, df, {i: float(o) for i, o in zip(index, offsets)}
 
 
 def pairs_assured(sd: float, half: float, assurance: float = 0.8, most: int = MOST_PAIRS) -> int:
@@ -310,11 +345,16 @@ def verdict_plan(starts: list[dict], value: int, metric: str, within: float = LO
     var_pair_up = v["var_pair"] * v["df_pair"] / float(sps.chi2.ppf(0.10, v["df_pair"]))
     var_start_up = max(0.0, var_pair_up - 2 * v["var_round"] / v["rounds"])
     floor = pairs_needed(math.sqrt(v["var_start"]), half, most=MOST_PAIRS)
+    # the plan above is for a difference near zero; where the run reads one, the pairs (at its
+    # own rounds a start and pair spread) whose interval would leave zero out, if it stays
+    apart = (pairs_needed(math.sqrt(v["var_pair"]), abs(v["mean_diff"]), most=MOST_PAIRS)
+             if v["mean_diff"] else None)
     return {"metric": metric, "value": value, "within": within, "requests": n_req, "parts": v, "times": t,
-            "rows": rows, "pairs_at_infinite_rounds": floor, "cheapest": cheapest(rows),
+            "rows": rows, "pairs_at_infinite_rounds": floor, "cheapest": cheapest(rows), "pairs_apart": apart,
             "upper": {"var_pair": var_pair_up, "var_start": var_start_up, "cheapest": cheapest(table(var_start_up))},
-            "method": "method-of-moments variance components of log values (round-to-round pooled within "
-                      "starts; start part = variance of pair differences less 2 var_round / rounds), "
+            "method": "method-of-moments variance components of log values (round-to-round: the residual of "
+                      "start level + round offset; start part = variance of pair differences less 2 var_round / "
+                      "rounds), "
                       "95% t interval over pairs (scipy.stats.t)"}
 
 
@@ -327,6 +367,8 @@ def plan_report(p: dict) -> str:
              f"  round-to-round sd of log {p['metric']} {sd(v['var_round'])} (df {v['df_round']}, "
              f"{v['requests']:.0f} requests a round); pair difference sd {sd(v['var_pair'])} "
              f"(df {v['df_pair']}, {v['rounds']:g} rounds a start); its start part sd {sd(v['var_start'])}",
+             "  each round's offset from its start's level, the same in both ways and cancelled in a pair: "
+             + ", ".join(f"round {i + 1} {math.expm1(o):+.1%}" for i, o in v["round_effects"].items()),
              f"  a start: {t['fixed_s']:.1f} s fixed (start-up, warm-up, stop) + {t['round_s']:.2f} s a round "
              f"of {v['requests']:.0f} requests; a pair took {t['pair_min']:.2f} min in this run at "
              f"{v['rounds']:g} rounds",
@@ -344,12 +386,20 @@ def plan_report(p: dict) -> str:
     lines.append(f"  cheapest: {c['pairs']} pairs x {c['rounds']} rounds, about {c['minutes']:.0f} device "
                  f"minutes ({c['minutes'] / 60:.1f} h); for 80% of runs to meet it {c80['pairs_80']} pairs x "
                  f"{c80['rounds']} rounds, about {c80['minutes_80']:.0f} minutes ({c80['minutes_80'] / 60:.1f} h)")
+    if p["pairs_apart"]:
+        lines.append(f"  the run reads {math.expm1(v['mean_diff']):+.1%} (mean log ratio over {v['df_pair'] + 1} "
+                     f"pairs): if that stays, {_about(p['pairs_apart'])} pairs at {v['rounds']:g} rounds a start "
+                     f"put zero outside the interval (at the pair difference sd {sd(v['var_pair'])})")
     u = p["upper"]
     c = u["cheapest"]
     lines.append(f"  at the pair variance's one-sided 90% upper bound (chi-square, df {v['df_pair']}: pair sd "
                  f"{sd(u['var_pair'])}, start part sd {sd(u['var_start'])}): {c['pairs']} pairs x {c['rounds']} "
                  f"rounds, about {c['minutes']:.0f} device minutes ({c['minutes'] / 60:.1f} h)")
     return "\n".join(lines)
+
+
+def _about(pairs: int) -> str:
+    return f"about {pairs}" if pairs < MOST_PAIRS else f"more than {MOST_PAIRS:,}"
 
 
 def report(plan: dict, s: dict) -> str:

@@ -253,27 +253,48 @@ def test_footprint_run_is_judged_by_its_own_target_not_the_live_knobs_rule():
     assert eq.footprint_verdict(eq.summary(same, [2048])).endswith(": met")
 
 
-def _planned_starts(c: float, a: float = 0.1, shift: float = 0.05) -> list[dict]:
+A_ROUND = math.sqrt(0.01 * 14 / 16)  # _planned_starts' round variance is then 0.01
+
+
+def _planned_starts(c: float, a: float = A_ROUND, shift: float = 0.05, first: float = 0.0) -> list[dict]:
     """4 pairs, 3 rounds a start of 200 requests, 10 s a round and 60 s besides: each start's
-    log TTFT P90 is its level -a, +0, +a over its rounds (round variance a^2), and the
-    lowered start's level is the fresh one's + shift +-c, alternately (pair variance 4c^2/3)."""
+    log TTFT P90 is its level -a, +0, +a over its rounds in the fresh start, +a, 0, -a in the
+    lowered one (no round index offset; residual sum of squares 16a^2 on 24 - 8 - 2 = 14
+    df: round variance 16a^2/14), plus `first` in every start's first round; the lowered
+    start's level is the fresh one's + shift +-c, alternately (pair variance 4c^2/3)."""
     out = []
     for p in range(4):
         base = math.log(200.0) + 0.3 * p        # a drift the pairs share: cancelled
         for way, level in (("fresh", base), ("lowered", base + shift + (c if p % 2 else -c))):
+            offs = (-a + first, 0.0, a) if way == "fresh" else (a + first, 0.0, -a)
             rounds = [{"value": 2048, "round": i, "limits": {}, "wall_s": 10.0,
                        "metrics": {"completed": 200, "failed": 0, "ttft_p90_ms": math.exp(level + off)}}
-                      for i, off in enumerate((-a, 0.0, a))]
+                      for i, off in enumerate(offs)]
             out.append({"pair": p, "way": way, "rounds": rounds, "wall_s": 90.0})
     return out
 
 
 def test_variance_parts_recover_the_round_and_start_components():
     v = eq.variance_parts(_planned_starts(c=math.sqrt(0.02)), 2048, "ttft_p90_ms")
-    assert v["var_round"] == pytest.approx(0.01) and v["df_round"] == 16       # 8 starts x 2
+    assert v["var_round"] == pytest.approx(0.01) and v["df_round"] == 14       # 8 starts x 2, less 2 offsets
     assert v["var_pair"] == pytest.approx(4 * 0.02 / 3) and v["df_pair"] == 3
     assert v["var_start"] == pytest.approx(4 * 0.02 / 3 - 2 * 0.01 / 3)        # = 0.02
     assert v["rounds"] == 3 and v["requests"] == 200 and v["mean_diff"] == pytest.approx(0.05)
+    assert v["round_effects"] == pytest.approx({0: 0.0, 1: 0.0, 2: 0.0}, abs=1e-12)
+
+
+def test_a_first_round_slower_in_every_start_is_an_offset_not_round_noise():
+    """A warm-up every start leaves unfinished reads the same in both starts of a pair and
+    cancels in their difference: it is reported as the rounds' offsets, not counted as
+    spread that more rounds or pairs must average away."""
+    plain = eq.variance_parts(_planned_starts(c=math.sqrt(0.02)), 2048, "ttft_p90_ms")
+    slow = eq.variance_parts(_planned_starts(c=math.sqrt(0.02), first=0.3), 2048, "ttft_p90_ms")
+    assert slow["var_round"] == pytest.approx(plain["var_round"]) and slow["df_round"] == plain["df_round"]
+    assert slow["var_pair"] == pytest.approx(plain["var_pair"])
+    assert slow["round_effects"] == pytest.approx({0: 0.2, 1: -0.1, 2: -0.1})   # +0.3 on round 1, centred
+    text = eq.plan_report(eq.verdict_plan(_planned_starts(c=math.sqrt(0.02), first=0.3), 2048, "ttft_p90_ms"))
+    assert "round 1 +22.1%, round 2 -9.5%, round 3 -9.5%" in text
+    assert "the run reads +5.1% (mean log ratio over 4 pairs)" in text
 
 
 def test_verdict_plan_on_a_case_worked_by_hand():
