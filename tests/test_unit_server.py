@@ -6,8 +6,8 @@ import importlib.util
 import os
 import re
 import signal
-import sys
 import subprocess
+import sys
 import textwrap
 import time
 import urllib.request

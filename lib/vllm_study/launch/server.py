@@ -319,6 +319,7 @@ class VllmServer:
             raise ServerStartError(f"cannot run {self.cmd[0]}: {e}", self.log_path) from e
         finally:
             log.close()
+        self._stopped = False
         # The group id on disk at once: whoever outlives this process (the sweep, after
         # a kernel crash or an interrupt mid-start) can still stop exactly this group.
         self.pgid_file.write_text(str(self.proc.pid))
