@@ -345,6 +345,30 @@ def test_healthy_server_starts_and_stop_leaves_nothing_in_its_group(tmp_path, st
     assert s.proc.returncode == -signal.SIGTERM
 
 
+def test_health_answered_by_another_server_on_the_port_is_not_this_ones(tmp_path, started):
+    """Another server took the port while this one still imports: its /health answers, but
+    this start waits for its own listener and ends as vLLM's does, "port in use" (which
+    the launcher retries on another port), instead of measuring the other server."""
+    cmd, port, _ = _health_server(tmp_path)
+    squatter = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not server_mod._health(f"http://127.0.0.1:{port}"):
+            assert time.monotonic() < deadline and squatter.poll() is None, "the other server did not start"
+            time.sleep(0.1)
+        late = (f"import socket, time; time.sleep(2); socket.socket().bind(('127.0.0.1', {port})); "
+                "time.sleep(300)")
+        s = VllmServer([sys.executable, "-c", late], port=port, log_path=tmp_path / "late.log", startup_timeout_s=60)
+        started.append(s)
+        with pytest.raises(ServerStartError) as ei:
+            s.start()
+        assert ei.value.reason.startswith("port in use"), ei.value.reason
+        assert server_mod.listens(squatter.pid, port) is True and server_mod.listens(s.proc.pid, port) is False
+    finally:
+        os.killpg(squatter.pid, signal.SIGKILL)
+        squatter.wait()
+
+
 def test_health_check_ignores_proxy_variables(tmp_path, started, monkeypatch):
     """A stale HTTP_PROXY would send /health to the proxy and every start would time out;
     the readiness check goes direct (net.open_url)."""

@@ -231,6 +231,24 @@ def _health(url: str) -> bool:
         return False
 
 
+def listens(pgid: int, port: int) -> bool | None:
+    """Whether a process of the group listens on `port` (None where psutil may not look).
+    /health alone cannot say whose server answered: free_port's port can be taken by
+    another server (another slot's, another test's) while this one still imports, and this
+    one then exits with "port in use" after that one has answered for it."""
+    import psutil
+    for pid in group_pids(pgid):
+        try:
+            if any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port
+                   for c in psutil.Process(pid).net_connections(kind="tcp")):
+                return True
+        except psutil.NoSuchProcess:
+            continue
+        except psutil.AccessDenied:
+            return None
+    return False
+
+
 AHEAD_NICE = 19  # the lowest priority: a measured server on the same cores always goes first
 
 
@@ -339,7 +357,7 @@ class VllmServer:
                     watch = None
                 now = time.perf_counter()
                 if now >= next_health:  # /health once a second; the log 20 times a second while held back
-                    if _health(self.url):
+                    if _health(self.url) and listens(self.proc.pid, self.port) is not False:
                         break
                     next_health = time.perf_counter() + 1
                 if now - t0 - held > self.startup_timeout_s:
