@@ -63,6 +63,7 @@ import gzip
 import hashlib
 import json
 import math
+import os
 import random
 import shutil
 import signal
@@ -78,7 +79,7 @@ from vllm_study.define import models
 from vllm_study.define.grid import expand
 from vllm_study.define.study_file import load_study, study_from_dict
 from vllm_study.define.traces import read_trace
-from vllm_study.launch.machine import NvmlProbe, cpu_info, resolve_engine
+from vllm_study.launch.machine import NvmlProbe, cpu_info, cpu_model, resolve_engine
 from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
@@ -499,6 +500,14 @@ def this_device() -> tuple[str, list[str]]:
     return f"CPU: {cpu_info().model}", []
 
 
+def this_host() -> dict:
+    """The machine around the GPUs, as a start records it: three lends of one H100 model
+    served one study's TTFT P50 up to 2.3x apart at a like TPOT, so the host's CPU, its
+    cores and the GPU driver are kept beside the cards' UUIDs."""
+    gpus = NvmlProbe().describe()
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu_driver": gpus[0].driver if gpus else None}
+
+
 def check_device(starts: list[dict], device: str) -> None:
     """A resumed run goes on only on the device its starts ran on: pairs from two kinds of
     GPU (an H100 and an H200) are not samples of one difference. Starts written before
@@ -525,6 +534,7 @@ def parse_values(text: str) -> list[int]:
 class Bench:
     def __init__(self, a, plan: dict, device: str, gpus: list[str]):
         self.a, self.plan, self.device, self.gpus = a, plan, device, gpus
+        self.host = this_host()
         s = load_study(a.params)
         if s.workload.kind == "multi_turn" or s.workload.load.kind != "closed" or s.targets or s.search \
                 or s.scheduler.ratios != ["off"]:
@@ -580,7 +590,7 @@ class Bench:
                             self.dummy, extra)
         t0 = time.perf_counter()
         rec = {"pair": pair, "way": way, "launch": {a.knob: launch}, "device": self.device, "gpus": self.gpus,
-               "rounds": [],
+               "host": self.host, "rounds": [],
                "extra_cli_args": extra,
                "commit": git_state(KIT_ROOT).model_dump(),  # a copy without .git: VLLM_STUDY_GIT_SHA names it
                "sampling_s": counters.RoundSampler.PERIOD_S if measuring else None}

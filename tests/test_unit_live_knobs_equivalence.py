@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sps
+
+from vllm_study.launch.machine import cpu_model
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "live_knobs_equivalence.py"
 _spec = importlib.util.spec_from_file_location("live_knobs_equivalence", SCRIPT)
@@ -174,6 +177,9 @@ def test_a_resumed_run_refuses_other_hardware_and_its_report_names_the_device():
                                               {**s, "devices": []})
     name, gpus = eq.this_device()  # this machine: a GPU's NVML name and UUIDs, else its CPU model and none
     assert name and (gpus if not name.startswith("CPU: ") else gpus == [])
+    host = eq.this_host()  # the machine around them: the same CPU model the kit's machine record reads
+    assert host["cpu"] == cpu_model() and host["cores"] == os.cpu_count()
+    assert (host["gpu_driver"] is None) == name.startswith("CPU: ")
 
 
 def test_a_pair_across_two_gpus_or_declared_unpaired_is_left_out_and_named(tmp_path):

@@ -89,7 +89,7 @@ class Machine(BaseModel):
     no_gpu_reason: str | None = None   # why `gpus` is empty, said plainly
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     # /proc/cpuinfo's "model name" (py-cpuinfo spawns a process and takes ~1.3 s for it)
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -113,7 +113,7 @@ def cpu_info() -> CpuInfo:
         amx = torch.cpu._is_amx_tile_supported()
     except (ImportError, AttributeError):  # no torch here, or a build without the checks
         pass
-    return CpuInfo(model=_cpu_model(), machine=platform.machine(), cores=os.cpu_count(),
+    return CpuInfo(model=cpu_model(), machine=platform.machine(), cores=os.cpu_count(),
                    capability=cap, avx512=avx512, avx512_bf16=bf16, amx=amx)
 
 
