@@ -79,7 +79,7 @@ from vllm_study.define import models
 from vllm_study.define.grid import expand
 from vllm_study.define.study_file import load_study, study_from_dict
 from vllm_study.define.traces import read_trace
-from vllm_study.launch.machine import NvmlProbe, cpu_info, cpu_model, resolve_engine
+from vllm_study.launch.machine import NvmlProbe, cpu_model, resolve_engine
 from vllm_study.launch.server import VllmServer, free_port, serve_command
 from vllm_study.measure import client, counters, live_knobs, stats
 from vllm_study.measure.launcher import counting_flags
@@ -490,21 +490,22 @@ def check_plan(out: Path, plan: dict) -> None:
     f.write_text(json.dumps(plan, indent=1))
 
 
-def this_device() -> tuple[str, list[str]]:
+def this_device(gpus: list | None = None) -> tuple[str, list[str]]:
     """What measures here, as a start records it: the GPUs' names as NVML gives them (the
     first device's, with the count where there are several), else the CPU's model; and the
-    GPUs' UUIDs (which physical cards: two machines of one kind differ in speed)."""
-    gpus = NvmlProbe().describe()
+    GPUs' UUIDs (which physical cards: two machines of one kind differ in speed). `gpus`:
+    NvmlProbe().describe() where the caller has it already."""
+    gpus = NvmlProbe().describe() if gpus is None else gpus
     if gpus:
         return gpus[0].name + (f" x{len(gpus)}" if len(gpus) > 1 else ""), [g.uuid for g in gpus]
-    return f"CPU: {cpu_info().model}", []
+    return f"CPU: {cpu_model()}", []
 
 
-def this_host() -> dict:
+def this_host(gpus: list | None = None) -> dict:
     """The machine around the GPUs, as a start records it: three lends of one H100 model
     served one study's TTFT P50 up to 2.3x apart at a like TPOT, so the host's CPU, its
-    cores and the GPU driver are kept beside the cards' UUIDs."""
-    gpus = NvmlProbe().describe()
+    cores and the GPU driver are kept beside the cards' UUIDs. `gpus` as in this_device."""
+    gpus = NvmlProbe().describe() if gpus is None else gpus
     return {"cpu": cpu_model(), "cores": os.cpu_count(), "gpu_driver": gpus[0].driver if gpus else None}
 
 
@@ -532,9 +533,8 @@ def parse_values(text: str) -> list[int]:
 # ------------------------------------------------------------------ measuring
 
 class Bench:
-    def __init__(self, a, plan: dict, device: str, gpus: list[str]):
-        self.a, self.plan, self.device, self.gpus = a, plan, device, gpus
-        self.host = this_host()
+    def __init__(self, a, plan: dict, device: str, gpus: list[str], host: dict):
+        self.a, self.plan, self.device, self.gpus, self.host = a, plan, device, gpus, host
         s = load_study(a.params)
         if s.workload.kind == "multi_turn" or s.workload.load.kind != "closed" or s.targets or s.search \
                 or s.scheduler.ratios != ["off"]:
@@ -681,9 +681,10 @@ def run(a) -> None:
     check_plan(a.out, plan)
     starts = read_starts(a.out)
     left = todo(starts, a.pairs, values, a.launch, a.seed)
-    device, gpus = this_device()
+    found = NvmlProbe().describe()  # once: the device's name and UUIDs, and the host's driver
+    device, gpus = this_device(found)
     check_device(starts, device)
-    bench = Bench(a, plan, device, gpus) if left else None
+    bench = Bench(a, plan, device, gpus, this_host(found)) if left else None
     for pair, way, vals in left:
         if not fits(starts, len(vals) * a.rounds, time.monotonic() - t_begin, a.minutes):
             print(f"stopping before {a.minutes:g} minutes: {len(left)} starts left; rerun with the same --out "
