@@ -49,7 +49,8 @@ interval on --metric would lie within +-(--within), and the device minutes they 
 the run's start and round times (verdict_plan says how); a round's offset that every start
 shares (a first round still warming up) is printed and left out of the round-to-round
 spread, and where the run reads a difference, the pairs that would put zero outside the
-interval if it stays.
+interval if it stays, and those that would bring the interval, around that reading, inside
++-(--within).
 
 --minutes: no start begins that would not end (at the longest start-up and round so
 far) before that many minutes; a rerun with the same --out continues where it stopped
@@ -350,8 +351,13 @@ def verdict_plan(starts: list[dict], value: int, metric: str, within: float = LO
     # own rounds a start and pair spread) whose interval would leave zero out, if it stays
     apart = (pairs_needed(math.sqrt(v["var_pair"]), abs(v["mean_diff"]), most=MOST_PAIRS)
              if v["mean_diff"] else None)
+    # and the rule's "inside +-within" is of the interval, not its half-width: around the
+    # run's reading the half-width has only what the reading leaves of +-within
+    inside = (pairs_needed(math.sqrt(v["var_pair"]), half - abs(v["mean_diff"]), most=MOST_PAIRS)
+              if abs(v["mean_diff"]) < half else None)
     return {"metric": metric, "value": value, "within": within, "requests": n_req, "parts": v, "times": t,
             "rows": rows, "pairs_at_infinite_rounds": floor, "cheapest": cheapest(rows), "pairs_apart": apart,
+            "pairs_inside": inside,
             "upper": {"var_pair": var_pair_up, "var_start": var_start_up, "cheapest": cheapest(table(var_start_up))},
             "method": "method-of-moments variance components of log values (round-to-round: the residual of "
                       "start level + round offset; start part = variance of pair differences less 2 var_round / "
@@ -391,6 +397,11 @@ def plan_report(p: dict) -> str:
         lines.append(f"  the run reads {math.expm1(v['mean_diff']):+.1%} (mean log ratio over {v['df_pair'] + 1} "
                      f"pairs): if that stays, {_about(p['pairs_apart'])} pairs at {v['rounds']:g} rounds a start "
                      f"put zero outside the interval (at the pair difference sd {sd(v['var_pair'])})")
+    if v["mean_diff"]:
+        reading = f"  at the run's reading ({math.expm1(v['mean_diff']):+.1%}) an interval inside +-{p['within']:.0%} "
+        lines.append(reading + (f"takes {_about(p['pairs_inside'])} pairs at {v['rounds']:g} rounds a start (its "
+                                f"half-width at most {math.log1p(p['within']) - abs(v['mean_diff']):.4f})"
+                                if p["pairs_inside"] else "takes more than any pairs: the reading lies outside"))
     u = p["upper"]
     c = u["cheapest"]
     lines.append(f"  at the pair variance's one-sided 90% upper bound (chi-square, df {v['df_pair']}: pair sd "

@@ -330,6 +330,20 @@ def test_verdict_plan_on_a_case_worked_by_hand():
     assert "cheapest:" in text and "upper bound (chi-square, df 3" in text
 
 
+def test_the_plan_fits_the_interval_inside_the_bound_around_the_runs_own_reading():
+    """The rule asks the whole interval inside +-5%: around a reading of +2% (log) the
+    half-width may be only log(1.05) - 0.02, at the run's pair sd (4 x 0.005 / 3)."""
+    plan = eq.verdict_plan(_planned_starts(c=math.sqrt(0.005), shift=0.02), 2048, "ttft_p90_ms", within=0.05)
+    room, sd = math.log1p(0.05) - 0.02, math.sqrt(4 * 0.005 / 3)
+    n = plan["pairs_inside"]
+    assert sps.t.ppf(0.975, n - 1) * sd / math.sqrt(n) <= room < sps.t.ppf(0.975, n - 2) * sd / math.sqrt(n - 1)
+    assert n > eq.pairs_needed(sd, math.log1p(0.05))   # more than an interval around zero would take
+    assert f"an interval inside +-5% takes about {n} pairs at 3 rounds" in eq.plan_report(plan)
+    # a reading outside the bound: no count of pairs brings the interval inside it
+    far = eq.verdict_plan(_planned_starts(c=math.sqrt(0.005), shift=0.06), 2048, "ttft_p90_ms", within=0.05)
+    assert far["pairs_inside"] is None and "the reading lies outside" in eq.plan_report(far)
+
+
 def test_a_start_part_sets_the_fewest_pairs_however_many_rounds():
     plan = eq.verdict_plan(_planned_starts(c=math.sqrt(0.02)), 2048, "ttft_p90_ms", within=0.05)
     floor = eq.pairs_needed(math.sqrt(0.02), math.log1p(0.05), most=eq.MOST_PAIRS)
