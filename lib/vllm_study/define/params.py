@@ -250,8 +250,8 @@ KIT_FLAGS = {"--port": "the kit picks a free port per server", "--host": "server
 # failed there, on this metric.
 LIVE_GPU_EVIDENCE = (": on one H200, TTFT P50 at chunk 2048 lowered from 8192 read 3.9% [1.8%, 6.0%] below fresh "
                      "starts at 2048, outside +-3% (results/live-knobs-equivalence/20261203-h200); on one H100, "
-                     "with both on the kit's scheduler, 16 pairs leave it undecided: TTFT P90 -3.3% [-7.3%, "
-                     "+1.1%], TTFT P50 -6.0% [-12.8%, +1.3%] "
+                     "with both on the kit's scheduler, 22 pairs leave it undecided: TTFT P50 -3.8% [-10.1%, "
+                     "+3.0%], TTFT P90 -1.7% [-5.9%, +2.6%] "
                      "(results/live-knobs-equivalence/20261207-h100-live-knobs-verdict); "
                      "server.live_knobs: true turns them on")
 
