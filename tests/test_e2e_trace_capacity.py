@@ -87,9 +87,12 @@ def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
     assert met and missed, [(r.load, r.slo_met) for r in rounds]
     assert cap.bracket == (max(met), min(missed)) and max(met) < min(missed)
     assert cap.requests_per_s == pytest.approx(cap.load * trace["rate"])
-    # the point's estimate is the start's capacity as the report states it (the margins' fit)
+    # the point's estimate is the start's capacity as the report states it (the margins' fit):
+    # between the lowest pass and the highest miss. Not always below the lowest miss: two
+    # misses near the knee whose margins a loaded machine leaves out of order pool to one
+    # knot between them (tests/test_unit_capacity_fit.py)
     fitted = point_capacity.start_figures(start, run.point(summary.point).start_dir(1), SLO, cap.floor)
-    assert max(met) <= fitted["capacity_load"] <= min(missed)
+    assert min(met) <= fitted["capacity_load"] <= max(missed)
     assert summary.estimates["capacity_rps"].median == pytest.approx(fitted["capacity_rps"])
     # the report answers with the capacity
     nb = json.loads((path / "report.ipynb").read_text())
