@@ -84,16 +84,23 @@ def servers(tmp_path_factory):
                        "min_reuse_ratio": MIN_RATIO, "max_defer_ms": MAX_DEFER_MS,
                        "stats_path": str(stats_path)}})]
     started = {}
-    try:
+
+    def start(name, extra):
         # vLLM's CPU default (a worker process), not UNI: the timings below were tuned on it;
         # with the model in the engine-core process queues drained before the age bound
-        for name, extra in (("plugin", plugin_args), ("default", [])):
-            srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True,
-                                                                  extra=extra), logs / f"{name}.log",
-                                       startup_timeout_s=900)
-            started[name] = srv
-            for i in range(3):  # first requests after a start are slow (kernel set-up)
-                complete(srv.url, shared_prompt(random.Random(900 + i)), 4)
+        srv = serve_on_a_free_port(lambda port: serve_command(model, port, ENGINE, "tiny", load_dummy=True,
+                                                              extra=extra), logs / f"{name}.log",
+                                   startup_timeout_s=900)
+        started[name] = srv
+        for i in range(3):  # first requests after a start are slow (kernel set-up)
+            complete(srv.url, shared_prompt(random.Random(900 + i)), 4)
+
+    try:
+        # both at once: a start is mostly one process's imports, so two overlap on two cores
+        with ThreadPoolExecutor(2) as pool:
+            done = [pool.submit(start, name, extra) for name, extra in (("plugin", plugin_args), ("default", []))]
+        for f in done:
+            f.result()   # a start that failed raises here, once both have ended (and any started is stopped)
         yield started, stats_path
     finally:
         pgids = {n: s.proc.pid for n, s in started.items() if s.proc is not None}
