@@ -2,10 +2,8 @@
 reports (machine.py: GPUs, the CPU and the dtype the CPU engine picks from it)."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
-from pathlib import Path
 
 import pytest
 
@@ -159,23 +157,10 @@ def test_cpu_finding_names_features_and_dtype(monkeypatch):
 # ---------------------------------------------------------------- study_findings
 
 @pytest.fixture(scope="module")
-def card_cache(tmp_path_factory) -> Path:
-    """The kit's model cache (VLLM_STUDY_CACHE) with the tiny-qwen2 card built: the
-    cache the sweep uses when that is set, else a fresh one for this module."""
-    from vllm_study.define.models import build_model_dir
-    cache = os.environ.get("VLLM_STUDY_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("cache")
-    build_model_dir("tiny-qwen2", root / "models" / "tiny-qwen2")
-    return root
-
-
-@pytest.fixture(scope="module")
-def fast_pieces(card_cache):
-    """word_pieces decodes the whole vocabulary: once for this module."""
-    from transformers import AutoTokenizer
-
+def fast_pieces(qwen_pieces):
+    """word_pieces decodes the whole vocabulary: once (tests/conftest.py)."""
     import vllm_study.workload.workload as workload
-    pieces = workload.word_pieces(AutoTokenizer.from_pretrained(str(card_cache / "models" / "tiny-qwen2")))
+    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workload, "word_pieces", lambda tokenizer: list(pieces))
         yield
@@ -186,8 +171,8 @@ def _study(model: dict | None = None, **workload) -> object:
                             "workload": {"system_prompt_tokens": 100, **workload}})
 
 
-def test_study_findings_for_a_card(card_cache, fast_pieces, monkeypatch):
-    monkeypatch.setenv("VLLM_STUDY_CACHE", str(card_cache))
+def test_study_findings_for_a_card(model_cache, fast_pieces, monkeypatch):
+    monkeypatch.setenv("VLLM_STUDY_CACHE", str(model_cache))
     model, chat = doctor.study_findings(_study())
     assert model.status == doctor.OK and model.check == "model"
     assert "dummy weights of card tiny-qwen2" in model.detail
@@ -223,8 +208,8 @@ def test_study_findings_folder_whose_tokenizer_is_empty(tmp_path, monkeypatch):
     assert "the tokenizer has only 0 single-token ' word' pieces" in fails[0].detail
 
 
-def test_study_findings_folder_without_chat_template(card_cache, fast_pieces, tmp_path):
-    src = card_cache / "models" / "tiny-qwen2"
+def test_study_findings_folder_without_chat_template(model_cache, fast_pieces, tmp_path):
+    src = model_cache / "models" / "tiny-qwen2"
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):  # no chat_template.jinja
         shutil.copy(src / name, tmp_path / name)
     model, chat = doctor.study_findings(_study({"path": str(tmp_path)}))

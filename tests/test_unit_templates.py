@@ -8,15 +8,14 @@ import pytest
 from transformers import AutoTokenizer
 
 import offline_tokenizers as ot
-from vllm_study.define.models import build_model_dir
 from vllm_study.define.params import Workload
 from vllm_study.workload.build_workload import check_template, make_workload
 from vllm_study.workload.workload import SharedPrefixWorkload, word_pieces
 
 
 @pytest.fixture(scope="module")
-def tokenizers(tmp_path_factory):
-    qwen = AutoTokenizer.from_pretrained(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("qwen")))
+def tokenizers(qwen_dir):
+    qwen = AutoTokenizer.from_pretrained(qwen_dir)
     return {"chatml": qwen, "llama3": ot.llama3_style(), "mistral": ot.mistral_style()}
 
 

@@ -4,7 +4,6 @@ choice reads changing, or remote code, goes through AutoTokenizer again."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -14,17 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from vllm_study.define import tokenizer
-from vllm_study.define.models import build_model_dir
 
 MESSAGES = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "héllo wörld <|im_end|>"}]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """Building the tokenizer takes ~15 s: the kit's cache when VLLM_STUDY_CACHE is set."""
-    cache = os.environ.get("VLLM_STUDY_CACHE")
-    root = Path(cache) / "models" if cache else tmp_path_factory.mktemp("models")
-    return build_model_dir("tiny-qwen2", root / "tiny-qwen2")
 
 
 @pytest.fixture
@@ -42,18 +32,18 @@ def _same(a, b) -> None:
     assert a.init_kwargs == b.init_kwargs
 
 
-def test_the_class_autotokenizer_chose_is_cached_and_loads_the_same_tokenizer_without_its_import(model_dir, cache):
-    reference = AutoTokenizer.from_pretrained(str(model_dir))
-    first = tokenizer.load(str(model_dir))   # through AutoTokenizer: it writes the class
+def test_the_class_autotokenizer_chose_is_cached_and_loads_the_same_tokenizer_without_its_import(qwen_dir, cache):
+    reference = AutoTokenizer.from_pretrained(str(qwen_dir))
+    first = tokenizer.load(str(qwen_dir))   # through AutoTokenizer: it writes the class
     _same(first, reference)
     (ref,) = json.loads(cache.read_text()).values()
     assert ref == f"{type(reference).__module__}:{type(reference).__name__}"
-    again = tokenizer.load(str(model_dir))   # through the class
+    again = tokenizer.load(str(qwen_dir))   # through the class
     _same(again, reference)
     # in a fresh process the cached load imports neither AutoTokenizer's module nor torch
     code = ("import sys, json; from pathlib import Path; from vllm_study.define import tokenizer; "
             f"tokenizer.cache_file = lambda: Path({str(cache)!r}); "
-            f"t = tokenizer.load({str(model_dir)!r}); "
+            f"t = tokenizer.load({str(qwen_dir)!r}); "
             "print(json.dumps([type(t).__name__, 'torch' in sys.modules, "
             "'transformers.models.auto.tokenization_auto' in sys.modules]))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -61,9 +51,9 @@ def test_the_class_autotokenizer_chose_is_cached_and_loads_the_same_tokenizer_wi
     assert json.loads(out.stdout.strip().splitlines()[-1]) == [type(reference).__name__, False, False]
 
 
-def test_a_changed_config_or_remote_code_goes_through_autotokenizer(model_dir, cache, tmp_path):
+def test_a_changed_config_or_remote_code_goes_through_autotokenizer(qwen_dir, cache, tmp_path):
     copy = tmp_path / "copy"
-    shutil.copytree(model_dir, copy)
+    shutil.copytree(qwen_dir, copy)
     key = tokenizer._key(str(copy))
     assert key and key == tokenizer._key(str(copy))
     cfg = copy / "tokenizer_config.json"

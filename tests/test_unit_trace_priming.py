@@ -4,8 +4,6 @@ figures and the cache model's hit rate beside vLLM's and the never-evicting boun
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from types import SimpleNamespace
 from urllib.error import URLError
 
@@ -15,7 +13,6 @@ from transformers import AutoTokenizer
 from drawn import assert_drawn
 
 from vllm_study.define.grid import expand
-from vllm_study.define.models import build_model_dir
 from vllm_study.define.params import TraceSpec
 from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import study_from_dict
@@ -106,11 +103,9 @@ def test_the_history_goes_back_as_far_as_the_cache_holds():
 # ---------------------------------------------------------------- what priming sends
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    cache = os.environ.get("VLLM_STUDY_CACHE")
-    root = Path(cache) / "models" if cache else tmp_path_factory.mktemp("models")
-    tokenizer = AutoTokenizer.from_pretrained(str(build_model_dir("tiny-qwen2", root / "tiny-qwen2")))
-    pieces = word_pieces(tokenizer)
+def tok(qwen_dir, qwen_pieces):
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir))
+    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(workload, "word_pieces", lambda t: list(pieces) if t is tokenizer else word_pieces(t))
         yield tokenizer

@@ -8,7 +8,6 @@ from __future__ import annotations
 import gzip
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from transformers import AutoTokenizer
 
 from vllm_study.define import traces
 from vllm_study.workload import workload
-from vllm_study.define.models import build_model_dir
 from vllm_study.define.params import TraceSpec
 from vllm_study.workload.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
 from vllm_study.define.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
@@ -350,14 +348,11 @@ def test_expected_hit_rate_of_the_mooncake_window():
 # ---------------------------------------------------------------- the replayed prompts
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    """The real Qwen tokenizer, built once for the module (~15 s; the kit's cache is reused
-    when VLLM_STUDY_CACHE is set); word_pieces, which decodes the whole vocabulary, runs
-    once too and every workload here gets its list."""
-    cache = os.environ.get("VLLM_STUDY_CACHE")
-    root = Path(cache) / "models" if cache else tmp_path_factory.mktemp("models")
-    tokenizer = AutoTokenizer.from_pretrained(str(build_model_dir("tiny-qwen2", root / "tiny-qwen2")))
-    pieces = word_pieces(tokenizer)
+def tok(qwen_dir, qwen_pieces):
+    """The real Qwen tokenizer; word_pieces, which decodes the whole vocabulary, ran once
+    (tests/conftest.py) and every workload here gets its list."""
+    tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir))
+    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:  # other tokenizers get their own
         mp.setattr(workload, "word_pieces", lambda t: list(pieces) if t is tokenizer else word_pieces(t))
         yield tokenizer

@@ -4,7 +4,6 @@ round trips on any tokenizer; whether a chat template can render the workload.""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,6 @@ from offline_tokenizers import WithBos
 from transformers import AutoTokenizer
 
 from vllm_study.define import models
-from vllm_study.define.models import build_model_dir
 from vllm_study.define.params import ModelSpec
 from vllm_study.workload.build_workload import check_template
 from vllm_study.workload.workload import MAX_PIECES, SharedPrefixWorkload, TemplateError, word_pieces
@@ -22,23 +20,14 @@ SYS, QUESTION, OUT = 1600, 32, 64
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    """Building the tokenizer takes ~15 s: reuse the kit's cache when VLLM_STUDY_CACHE
-    is set (the same folder the sweep uses), else build once for this module."""
-    cache = os.environ.get("VLLM_STUDY_CACHE")
-    root = Path(cache) / "models" if cache else tmp_path_factory.mktemp("models")
-    return build_model_dir("tiny-qwen2", root / "tiny-qwen2")
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir):
+def tok(qwen_dir):
     # loaded from the folder, as vLLM loads it
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(qwen_dir))
 
 
 @pytest.fixture(scope="module")
-def pieces(tok):
-    return word_pieces(tok)
+def pieces(qwen_pieces):
+    return list(qwen_pieces)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,14 +56,14 @@ def _template_overhead(tok) -> int:
 
 # ---------------------------------------------------------------- the tokenizer itself
 
-def test_tokenizer_is_qwen(tok, model_dir):
+def test_tokenizer_is_qwen(tok, qwen_dir):
     assert tok.encode("Hello world!") == [9707, 1879, 0]
     assert len(tok) == 151936
-    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg = json.loads((qwen_dir / "config.json").read_text())
     assert cfg["vocab_size"] == len(tok)
     assert tok.convert_tokens_to_ids("<|im_end|>") == cfg["eos_token_id"] == 151645
     assert tok.convert_tokens_to_ids("<|endoftext|>") == cfg["bos_token_id"] == 151643
-    assert (model_dir / ".complete").read_text().split()[0] == "tiny-qwen2"
+    assert (qwen_dir / ".complete").read_text().split()[0] == "tiny-qwen2"
 
 
 def test_chat_template_is_chatml(tok):
@@ -404,14 +393,14 @@ def test_check_template_reports_too_few_word_pieces(monkeypatch):
 
 # ---------------------------------------------------------------- models: folders, configs
 
-def test_card_resolves_to_a_built_folder_in_the_cache(model_dir, tmp_path, monkeypatch):
+def test_card_resolves_to_a_built_folder_in_the_cache(qwen_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_STUDY_CACHE", str(tmp_path))
     assert models.cache_dir() == tmp_path / "models"
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "tiny-qwen2").symlink_to(model_dir)  # built already: reused, not rebuilt
-    mtime = (model_dir / "tokenizer.json").stat().st_mtime
+    (tmp_path / "models" / "tiny-qwen2").symlink_to(qwen_dir)  # built already: reused, not rebuilt
+    mtime = (qwen_dir / "tokenizer.json").stat().st_mtime
     assert models.resolve(ModelSpec()) == (str(tmp_path / "models" / "tiny-qwen2"), True)
-    assert (model_dir / "tokenizer.json").stat().st_mtime == mtime
+    assert (qwen_dir / "tokenizer.json").stat().st_mtime == mtime
     assert models.resolve(ModelSpec(path="org/name")) == ("org/name", False)
 
 
