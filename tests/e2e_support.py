@@ -17,9 +17,7 @@ from vllm_study.define.study_file import study_from_dict
 from vllm_study.measure.point import PointStart
 from vllm_study.launch.server import ServerStartError, VllmServer, free_port
 from vllm_study.launch.deployment import PORT_TRIES
-
-REPO = Path(__file__).resolve().parents[1]
-FAKE_ENGINE = REPO / "tests" / "fake_engine.py"
+from paths import FAKE_ENGINE, REPO  # noqa: F401  (tests import them from here too)
 
 
 def kv_bytes(tokens: int) -> int:

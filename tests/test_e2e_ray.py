@@ -21,10 +21,10 @@ import yaml
 from e2e_support import UNI, fake_engine_study, sweep, tiny, write
 from procs import group_gone
 from vllm_study.records.results import RunFolder, StartRecord
+from paths import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.fake_engine]
 ONE_EACH = {"extra_cli_args": UNI, "live_knobs": False}  # a start (and a Ray task) a point
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_a_two_point_study_runs_as_ray_tasks(tmp_path):

@@ -12,8 +12,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 # A committed run whose report has every section: a grid, intervals, an answer.
 RUN = REPO / "results" / "20261130T114104Z-h200-qwen2.5-32b-d63e4e9"
 WIDTH, HEIGHT = 1280, 1000   # the window a reader has; the first screen is the top HEIGHT px

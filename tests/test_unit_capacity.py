@@ -3,7 +3,6 @@ round, and the study checks of `capacity:`."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ import pytest
 from vllm_study.capacity import bracket as capacity
 from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import study_from_dict
+from paths import REPO
 
 
 def _measure(true_capacity: float, log: list[float]):
@@ -179,7 +179,7 @@ def test_bad_capacity_settings_are_refused_with_the_fix(change, message):
         study_from_dict(_study(**change))
 
 
-H200_RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T153023Z-h200-mooncake-capacity-158c29e"
+H200_RUN = REPO / "results" / "20261201T153023Z-h200-mooncake-capacity-158c29e"
 
 
 def test_a_baseline_that_missed_at_the_lowest_load_is_a_bound_not_a_capacity_of_zero():
@@ -228,7 +228,7 @@ def test_a_study_whose_every_step_missed_reads_below_lo_never_zero(tmp_path, cap
     assert set(table["capacity (req/s)"]) == {"< 2.00"} and set(table["capacity (rate)"]) == {"< 2"}
     assert set(table["TTFT P90 from schedule (ms) at capacity"]) == {"-"}
     # benchmarks/capacity_table.py prints the same answer and table
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import capacity_table
     sys.argv = ["capacity_table.py", str(run.path)]
     assert capacity_table.main() == 0
@@ -435,7 +435,7 @@ def test_the_committed_steady_runs_noise_floor_gives_capacitys_spread_not_zero()
     """The H200 steady run: its starts' highest loads that met were equal (the old row read
     start-to-start 0.0%); the fitted capacities differ by 0.8%, within their bootstrap's noise."""
     from vllm_study.report import report
-    r = report.Run.load(Path(__file__).resolve().parents[1] / "results" /
+    r = report.Run.load(REPO / "results" /
                         "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e")
     row = report.noise_table(r).loc["capacity (req/s)", "summary"]
     assert row.startswith("start-to-start 0.8% (df 4) between the fitted capacities")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from synthetic_run import make_capacity_run
+from paths import REPO
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_every_table_answer_and_export_states_a_bound_or_the_fit_never_zero(run,
     note = export.export_point(run.path, "mbt=256", tmp_path / "o").notes.read_text()
     assert "| capacity (req/s) | " + capacity_section.capacity_cell(r, "mbt=256") + " |" in note
     assert "| capacity (req/s) | 0.00" not in note and "[0.00" not in note.split("capacity (req/s)")[1].split("\n")[0]
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     import capacity_table
     sys.argv = ["capacity_table.py", str(run.path)]
     assert capacity_table.main() == 0

@@ -14,8 +14,8 @@ from vllm_study import sweep
 from vllm_study.define.grid import expand
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.records.results import COMMIT_FILE, NO_COMMIT, git_state
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -28,8 +28,8 @@ def _checkout(tmp_path: Path) -> tuple[Path, str]:
     """A small git repository with the stamp tool in it, as the kit's checkout has it."""
     repo = tmp_path / "repo"
     (repo / "tools").mkdir(parents=True)
-    shutil.copy(ROOT / "tools" / "stamp_commit.py", repo / "tools")
-    shutil.copy(ROOT / ".gitignore", repo)
+    shutil.copy(REPO / "tools" / "stamp_commit.py", repo / "tools")
+    shutil.copy(REPO / ".gitignore", repo)
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
     subprocess.run([*git, "init", "-q"], check=True)
     subprocess.run([*git, "add", "-A"], check=True)
@@ -40,7 +40,7 @@ def _checkout(tmp_path: Path) -> tuple[Path, str]:
 def test_a_copy_without_git_records_the_commit_its_stamp_names(tmp_path, no_env):
     repo, sha = _checkout(tmp_path)
     subprocess.run([sys.executable, str(repo / "tools" / "stamp_commit.py")], check=True,
-                   env={"PYTHONPATH": str(ROOT / "lib"), "PATH": "/usr/bin:/bin"})
+                   env={"PYTHONPATH": str(REPO / "lib"), "PATH": "/usr/bin:/bin"})
     assert (repo / COMMIT_FILE).read_text() == f"{sha} clean\n"
     # git ignores the stamp: it travels with a copy of the tree, never into a commit
     status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], capture_output=True, text=True)

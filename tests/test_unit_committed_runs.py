@@ -4,7 +4,6 @@ report's axes are the points' axes."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -15,8 +14,9 @@ from vllm_study import notebook_support as ns
 from vllm_study.define.params import Study
 from vllm_study.define import grid_spec
 from vllm_study.records.results import RunFolder
+from paths import REPO
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS = REPO / "results"
 RUNS = sorted(p.parent for p in RESULTS.glob("*/manifest.json"))
 BUDGET_RUN = "20261201T101456Z-h200-prefix-budget-chunk256-512-81074f8"
 

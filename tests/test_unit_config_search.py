@@ -11,6 +11,7 @@ from vllm_study.search import config_search as cs
 from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import study_from_dict
 from vllm_study.search.search_report import best_so_far
+from paths import REPO
 
 SPACE = {"max_num_batched_tokens": [256, 512, 1024, 2048], "max_num_seqs": [8, 32, 128],
          "gpu_memory_utilization": {"float": [0.80, 0.95], "step": 0.05}}
@@ -163,8 +164,7 @@ def _oracle(run) -> tuple[int, str]:
     """benchmarks/search_oracle.py on a run, as a user runs it: (exit status, stderr)."""
     import subprocess
     import sys
-    from pathlib import Path
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "search_oracle.py"
+    script = REPO / "benchmarks" / "search_oracle.py"
     done = subprocess.run([sys.executable, str(script), str(run.path), "--seeds", "2"], capture_output=True, text=True)
     return done.returncode, done.stderr
 

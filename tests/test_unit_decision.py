@@ -4,7 +4,6 @@ config, the comparison of two runs, and the slices of a resumed run."""
 from __future__ import annotations
 
 import datetime as dt
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -16,6 +15,7 @@ from vllm_study.report import compare, export, report
 from vllm_study.report import binding
 from vllm_study.analysis import decision
 from vllm_study.records.results import Resume
+from paths import FAKE_ENGINE
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 
@@ -116,7 +116,7 @@ def test_report_header_points_to_compare_when_starts_overlapped(tmp_path):
 def test_a_run_not_served_by_vllm_says_so_and_exports_nothing(tmp_path):
     vllm = make_run(tmp_path / "v", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}))
     assert "NOT vLLM" not in report.describe(report.Run.load(vllm.path))
-    fake = str(Path(__file__).parent / "fake_engine.py")
+    fake = str(FAKE_ENGINE)
     run = make_run(tmp_path / "f", _values({A: 5.0, B: 5.0, C: 5.0, D: 5.0}, {A: 300.0, B: 300.0, C: 300.0, D: 300.0}),
                    study_over={"server": {"command": ["python", fake]}})
     header = report.describe(report.Run.load(run.path)).splitlines()

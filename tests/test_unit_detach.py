@@ -9,8 +9,9 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from paths import REPO
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "detach.py"
+TOOL = REPO / "tools" / "detach.py"
 
 
 def _call(state: Path, wait: str, *cmd: str, pack: Path | None = None, folder: Path | None = None):

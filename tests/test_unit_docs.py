@@ -22,8 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import pytest
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TOP = ("lib", "params", "notebooks", "benchmarks", "tools", "results", "docs", "tests", ".ci")
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable

@@ -20,8 +20,9 @@ from vllm_study.launch.server import ServerStartError
 from vllm_study.measure import client, counters, live_knobs
 from vllm_study.scheduler_plugin import Refused
 from vllm_study.workload.workload import Request
+from paths import FAKE_ENGINE
 
-FAKE = Path(__file__).with_name("fake_engine.py")
+FAKE = FAKE_ENGINE
 BLOCK = 16
 
 

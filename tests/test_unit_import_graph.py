@@ -13,12 +13,12 @@ targets (600 and 200 lines) as a warning; a module is split where an interface i
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import networkx as nx
 import pytest
+from paths import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(REPO / "tools"))
 import layout  # noqa: E402
 from vllm_study import LAYERS  # noqa: E402
 
@@ -151,7 +151,7 @@ def test_the_architecture_pages_stage_map_names_every_module_of_each_package():
     """docs/architecture.md's stage map: a row per package of LAYERS, in its layer, naming
     each of its modules (a package of only an __init__ says so)."""
     import re
-    page = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    page = (REPO / "docs" / "architecture.md").read_text()
     rows = {}
     for line in page.splitlines():
         m = re.match(r"\| (\d) \| `?([a-z_]+|\(root\))`? \|.*\| (.*) \|$", line)

@@ -18,13 +18,13 @@ from PIL import Image
 from synthetic_run import make_run
 
 from vllm_study.scheduler_plugin import steps
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _lean_module():
     pytest.importorskip("oxipng", reason="pyoxipng (environment.yml) is not installed")
-    spec = importlib.util.spec_from_file_location("lean_run", ROOT / "tools" / "lean_run.py")
+    spec = importlib.util.spec_from_file_location("lean_run", REPO / "tools" / "lean_run.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -150,5 +150,5 @@ def test_lean_run_refuses_a_folder_that_is_not_a_run(tmp_path):
     lean_run = _lean_module()
     with pytest.raises(SystemExit, match="not a run folder.*results/<run>"):
         lean_run.lean(tmp_path)
-    done = subprocess.run([sys.executable, str(ROOT / "tools" / "lean_run.py")], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "lean_run.py")], capture_output=True, text=True)
     assert done.returncode != 0 and "--drop-logs" in done.stderr

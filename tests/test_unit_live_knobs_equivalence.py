@@ -6,15 +6,15 @@ import importlib.util
 import json
 import math
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats as sps
 
 from vllm_study.launch.machine import cpu_model
+from paths import REPO
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "live_knobs_equivalence.py"
+SCRIPT = REPO / "benchmarks" / "live_knobs_equivalence.py"
 _spec = importlib.util.spec_from_file_location("live_knobs_equivalence", SCRIPT)
 eq = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(eq)

@@ -5,12 +5,11 @@ search over configs, a confirmation, a trace's priming, and a Prefix Reuse Budge
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import yaml
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-LIST = ROOT / "tests" / "nbval_reports.txt"
+LIST = REPO / "tests" / "nbval_reports.txt"
 
 
 def kind(study: dict) -> tuple:
@@ -27,13 +26,13 @@ def listed() -> list[str]:
 
 
 def committed_reports() -> list[str]:
-    out = subprocess.run(["git", "ls-files", "results/*/report.ipynb"], cwd=ROOT, capture_output=True, text=True,
+    out = subprocess.run(["git", "ls-files", "results/*/report.ipynb"], cwd=REPO, capture_output=True, text=True,
                          check=True).stdout
     return out.split()
 
 
 def kind_of(report: str) -> tuple:
-    return kind(yaml.safe_load((ROOT / report).parent.joinpath("study.yaml").read_text()))
+    return kind(yaml.safe_load((REPO / report).parent.joinpath("study.yaml").read_text()))
 
 
 def test_nbval_runs_one_committed_report_of_every_kind():

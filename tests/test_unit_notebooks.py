@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import papermill as pm
 import pytest
@@ -13,8 +12,9 @@ import pytest
 from vllm_study.define.grid import Unit
 from vllm_study.sweep import REPORT_PARAMS
 from vllm_study.measure.unit import POINT_PARAMS, notebook, point_params
+from paths import REPO
 
-GENERATOR = Path(__file__).resolve().parents[1] / "tools" / "write_notebooks.py"
+GENERATOR = REPO / "tools" / "write_notebooks.py"
 
 
 @pytest.mark.parametrize("name, needed", [("point.ipynb", POINT_PARAMS), ("report.ipynb", REPORT_PARAMS),

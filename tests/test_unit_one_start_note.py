@@ -15,8 +15,9 @@ from synthetic_run import make_run
 from vllm_study.analysis import intervals
 from vllm_study.analysis.intervals import ONE_START_A_SIDE, one_start_note
 from vllm_study.report import report
+from paths import REPO
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 A, B = "mbt=256__kv=16MiB", "mbt=512__kv=16MiB"
 
 

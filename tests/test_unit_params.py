@@ -15,8 +15,8 @@ from vllm_study.define.grid import Effective, Point, expand, point_id, run_order
 from vllm_study.define.schema import EngineArgs, StudyError
 from vllm_study.define.params import ModelSpec
 from vllm_study.define.study_file import load_study, study_from_dict
+from paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _write(path: Path, data: dict) -> Path:

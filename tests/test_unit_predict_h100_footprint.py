@@ -4,14 +4,14 @@ against the requests it should hold (synthetic rows, no server)."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from vllm_study.scheduler_plugin.steps import DTYPE
+from paths import REPO
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "predict_h100_footprint.py"
+SCRIPT = REPO / "benchmarks" / "predict_h100_footprint.py"
 _spec = importlib.util.spec_from_file_location("predict_h100_footprint", SCRIPT)
 fp = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fp)

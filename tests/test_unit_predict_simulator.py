@@ -17,6 +17,7 @@ from vllm_study.predict.simulator import VirtualEngine  # noqa: E402
 from vllm_study.predict.traffic import closed_loop, open_loop  # noqa: E402
 from vllm_study.scheduler_plugin import steps  # noqa: E402
 from vllm_study.workload.workload import Request  # noqa: E402
+from paths import REPO
 
 DT = 0.01  # every step: 10 ms
 
@@ -205,13 +206,12 @@ def test_the_prefix_budget_plugin_reorders_admission(model_dir, budget):
 def test_a_study_round_in_simulation():
     """A point of the default study (shared prefix, closed loop of 16): the round's
     requests as the start builds them, records round_metrics reads, vLLM's own hit rate."""
-    from pathlib import Path
 
     from vllm_study.define.grid import PointPlan, expand
     from vllm_study.define.study_file import load_study
     from vllm_study.predict.start import SimulatedStart
 
-    study = load_study(Path(__file__).resolve().parents[1] / "params" / "default.yaml")
+    study = load_study(REPO / "params" / "default.yaml")
     point = expand(study, "cpu")[0]
     sim = SimulatedStart(PointPlan(study=study, point=point, engine="cpu"), fixed, num_blocks=512)
     rnd = sim.run_round(0)

@@ -17,12 +17,13 @@ from vllm_study.analysis import intervals as analysis
 from vllm_study import cli
 from vllm_study.report import report
 from vllm_study.report import binding, effects as report_effects
+from paths import REPO
 
 ON, OFF = "mbt=256__mrr=0.80", "mbt=256__mrr=off"
 ON2, OFF2 = "mbt=512__mrr=0.80", "mbt=512__mrr=off"
 SCHEDULER = {"grid": {"max_num_batched_tokens": [256, 512]}, "scheduler": {"min_reuse_ratio": ["off", 0.8]},
              "replicates": 3}
-BENCHMARK = Path(__file__).resolve().parents[1] / "benchmarks" / "prefix_budget_effect.py"
+BENCHMARK = REPO / "benchmarks" / "prefix_budget_effect.py"
 
 
 def _whole(ttft: float = 400.0) -> dict:

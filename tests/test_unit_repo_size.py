@@ -4,11 +4,10 @@ it is committed (docs/results.md)."""
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
 import pytest
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 # 24.5 MiB with the trace-window runs, whose requests benchmarks/primed_vs_cold.py reads, and
 # the steady-state capacity run, whose requests the capacity statistic's bootstrap resamples
 # (each of its confirmation starts ~0.65 MB after lean_run, up to 5 more); 31 MiB with the
@@ -23,10 +22,10 @@ LIMIT_MIB = 36
 
 def test_the_tracked_tree_weighs_under_36_mib():
     try:
-        listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+        listed = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         pytest.skip("not a git checkout: nothing is tracked")
-    sizes = {p: (ROOT / p).stat().st_size for p in listed.decode().split("\0") if p and (ROOT / p).is_file()}
+    sizes = {p: (REPO / p).stat().st_size for p in listed.decode().split("\0") if p and (REPO / p).is_file()}
     total = sum(sizes.values()) / 2**20
     largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
     assert total < LIMIT_MIB, (f"the tracked tree is {total:.1f} MiB (limit {LIMIT_MIB}); largest: {largest}. "

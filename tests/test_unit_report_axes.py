@@ -2,15 +2,15 @@
 min_reuse_ratio (an axis grid.expand adds) gets its heatmaps (the committed H200 run)."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 
 from vllm_study.report import plots, report  # noqa: E402
+from paths import REPO
 
-RUN = Path(__file__).resolve().parents[1] / "results" / "20261201T101456Z-h200-prefix-budget-chunk256-512-81074f8"
+RUN = REPO / "results" / "20261201T101456Z-h200-prefix-budget-chunk256-512-81074f8"
 
 
 def test_the_scheduler_axis_is_an_axis_of_the_report_and_gets_a_heatmap():
@@ -20,7 +20,7 @@ def test_the_scheduler_axis_is_an_axis_of_the_report_and_gets_a_heatmap():
     assert plots.trend_vs_axis(r) is None
 
 
-STEADY = Path(__file__).resolve().parents[1] / "results" / "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e"
+STEADY = REPO / "results" / "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e"
 
 
 def test_a_third_axis_gets_its_own_rows_and_lines_instead_of_sharing_a_cell():

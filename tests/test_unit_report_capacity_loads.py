@@ -5,7 +5,6 @@ capacity below the floor as that bound, and give each window's hit rate where a 
 replayed several windows."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import matplotlib
 import matplotlib.pyplot as plt
@@ -14,9 +13,10 @@ from matplotlib.patches import Rectangle
 
 from synthetic_run import make_run
 from vllm_study.report import capacity_section, plots, report
+from paths import REPO
 
 matplotlib.use("Agg")
-STEADY = Path(__file__).resolve().parents[1] / "results" / "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e"
+STEADY = REPO / "results" / "20261204T042255Z-h200-mooncake-steady-capacity-e55d74e"
 DEFAULTS, BEST = "mbt=8192__mns=1024__pc=on", "mbt=2048__mns=1024__pc=on"
 
 

@@ -8,7 +8,6 @@ import contextlib
 import io
 import itertools
 import json
-from pathlib import Path
 
 import matplotlib
 
@@ -31,9 +30,10 @@ from vllm_study import notebook_support  # noqa: E402
 from vllm_study.report import plots, report  # noqa: E402
 from vllm_study.report import answer, page as report_page
 from vllm_study.records.results import RunFolder  # noqa: E402
+from paths import REPO
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
-REPORT_NB = Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb"
+REPORT_NB = REPO / "notebooks" / "report.ipynb"
 
 
 # -- the Pareto fronts' labels -------------------------------------------------------
@@ -246,7 +246,7 @@ def test_the_report_notebook_opens_with_the_answer_and_keeps_the_details_tagged(
 def test_the_pareto_figure_keeps_its_size_where_its_labels_fit():
     """The committed reports' Pareto cell is checked by nbval, text/plain included:
     `<Figure size 1100x420 with 2 Axes>` must reproduce."""
-    r = report.Run.load(Path(__file__).resolve().parents[1] / "results" / "20261130T114104Z-h200-qwen2.5-32b-d63e4e9")
+    r = report.Run.load(REPO / "results" / "20261130T114104Z-h200-qwen2.5-32b-d63e4e9")
     assert plots.pareto_plot(decision.pareto_table(r.intervals)) is None
     fig = plt.gcf()
     assert repr(fig) == "<Figure size 1100x420 with 2 Axes>"

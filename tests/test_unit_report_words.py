@@ -4,12 +4,12 @@ progress bar counts the rounds that ran."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from synthetic_run import make_capacity_run, make_run
 from vllm_study import executors, sweep
 from vllm_study.report import answer, report
 from vllm_study.records.results import ROUNDS, read_rounds
+from paths import REPO
 
 A, B, C, D = "mbt=256__kv=16MiB", "mbt=256__kv=128MiB", "mbt=512__kv=16MiB", "mbt=512__kv=128MiB"
 VALUES = {p: {"output_throughput": v, "ttft_p90_ms": 300.0, "tpot_p50_ms": 20.0}
@@ -40,14 +40,14 @@ def test_nothing_to_freeze_is_said_where_no_point_can_be_frozen(tmp_path, capsys
     words = answer.freeze_words(r)
     assert words.startswith("Nothing to freeze: no point met the SLO at any load") and "--best" not in words
     assert "export" not in answer.answer_markdown(r)
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    nb = json.loads((REPO / "notebooks" / "report.ipynb").read_text())
     sources = ["".join(c["source"]) for c in nb["cells"]]
     assert not any("export <run> --best" in text for text in sources)   # no generic command in the template
     assert sources.index("ns.freeze_line(r)") == sources.index("ns.recommendation(r)") + 1
 
 
 def test_the_point_by_point_section_does_not_open_with_the_goodput_rule():
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    nb = json.loads((REPO / "notebooks" / "report.ipynb").read_text())
     text = next("".join(c["source"]) for c in nb["cells"]
                 if "".join(c["source"]).startswith("### The answer, point by point"))
     opening = text.splitlines()[1]

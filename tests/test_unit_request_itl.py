@@ -13,6 +13,7 @@ from vllm_study.measure.client import RequestResult
 from vllm_study.measure.stats import request_value_ms, round_metrics
 from vllm_study.capacity.estimate import step_from_requests
 from vllm_study.vocab import metrics
+from paths import REPO
 
 
 def _req(i: int, stall_s: float | None, decode_s: float = 0.010, gaps: int = 255) -> dict:
@@ -95,13 +96,12 @@ def test_a_run_made_before_the_stall_figures_says_it_did_not_record_them(tmp_pat
     """A committed run has the pooled ITL but no per-request figures: its headline table
     stays as it was rendered (no stall column), and compare with a run that has them says
     which lacks it."""
-    from pathlib import Path
 
     from synthetic_run import make_run
     from vllm_study import notebook_support as ns
     from vllm_study.report import compare, report
 
-    old = Path(__file__).resolve().parents[1] / "results" / "20261130T211048Z-h200-qwen2.5-72b-tp2-343f2b5"
+    old = REPO / "results" / "20261130T211048Z-h200-qwen2.5-72b-tp2-343f2b5"
     r = ns.load_run(ns.resolve_run(str(old)), quiet=True)
     t = report.headline_table(r)
     assert metrics.get("stall_p90_ms").title not in t.columns
@@ -116,12 +116,11 @@ def test_a_run_made_before_the_stall_figures_says_it_did_not_record_them(tmp_pat
 
 
 def test_a_stall_bound_on_a_run_that_did_not_record_it_is_not_measured_and_never_met():
-    from pathlib import Path
 
     from vllm_study import notebook_support as ns
     from vllm_study.analysis import decision
 
-    old = Path(__file__).resolve().parents[1] / "results" / "20261130T211048Z-h200-qwen2.5-72b-tp2-343f2b5"
+    old = REPO / "results" / "20261130T211048Z-h200-qwen2.5-72b-tp2-343f2b5"
     r = ns.load_run(ns.resolve_run(str(old)), quiet=True)
     t = decision.slo_table(r.intervals, {"stall_p90_ms": 200, "ttft_p90_ms": 5000})
     assert (t["stall P90 <= 200"] == "not measured").all() and (t["TTFT P90 <= 5000"] == "meets").all()

@@ -9,6 +9,7 @@ import pytest
 
 from vllm_study.analysis import intervals as analysis
 from vllm_study.measure.stats import estimate
+from paths import REPO
 
 
 def _rounds(values: dict[str, np.ndarray], metric: str = "ttft_p90_ms") -> pd.DataFrame:
@@ -143,8 +144,7 @@ def test_counts_that_can_be_zero_use_a_linear_scale():
 
 def _benchmark(name: str):
     import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = REPO / "benchmarks" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

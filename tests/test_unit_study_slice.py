@@ -9,14 +9,14 @@ import subprocess
 import sys
 import tarfile
 from pathlib import Path
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-TOOL = ROOT / "tools" / "study_slice.py"
-STUDY = ROOT / "params" / "default.yaml"
+TOOL = REPO / "tools" / "study_slice.py"
+STUDY = REPO / "params" / "default.yaml"
 
 
 def _slice(runs: Path, pack: Path, *more: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": f"{ROOT / 'lib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = {**os.environ, "PYTHONPATH": f"{REPO / 'lib'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     return subprocess.run([sys.executable, str(TOOL), str(STUDY), "--runs", str(runs), "--pack", str(pack),
                            "--carried", str(runs / "none"), *more],
                           capture_output=True, text=True, env=env, timeout=120)

@@ -11,8 +11,9 @@ import pytest
 
 from vllm_study.launch import startup_log
 from vllm_study.define.params import Study
+from paths import REPO
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 
 # vLLM's own lines, as 0.26 on an H200, 0.32 on a GPU and the 0.32 CPU build print them
 E, A = "(EngineCore pid=1386) INFO 11-30", "(APIServer pid=1300) INFO 11-30"

@@ -10,6 +10,7 @@ import pytest
 from vllm_study.define.grid import expand
 from vllm_study.define.schema import StudyError
 from vllm_study.define.study_file import load_study, study_from_dict
+from paths import REPO
 
 
 def _study(trace: dict, **over) -> dict:
@@ -171,7 +172,6 @@ RECORD = {"source": "azure_conv.csv.gz (azure, 60 requests from 0 s)", "format":
 def test_a_plain_trace_run_reports_its_fidelity(tmp_path, capsys):
     import subprocess
     import sys
-    from pathlib import Path
 
     from vllm_study import notebook_support as ns
     run = _trace_run(tmp_path, RECORD)
@@ -184,10 +184,10 @@ def test_a_plain_trace_run_reports_its_fidelity(tmp_path, capsys):
     assert "4 rows failed (0 output tokens) left out" in out
     assert "warning: 2 of 60 trace prompts are shorter than the chat template's floor of 20 tokens" in out  # all rows
     # the report notebook shows it for every trace run
-    nb = json.loads((Path(__file__).resolve().parents[1] / "notebooks" / "report.ipynb").read_text())
+    nb = json.loads((REPO / "notebooks" / "report.ipynb").read_text())
     assert "ns.fidelity(r)" in ["".join(c["source"]) for c in nb["cells"]]
     # and the script docs/workloads.md names prints it for a plain trace run
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "capacity_table.py"
+    script = REPO / "benchmarks" / "capacity_table.py"
     done = subprocess.run([sys.executable, str(script), str(run.path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "30 longer than max_model_len=2048 left out" in done.stdout and "mbt=512" in done.stdout

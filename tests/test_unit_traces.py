@@ -20,9 +20,9 @@ from vllm_study.define.params import TraceSpec
 from vllm_study.workload.trace_workload import WARMUP_MAX_INPUT, TraceWorkload
 from vllm_study.define.traces import SHIPPED, Trace, TraceError, TraceRequest, read_trace
 from vllm_study.workload.workload import word_pieces
+from paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-FULL_TRACES = ROOT.parent / "shared" / "traces"
+FULL_TRACES = REPO.parent / "shared" / "traces"
 
 
 def _spec(file, **kw) -> TraceSpec:

@@ -4,7 +4,6 @@ against the whole trace, and the whole public traces shipped beside their heads.
 from __future__ import annotations
 
 import gzip
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,8 +12,9 @@ from vllm_study.workload import prefix_cache_model as pcm
 from vllm_study.workload import windows
 from vllm_study.define.params import TraceSpec
 from vllm_study.define.traces import DATA, SHIPPED, Trace, TraceError, TraceRequest, read_trace
+from paths import REPO
 
-FULL_TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+FULL_TRACES = REPO.parent / "shared" / "traces"
 
 
 def uniform(n=1000, gap=1.0, ids=True) -> Trace:
