@@ -1,7 +1,7 @@
 """The package's layout, read from its source: the layers (vllm_study.LAYERS), the package
 and size of each module, the package imports between layers, and the largest module and
 class, with a warning for those over the size targets (a signal, not a test).
-tests/test_unit_import_graph.py holds the package to the same reading of its layers. With
+tests/repo/test_unit_import_graph.py holds the package to the same reading of its layers. With
 --knob, every form one grid knob takes from a study file to vLLM's command line, its
 `serve --config` key and its heatmap axis, each computed by the kit's own code on that
 study, one row a form.

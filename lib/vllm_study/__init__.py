@@ -1,7 +1,7 @@
 """vllm_study: reproducible studies of vLLM serving knobs, driven by papermill notebooks.
 
 The modules live in stage packages, lowest first. A module imports only from its own
-package and from packages in a lower layer (tests/test_unit_import_graph.py checks it;
+package and from packages in a lower layer (tests/repo/test_unit_import_graph.py checks it;
 `python tools/layout.py` prints it; docs/architecture.md explains it). "" is the top:
 the modules at the package's root (the command line, the sweep, `doctor`, and the two
 modules the notebooks import).

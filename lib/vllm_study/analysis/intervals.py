@@ -12,7 +12,7 @@ their intervals are ratios; others (counts that can be 0) on a linear scale.
 Pooling the start-to-start spread over the run's points is what makes two starts per
 point usable: a point's own two starts give one degree of freedom (t = 12.7), a 12-point
 grid gives twelve. A bootstrap over starts was tried first and covered a known median
-only 55% of the time with two starts per point (tests/test_unit_statistics.py). With one
+only 55% of the time with two starts per point (tests/measure/test_unit_statistics.py). With one
 start per point nothing measures start-to-start variation: the interval then comes from
 round-to-round variation alone, and its method says so.
 

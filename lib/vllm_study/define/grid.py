@@ -189,7 +189,7 @@ def _alignment(study: Study, args: EngineArgs, effective: Effective) -> list[str
             f"{length}-token prompt is prefilled in chunks that end at {', '.join(map(str, cuts[:4]))}"
             f"{', ...' if len(cuts) > 4 else ''}; {len(inside)} of those {len(cuts)} ends fall inside a block (at "
             f"offsets {shown}). vLLM caches a block once a later chunk completes it; on the CPU engine a "
-            "200-token chunk gave the hit rate a never-evicting cache would (tests/test_e2e_failures.py)"]
+            "200-token chunk gave the hit rate a never-evicting cache would (tests/e2e/test_e2e_failures.py)"]
 
 
 def _with_cpu_dtype(args: EngineArgs, engine: str) -> tuple[EngineArgs, str | None]:

@@ -252,7 +252,7 @@ class SearchLoop:
             if self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):
                 return None
             base = self.study.sampler
-            # marked experimental since Optuna 2.4: tests/test_unit_search_live_batch.py checks our use
+            # marked experimental since Optuna 2.4: tests/search/test_unit_search_live_batch.py checks our use
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                 self.study.sampler = optuna.samplers.PartialFixedSampler(fixed, base)

@@ -367,7 +367,7 @@ def test_confirm_until_resolved_is_shown_by_the_dry_run(tmp_path, capsys):
     assert ("confirm until resolved: then the best, the runner-up and mbt=512 again, one fresh start each per "
             "shuffled block, until the best's gain over mbt=512 and over the runner-up are resolved (95% "
             "interval excludes 1) or each has 6 starts: at most 12 more starts (not in the estimate)") in out
-    assert "Planned only" not in out   # a grid study runs it (tests/test_unit_confirm.py)
+    assert "Planned only" not in out   # a grid study runs it (tests/analysis/test_unit_confirm.py)
 
 
 @pytest.mark.parametrize("change, message", [

@@ -1,4 +1,4 @@
-"""report.html as a page to read, checked without a browser (tests/test_e2e_report_html.py
+"""report.html as a page to read, checked without a browser (tests/e2e/test_e2e_report_html.py
 opens it in one): the answer as prose, sections that do not apply left out, the details
 collapsed, figures small, and the Pareto fronts' labels clear of each other."""
 from __future__ import annotations

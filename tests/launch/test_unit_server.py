@@ -509,7 +509,7 @@ ENGINE_LIKE = textwrap.dedent("""\
 def test_a_held_start_is_frozen_at_the_init_line_for_as_long_as_hold_takes(tmp_path, started):
     """A process that logs the init line, sleeps 0.5 s, then serves: held for 2 s, its
     0.5 s sleep ends only after the hold (it was frozen), and its start-up leaves the
-    hold out. vLLM itself: tests/test_e2e_start_ahead.py."""
+    hold out. vLLM itself: tests/e2e/test_e2e_start_ahead.py."""
     script = tmp_path / "engine_like.py"
     script.write_text(ENGINE_LIKE)
     port = free_port()

@@ -90,7 +90,7 @@ def test_a_capacity_search_on_the_shipped_azure_window(tmp_path):
     # the point's estimate is the start's capacity as the report states it (the margins' fit):
     # between the lowest pass and the highest miss. Not always below the lowest miss: two
     # misses near the knee whose margins a loaded machine leaves out of order pool to one
-    # knot between them (tests/test_unit_capacity_fit.py)
+    # knot between them (tests/capacity/test_unit_capacity_fit.py)
     fitted = point_capacity.start_figures(start, run.point(summary.point).start_dir(1), SLO, cap.floor)
     assert min(met) <= fitted["capacity_load"] <= max(missed)
     assert summary.estimates["capacity_rps"].median == pytest.approx(fitted["capacity_rps"])
@@ -143,7 +143,7 @@ def test_a_plain_trace_run_says_what_it_could_not_replay_exactly(tmp_path):
 # arrive within 1.1 s, ~3 s of prefill on the fake), so the search halves below lo towards
 # the floor, 2, where the fake meets the SLO: a halving step meets, and the bracket above
 # it is bisected. (A search that misses down to its floor, a bound never 0, in the report
-# and export: tests/test_unit_capacity.py, on committed runs.)
+# and export: tests/capacity/test_unit_capacity.py, on committed runs.)
 BELOW_LO_STUDY = {**TRACE_STUDY, "name": "e2e-capacity-below-lo",
                   "capacity": {"over": "speed", "lo": 32, "hi": 64, "floor": 2, "precision": 0.5, "max_steps": 2}}
 
