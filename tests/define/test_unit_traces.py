@@ -352,9 +352,8 @@ def tok(qwen_dir, qwen_pieces):
     """The real Qwen tokenizer; word_pieces, which decodes the whole vocabulary, ran once
     (tests/conftest.py) and every workload here gets its list."""
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir))
-    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:  # other tokenizers get their own
-        mp.setattr(workload, "word_pieces", lambda t: list(pieces) if t is tokenizer else word_pieces(t))
+        mp.setattr(workload, "word_pieces", lambda t: list(qwen_pieces) if t is tokenizer else word_pieces(t))
         yield tokenizer
 
 

@@ -18,7 +18,7 @@ import pytest
 from e2e_support import UNI, serve_on_a_free_port
 from procs import group_gone
 from vllm_study.measure import counters, live_knobs
-from vllm_study.define.models import build_model_dir, kv_bytes_per_token
+from vllm_study.define.models import kv_bytes_per_token
 from vllm_study.launch.server import serve_command
 
 pytestmark = pytest.mark.e2e
@@ -48,8 +48,8 @@ def _complete(url: str, prompt: list[int]) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    model = str(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("model")))
+def server(tmp_path_factory, qwen_dir):
+    model = str(qwen_dir)
     work = tmp_path_factory.mktemp("live")
     stats, control = work / "counters.json", work / "control.json"
     # a start that fails stops its own server (VllmServer.start)

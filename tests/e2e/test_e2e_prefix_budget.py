@@ -25,7 +25,6 @@ import pytest
 from e2e_support import serve_on_a_free_port
 from procs import group_gone
 from vllm_study.measure import client, counters
-from vllm_study.define.models import build_model_dir
 from vllm_study.scheduler_plugin import read_stats, stats_delta
 from vllm_study.launch.server import serve_command
 
@@ -75,8 +74,8 @@ def _post(url: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    model = str(build_model_dir("tiny-qwen2", tmp_path_factory.mktemp("model")))
+def servers(tmp_path_factory, qwen_dir):
+    model = str(qwen_dir)
     logs = tmp_path_factory.mktemp("servers")
     stats_path = logs / "prefix_budget.json"
     plugin_args = ["--scheduler-cls", "vllm_study.scheduler_plugin.PrefixBudgetScheduler",

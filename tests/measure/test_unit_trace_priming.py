@@ -105,9 +105,8 @@ def test_the_history_goes_back_as_far_as_the_cache_holds():
 @pytest.fixture(scope="module")
 def tok(qwen_dir, qwen_pieces):
     tokenizer = AutoTokenizer.from_pretrained(str(qwen_dir))
-    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workload, "word_pieces", lambda t: list(pieces) if t is tokenizer else word_pieces(t))
+        mp.setattr(workload, "word_pieces", lambda t: list(qwen_pieces) if t is tokenizer else word_pieces(t))
         yield tokenizer
 
 

@@ -160,9 +160,8 @@ def test_cpu_finding_names_features_and_dtype(monkeypatch):
 def fast_pieces(qwen_pieces):
     """word_pieces decodes the whole vocabulary: once (tests/conftest.py)."""
     import vllm_study.workload.workload as workload
-    pieces = qwen_pieces
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(workload, "word_pieces", lambda tokenizer: list(pieces))
+        mp.setattr(workload, "word_pieces", lambda tokenizer: list(qwen_pieces))
         yield
 
 
